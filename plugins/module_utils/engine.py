@@ -1,0 +1,399 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The two-stage transaction, importable without Ansible.
+
+checkpoint: lock every CUDA pid -> checkpoint every CUDA pid (VRAM -> host RAM)
+            -> runtime dump (RAM + CPU state -> image dir) -> checksums + manifest
+restore:    verify image -> runtime restore -> CUDA restore every pid -> unlock every pid -> validate
+
+Rules: lock all before checkpointing any, restore all before unlocking any; any failure after the
+first lock rolls back (restore + unlock) so the workload runs on; a failed restore kills what it
+brought up and leaves the image untouched. Every result carries per-stage timings and the time
+spent inside the driver's own calls, so overhead is visible.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import time
+import uuid
+
+from . import discovery, image
+from . import driver as cuda
+from .errors import DriverUnavailable, GpuCkptError, InvalidTarget, TransactionError
+from .runtimes.process import ProcessBackend
+
+COLLECTION_VERSION = "0.1.0"
+
+
+def _now():
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+class _Clock(object):
+    """Per-stage wall time, in seconds."""
+
+    def __init__(self):
+        self.stages = {}
+        self._t = None
+
+    def start(self):
+        self._t = time.monotonic()
+
+    def stop(self, stage):
+        self.stages[stage] = round(self.stages.get(stage, 0.0) + time.monotonic() - self._t, 6)
+        self._t = time.monotonic()
+
+
+def _driver_seconds(drv, since):
+    out = {}
+    if drv is not None:
+        for c in drv.calls[since:]:
+            key = c["call"].replace("cuCheckpointProcess", "").lower()
+            out[key] = round(out.get(key, 0.0) + c["seconds"], 6)
+    return out
+
+
+def host_facts(drv=None):
+    gpus, source = discovery.gpus()
+    facts = {"hostname": socket.gethostname(), "kernel": os.uname().release, "arch": os.uname().machine,
+             "driver_version": discovery.driver_version() or (gpus[0]["driver_version"] if gpus else None),
+             "cuda_api_version": cuda.api_version_string(drv.api_version) if drv else None,
+             "gpus": gpus, "gpu_source": source,
+             "cuda_device_uuids": drv.device_uuids() if drv else []}
+    return facts
+
+
+def _error_fields(exc):
+    if isinstance(exc, GpuCkptError):
+        return {k: getattr(exc, k) for k in ("cmd", "rc", "stdout", "stderr", "driver_error")}
+    return {}
+
+
+def _rollback(drv, checkpointed, locked):
+    """Bring the source back: restore every checkpointed pid, then unlock every locked one.
+    Returns (ok, [problems])."""
+    problems = []
+    for p in checkpointed:
+        try:
+            drv.restore(p)
+        except GpuCkptError as exc:
+            problems.append(str(exc))
+    for p in locked:
+        try:
+            drv.unlock(p)
+        except GpuCkptError as exc:
+            problems.append(str(exc))
+    return not problems, problems
+
+
+def _find_cuda_pids(drv, pids, driver_problem):
+    """CUDA pids among ``pids`` with their driver state; refuse when a GPU user can't be handled."""
+    if drv is None:
+        holders = [p for p in pids if discovery.nvidia_fds(p)]
+        if holders:
+            raise DriverUnavailable("pid %s uses the GPU but the driver's checkpoint API is unavailable: %s"
+                                    % (holders[0], driver_problem), stage="preflight", pid=holders[0],
+                                    hint=getattr(driver_problem, "hint", None))
+        return [], {}
+    states = {}
+    for p in pids:
+        s = drv.cuda_state(p)
+        if s is not None:
+            states[p] = s
+    return [p for p in pids if p in states], states
+
+
+def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=None, libcuda_path=None,
+               check_mode=False, sign_key=None):
+    """Checkpoint the process tree of ``pid`` into ``image_dir``. Returns a result dict."""
+    image_dir = os.path.abspath(image_dir)
+    backend = backend or ProcessBackend()
+    result = {"changed": False, "image_dir": image_dir, "pid": pid, "leave_running": leave_running}
+
+    # Idempotence: a complete image of this same target is already there.
+    if os.path.isdir(image_dir) and image.has_manifest(image_dir):
+        m = image.load_manifest(image_dir)
+        if str(m.get("target", {}).get("root_pid")) == str(pid):
+            result.update(msg="image of pid %s already exists in %s (taken %s); nothing to do"
+                          % (pid, image_dir, m.get("created")), pids=m["target"]["pids"],
+                          cuda_pids=m["target"]["cuda_pids"], manifest_id=m.get("id"))
+            return result
+
+    root, pids = backend.resolve(pid)
+    runtime_facts = backend.preflight()
+    if os.path.isdir(image_dir) and os.listdir(image_dir):
+        image.prepare_dir(image_dir)  # raises the not-empty error, touching nothing
+    drv, driver_problem = cuda.load(libcuda_path)
+    cuda_pids, states = _find_cuda_pids(drv, pids, driver_problem)
+    busy = {p: s for p, s in states.items() if s != "running"}
+    if busy:
+        p, s = sorted(busy.items())[0]
+        raise InvalidTarget("CUDA pid %d is %s, not running: another checkpoint is in progress or failed"
+                            % (p, s), stage="preflight", pid=p,
+                            hint="restore/unlock it first (gpu_restore on its image) or investigate")
+    if cuda_pids:
+        gpu_stage = "done"
+    elif drv is None:
+        gpu_stage = "skipped: no CUDA driver on this host (%s); CPU-only workload" % driver_problem.msg
+    else:
+        gpu_stage = "skipped: no process of the tree is a CUDA process"
+    result.update(pids=pids, cuda_pids=cuda_pids, gpu_stage=gpu_stage)
+    if check_mode:
+        result.update(changed=True, msg="would checkpoint %d process(es), %d on the GPU, into %s"
+                      % (len(pids), len(cuda_pids), image_dir))
+        return result
+
+    created = image.prepare_dir(image_dir)
+    work = image.state_dir(image_dir)
+    clock = _Clock()
+    calls0 = len(drv.calls) if drv else 0
+    locked, checkpointed = [], []
+    lock_ms = int(lock_timeout * 1000)
+    try:
+        clock.start()
+        for p in cuda_pids:
+            drv.lock(p, lock_ms)
+            locked.append(p)
+        clock.stop("cuda_lock")
+        for p in cuda_pids:
+            drv.checkpoint(p)
+            checkpointed.append(p)
+        clock.stop("cuda_checkpoint")
+        runtime_info = backend.dump(root, image_dir, work, leave_running)
+        clock.stop("runtime_dump")
+    except Exception as exc:  # noqa: BLE001 - any failure after the first lock rolls back
+        ok, problems = _rollback(drv, checkpointed, locked) if drv else (True, [])
+        image.discard(image_dir, created)
+        stage = getattr(exc, "stage", None) or "checkpoint"
+        where = " for pid %s" % exc.pid if getattr(exc, "pid", None) else ""
+        state = ("the workload was rolled back and runs on" if ok else
+                 "ROLLBACK INCOMPLETE, the workload may be frozen: " + "; ".join(problems))
+        raise TransactionError("checkpoint failed at stage %s%s: %s; %s; no image was kept"
+                               % (stage, where, getattr(exc, "msg", exc), state), stage=stage,
+                               pid=getattr(exc, "pid", None), rolled_back=ok,
+                               hint=getattr(exc, "hint", None), **_error_fields(exc))
+
+    if leave_running:
+        # The image is on disk; give the GPU back to the source at once, then hash.
+        ok, problems = _rollback(drv, checkpointed, locked) if drv else (True, [])
+        clock.stop("cuda_resume_source")
+        if not ok:
+            raise TransactionError("image written, but resuming the source failed: %s" % "; ".join(problems),
+                                   stage="cuda-resume", rolled_back=False)
+    else:
+        discovery.wait_gone(pids, 10)
+    try:
+        files = image.checksum_files(image_dir)
+        clock.stop("checksum")
+        host = host_facts(drv)
+        host.update(runtime_facts)
+        manifest = {
+            "id": str(uuid.uuid4()), "created": _now(), "tool": "gpuckpt.fleet", "tool_version": COLLECTION_VERSION,
+            "host": host, "runtime": runtime_info,
+            "target": {"root_pid": root, "pids": pids, "cuda_pids": cuda_pids,
+                       "processes": [discovery.process_info(p) for p in pids] if leave_running else
+                       [{"pid": p} for p in pids]},
+            "gpu_stage": gpu_stage, "leave_running": leave_running,
+            "sizes": {"image_bytes": sum(f["size"] for f in files.values()), "files": len(files)},
+            "timings": dict(clock.stages), "driver_call_seconds": _driver_seconds(drv, calls0),
+            "files": files,
+        }
+        image.write_manifest(image_dir, manifest, sign_key)
+        clock.stop("manifest")
+    except Exception as exc:  # noqa: BLE001
+        # Without leave_running the workload now lives only in this image: bring it back.
+        if not leave_running:
+            try:
+                _restore_from(image_dir, {"target": {"pids": pids, "cuda_pids": cuda_pids},
+                                          "runtime": runtime_info}, backend, drv, None, _Clock())
+                back = "the workload was restored from the unfinished image and runs on"
+            except Exception as exc2:  # noqa: BLE001
+                back = "RESTORING THE WORKLOAD FAILED (%s); its image is kept in %s" % (exc2, image_dir)
+                raise TransactionError("writing the manifest failed: %s; %s" % (exc, back), stage="manifest")
+        else:
+            back = "the workload runs on"
+        image.discard(image_dir, created)
+        raise TransactionError("writing the image manifest failed: %s; %s" % (exc, back), stage="manifest",
+                               rolled_back=True)
+    result.update(changed=True, manifest_id=manifest["id"], timings=dict(clock.stages),
+                  driver_call_seconds=manifest["driver_call_seconds"], image_bytes=manifest["sizes"]["image_bytes"],
+                  msg="checkpointed %d process(es) (%d on the GPU) into %s%s"
+                  % (len(pids), len(cuda_pids), image_dir, "; workload left running" if leave_running else ""))
+    return result
+
+
+def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_wait=0.0):
+    """Runtime restore, CUDA restore of all pids, then unlock of all. Kills what it brought up on failure."""
+    work = image.state_dir(image_dir)
+    new_pids = []
+    try:
+        new_pids = backend.restore(image_dir, work, manifest)
+        clock.stop("runtime_restore")
+        cuda_pids = _map_pids(manifest, new_pids)
+        for p in cuda_pids:
+            drv.restore(p, gpu_pairs)
+        clock.stop("cuda_restore")
+        for p in cuda_pids:
+            drv.unlock(p)
+        clock.stop("cuda_unlock")
+        if validate_wait:
+            time.sleep(validate_wait)
+        dead = [p for p in new_pids if not discovery.alive(p)]
+        stopped = [p for p in new_pids if (discovery.read_stat(p) or {}).get("state") in ("T", "t")]
+        if dead or stopped:
+            raise GpuCkptError("restored pid %s %s" % ((dead or stopped)[0], "exited" if dead else "is stopped"),
+                               stage="validate", pid=(dead or stopped)[0])
+        not_running = [p for p in cuda_pids if drv.cuda_state(p) != "running"]
+        if not_running:
+            raise GpuCkptError("CUDA pid %d is %s after unlock" % (not_running[0], drv.cuda_state(not_running[0])),
+                               stage="validate", pid=not_running[0])
+        clock.stop("validate")
+        return new_pids, cuda_pids
+    except Exception:
+        if new_pids:
+            backend.kill(new_pids)
+        raise
+
+
+def _map_pids(manifest, new_pids):
+    """Host pids of the restored CUDA processes. CRIU restores the same pids; runtimes with pid
+    namespaces give new host pids in the same tree order."""
+    old = manifest["target"]["pids"]
+    if len(old) == len(new_pids):
+        mapping = dict(zip(old, new_pids))
+        return [mapping[p] for p in manifest["target"]["cuda_pids"]]
+    return list(manifest["target"]["cuda_pids"])
+
+
+def gpu_pairs_for(gpu_map, visible):
+    """Complete a user's {old: new} UUID map into pairs naming every visible GPU (driver rule)."""
+    if not gpu_map:
+        return None
+    norm = {cuda.format_uuid(cuda.parse_uuid(k)): cuda.format_uuid(cuda.parse_uuid(v)) for k, v in gpu_map.items()}
+    unknown = [u for u in list(norm) + list(norm.values()) if visible and u not in visible]
+    if unknown:
+        raise InvalidTarget("gpu_map names %s, which is not a GPU visible here (%s)" % (unknown[0], ", ".join(visible)),
+                            stage="preflight")
+    free_new = [u for u in visible if u not in norm.values()]
+    pairs = []
+    for old in visible:
+        new = norm.get(old) or free_new.pop(0)
+        pairs.append((old, new))
+    return pairs
+
+
+def restore(image_dir, gpu_map=None, force=False, backend=None, libcuda_path=None, check_mode=False,
+            sign_key=None, verify=True, validate_wait=0.5, pid_wait=10.0):
+    image_dir = os.path.abspath(image_dir)
+    backend = backend or ProcessBackend()
+    manifest = image.load_manifest(image_dir)
+    target = manifest["target"]
+    result = {"changed": False, "image_dir": image_dir, "manifest_id": manifest.get("id")}
+
+    mark = image.read_restored_mark(image_dir)
+    if mark and mark.get("manifest_id") == manifest.get("id"):
+        if all(discovery.alive(p) for p in mark["pids"]):
+            result.update(pids=mark["pids"], cuda_pids=mark.get("cuda_pids", []),
+                          msg="already restored at %s and running (pids %s); nothing to do"
+                          % (mark.get("restored"), mark["pids"]))
+            return result
+        if not force:
+            raise InvalidTarget("this image was restored at %s and that workload has since exited; restoring it "
+                                "again would resume from the old state" % mark.get("restored"), stage="preflight",
+                                hint="set force=true to restore it again")
+
+    clock = _Clock()
+    clock.start()
+    left = discovery.wait_gone(target["pids"], pid_wait)  # zombies of a just-dumped tree
+    if left and backend.name == "process":
+        p = left[0]
+        raise InvalidTarget("pid %d, which the image needs, is in use by %s (%s): the original workload may still "
+                            "run (leave_running?); refusing to start a second copy"
+                            % (p, (discovery.read_stat(p) or {}).get("comm"), discovery.cmdline(p)[:80]),
+                            stage="preflight", pid=p, hint="stop that process, or restore on another host")
+    verify_seconds = image.verify(image_dir, manifest, sign_key) if verify else None
+    clock.stop("verify")
+    backend.preflight()
+    drv = None
+    if target["cuda_pids"]:
+        drv, problem = cuda.load(libcuda_path)
+        if drv is None:
+            raise DriverUnavailable("the image holds %d CUDA process(es) but this host's driver cannot restore "
+                                    "them: %s" % (len(target["cuda_pids"]), problem.msg), stage="preflight",
+                                    hint=problem.hint)
+    pairs = gpu_pairs_for(gpu_map, drv.device_uuids() if drv else [])
+    if gpu_map and drv is None:
+        raise InvalidTarget("gpu_map given but the image holds no CUDA process", stage="preflight")
+    if check_mode:
+        result.update(changed=True, pids=target["pids"], cuda_pids=target["cuda_pids"],
+                      msg="would restore %d process(es) from %s" % (len(target["pids"]), image_dir))
+        return result
+    calls0 = len(drv.calls) if drv else 0
+    clock.stop("preflight")
+    try:
+        new_pids, cuda_pids = _restore_from(image_dir, manifest, backend, drv, pairs, clock, validate_wait)
+    except Exception as exc:  # noqa: BLE001
+        stage = getattr(exc, "stage", None) or "restore"
+        raise TransactionError("restore failed at stage %s%s: %s; what was brought up was stopped, the image is "
+                               "untouched" % (stage, " for pid %s" % exc.pid if getattr(exc, "pid", None) else "",
+                                              getattr(exc, "msg", exc)),
+                               stage=stage, pid=getattr(exc, "pid", None), rolled_back=True,
+                               hint=getattr(exc, "hint", None), **_error_fields(exc))
+    image.write_restored_mark(image_dir, {"manifest_id": manifest.get("id"), "restored": _now(),
+                                          "pids": new_pids, "cuda_pids": cuda_pids, "host": socket.gethostname()})
+    result.update(changed=True, pids=new_pids, cuda_pids=cuda_pids, timings=dict(clock.stages),
+                  verify_seconds=verify_seconds, driver_call_seconds=_driver_seconds(drv, calls0),
+                  gpu_pairs=pairs, msg="restored %d process(es) (%d on the GPU) from %s"
+                  % (len(new_pids), len(cuda_pids), image_dir))
+    return result
+
+
+def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True):
+    drv, problem = cuda.load(libcuda_path)
+    out = {"host": {"hostname": socket.gethostname(), "kernel": os.uname().release}}
+    drv_info = {"available": drv is not None, "driver_version": discovery.driver_version()}
+    if drv:
+        drv_info.update(drv.info())
+    else:
+        drv_info.update(checkpoint_api=False, reason=problem.msg)
+    gpus, source = discovery.gpus()
+    if gpus and not drv_info["driver_version"]:
+        drv_info["driver_version"] = gpus[0].get("driver_version")
+    out["driver"] = drv_info
+    out["gpus"] = gpus
+    out["gpu_source"] = source
+    out["cuda_device_uuids"] = drv.device_uuids() if drv else []
+    if pids:
+        candidates = [int(p) for p in pids]
+    else:
+        candidates = [p for p in discovery.all_pids() if discovery.nvidia_fds(p)]
+        if drv:  # checkpointed processes hold no /dev/nvidia fd: ask the driver about the rest
+            candidates = sorted(set(candidates) | {p for p in discovery.all_pids()
+                                                   if p != os.getpid() and drv.cuda_state(p) is not None})
+    procs = []
+    for p in candidates:
+        if discovery.read_stat(p) is None:
+            procs.append({"pid": p, "exists": False})
+            continue
+        info = discovery.process_info(p, drv)
+        info["exists"] = True
+        procs.append(info)
+    out["cuda_processes"] = procs
+    criu = {"installed": False}
+    try:
+        from .criu import Criu
+        c = Criu(criu_path)
+        criu.update(installed=True, path=c.path, version=c.version())
+        criu["supported"] = tuple(int(x) for x in criu["version"].split(".")[:2]) >= (4, 0)
+        if check_criu:
+            ok, text = c.check()
+            criu.update(check_ok=ok, check_output=text)
+    except GpuCkptError as exc:
+        criu["error"] = exc.msg
+    out["criu"] = criu
+    out["ready"] = bool(criu.get("supported") and criu.get("check_ok", True) and
+                        (drv is not None or not gpus))
+    return out

@@ -1,0 +1,69 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The only place that starts commands: argv lists, timeouts, errors that carry cmd/rc/stdout/stderr."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import time
+
+from .errors import CommandError, GpuCkptError
+
+# Where root-only tools live on hosts whose PATH (ssh, cron, AWX) leaves out the sbin dirs.
+EXTRA_BIN_DIRS = ("/usr/local/sbin", "/usr/local/bin", "/usr/sbin", "/usr/bin", "/sbin", "/bin")
+
+
+def find_binary(name, explicit=None, required=True, what=None):
+    """Return the path of ``name`` (or ``explicit`` when given), else raise a clear error."""
+    if explicit:
+        if os.path.isfile(explicit) and os.access(explicit, os.X_OK):
+            return explicit
+        raise GpuCkptError("%s not found or not executable at %s" % (name, explicit), stage="preflight")
+    found = shutil.which(name)
+    if not found:
+        for d in EXTRA_BIN_DIRS:
+            cand = os.path.join(d, name)
+            if os.path.isfile(cand) and os.access(cand, os.X_OK):
+                found = cand
+                break
+    if not found and required:
+        raise GpuCkptError("%s is not installed on this host (searched PATH and %s)"
+                           % (name, ", ".join(EXTRA_BIN_DIRS)), stage="preflight",
+                           hint=what or "install it (roles: gpuckpt.fleet.criu) or pass its path")
+    return found
+
+
+class Result(object):
+    __slots__ = ("cmd", "rc", "stdout", "stderr", "seconds")
+
+    def __init__(self, cmd, rc, stdout, stderr, seconds):
+        self.cmd, self.rc, self.stdout, self.stderr, self.seconds = cmd, rc, stdout, stderr, seconds
+
+
+def _tail(text, limit=4000):
+    text = text or ""
+    return text if len(text) <= limit else "...(cut)...\n" + text[-limit:]
+
+
+def run(cmd, timeout=None, check=True, stage=None, pid=None, env=None, cwd=None, hint=None, input_text=None):
+    """Run ``cmd`` (an argv list), never through a shell. Raises CommandError when check and rc != 0."""
+    cmd = [str(c) for c in cmd]
+    start = time.monotonic()
+    try:
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
+                              env=env, cwd=cwd, input=input_text, universal_newlines=True,
+                              stdin=None if input_text is not None else subprocess.DEVNULL)
+    except subprocess.TimeoutExpired as exc:
+        raise CommandError("%s timed out after %ss" % (cmd[0], timeout), stage=stage, pid=pid, cmd=cmd,
+                           rc=None, stdout=_tail(exc.stdout if isinstance(exc.stdout, str) else ""),
+                           stderr=_tail(exc.stderr if isinstance(exc.stderr, str) else ""), hint=hint)
+    except OSError as exc:
+        raise CommandError("cannot run %s: %s" % (cmd[0], exc), stage=stage, pid=pid, cmd=cmd, hint=hint)
+    res = Result(cmd, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+    if check and proc.returncode != 0:
+        raise CommandError("%s exited with rc=%d" % (os.path.basename(cmd[0]), proc.returncode), stage=stage,
+                           pid=pid, cmd=cmd, rc=proc.returncode, stdout=_tail(proc.stdout),
+                           stderr=_tail(proc.stderr), hint=hint)
+    return res

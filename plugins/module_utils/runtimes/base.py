@@ -1,0 +1,34 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""One small interface that every runtime backend (process/CRIU, runc, containerd, ...) implements.
+
+The engine owns the CUDA stage and the transaction; a backend only knows its runtime:
+which host pids make up the workload, how to write RAM+CPU state to an image dir and back.
+"""
+from __future__ import annotations
+
+
+class Backend(object):
+    name = "base"
+
+    def preflight(self):
+        """Check the runtime is present and usable; return facts for the manifest (versions...)."""
+        raise NotImplementedError
+
+    def resolve(self, target):
+        """Validate ``target`` and return (root_host_pid, [host pids of the workload])."""
+        raise NotImplementedError
+
+    def dump(self, target, image_dir, work_dir, leave_running):
+        """Write the workload's state into image_dir. On failure the workload must run on
+        (the runtime thaws it). Returns a dict recorded in the manifest under 'runtime'."""
+        raise NotImplementedError
+
+    def restore(self, image_dir, work_dir, manifest):
+        """Bring the workload back from image_dir; return its host pids (root first)."""
+        raise NotImplementedError
+
+    def kill(self, pids):
+        """Stop what a failed restore brought up, so the target is left clean."""
+        raise NotImplementedError

@@ -1,0 +1,57 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""A bare process tree on the host, dumped and restored by CRIU."""
+from __future__ import annotations
+
+import os
+import signal
+
+from .. import discovery
+from ..criu import Criu
+from ..errors import GpuCkptError
+from .base import Backend
+
+
+class ProcessBackend(Backend):
+    name = "process"
+
+    def __init__(self, criu_path=None, criu_options=(), timeout=None):
+        self.criu = Criu(criu_path)
+        self.extra = list(criu_options or ())
+        self.timeout = timeout
+
+    def preflight(self):
+        version = self.criu.require_version()
+        ok, out = self.criu.check()
+        if not ok:
+            raise GpuCkptError("`criu check` failed on this host: the kernel lacks what CRIU needs",
+                               stage="preflight", cmd=[self.criu.path, "check"], stdout=out,
+                               hint="see CRIU's output; run the gpuckpt.fleet.criu role's checks")
+        return {"criu_version": version, "criu_path": self.criu.path}
+
+    def resolve(self, target):
+        st = discovery.validate_target(int(target))
+        self._shell_job = st["tty_nr"] != 0
+        return int(target), discovery.process_tree(int(target))
+
+    def dump(self, target, image_dir, work_dir, leave_running):
+        shell_job = getattr(self, "_shell_job", False)
+        res = self.criu.dump(int(target), image_dir, work_dir, leave_running=leave_running,
+                             shell_job=shell_job, extra=self.extra, timeout=self.timeout)
+        return {"backend": self.name, "root_pid": int(target), "shell_job": shell_job,
+                "criu_options": self.extra, "criu_seconds": res.seconds}
+
+    def restore(self, image_dir, work_dir, manifest):
+        rt = manifest.get("runtime") or {}
+        root, _res = self.criu.restore(image_dir, work_dir, shell_job=rt.get("shell_job", False),
+                                       extra=self.extra, timeout=self.timeout)
+        return discovery.process_tree(root)
+
+    def kill(self, pids):
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        discovery.wait_gone(pids, 10)

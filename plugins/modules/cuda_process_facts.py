@@ -1,0 +1,85 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: cuda_process_facts
+short_description: Report whether a host can checkpoint GPU work, and its CUDA processes
+version_added: "0.1.0"
+description:
+  - Reports the NVIDIA driver and whether its checkpoint API is there (570+), and whether it can restore onto other GPUs (580+).
+  - Reports the GPUs (through NVML when nvidia-ml-py is installed, else nvidia-smi).
+  - Reports the CUDA processes with their checkpoint state (running, locked, checkpointed, failed).
+  - Reports CRIU's path and version and the output of C(criu check).
+  - Sets C(ansible_facts['gpuckpt']); C(ready) is true when this host can checkpoint and restore.
+author: gpuckpt.fleet contributors
+options:
+  pids:
+    description:
+      - Only report these pids. By default, every process that holds a /dev/nvidia* device is reported.
+        Every process that the driver knows as a CUDA process is reported too (checkpointed processes hold no device file).
+    type: list
+    elements: int
+  check_criu:
+    description: Run C(criu check). It takes about a second.
+    type: bool
+    default: true
+  criu_path:
+    description: Path of the criu binary.
+    type: path
+  libcuda_path:
+    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
+    type: path
+notes:
+  - Changes nothing; supports check mode.
+"""
+
+EXAMPLES = r"""
+- name: Is this node ready for checkpoints?
+  gpuckpt.fleet.cuda_process_facts:
+
+- name: Show each CUDA process and its state
+  ansible.builtin.debug:
+    msg: "{{ item.pid }} {{ item.comm }} {{ item.cuda_state }}"
+  loop: "{{ ansible_facts['gpuckpt']['cuda_processes'] }}"
+"""
+
+RETURN = r"""
+ansible_facts:
+  description: Facts under the key C(gpuckpt).
+  returned: always
+  type: complex
+  contains:
+    gpuckpt:
+      description: driver, gpus, cuda_device_uuids, cuda_processes, criu, host, ready.
+      type: dict
+      returned: always
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
+
+
+def main():
+    module = AnsibleModule(argument_spec=dict(
+        pids=dict(type="list", elements="int"),
+        check_criu=dict(type="bool", default=True),
+        criu_path=dict(type="path"),
+        libcuda_path=dict(type="path"),
+    ), supports_check_mode=True)
+    p = module.params
+    try:
+        facts = engine.facts(pids=p["pids"], libcuda_path=p["libcuda_path"], criu_path=p["criu_path"],
+                             check_criu=p["check_criu"])
+    except GpuCkptError as exc:
+        module.fail_json(**exc.to_dict())
+    module.exit_json(changed=False, ansible_facts={"gpuckpt": facts})
+
+
+if __name__ == "__main__":
+    main()

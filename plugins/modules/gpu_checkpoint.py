@@ -1,0 +1,156 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: gpu_checkpoint
+short_description: Checkpoint a running CUDA process tree to disk (GPU memory, host memory, CPU state)
+version_added: "0.1.0"
+description:
+  - Two stages. Stage 1 locks every CUDA process of the tree, then moves each one's GPU memory into
+    host RAM through the NVIDIA driver's checkpoint API (C(cuCheckpointProcess*), driver 570+).
+    Stage 2 dumps the whole process tree with CRIU into O(image_dir).
+  - All CUDA processes are locked before any is checkpointed, so a multi-process workload is frozen
+    consistently.
+  - Any failure after the first lock is rolled back (CUDA restore and unlock on the source, CRIU thaws
+    the tree), so the workload runs on; the error names the stage, the pid, and the driver error or
+    the command with its rc, stdout and stderr.
+  - Processes without a CUDA context (or hosts without a GPU) are checkpointed with CRIU alone; the
+    result's C(gpu_stage) says the GPU stage was skipped and why.
+  - The image is a directory (mode 0700) with C(manifest.json) holding host facts, processes, sizes,
+    stage timings and chunked SHA-256 checksums of every file. The manifest is written last.
+  - Idempotent. If O(image_dir) already holds a complete image of the same O(pid), nothing is done
+    and C(changed) is false. Any other non-empty O(image_dir) is refused.
+author: gpuckpt.fleet contributors
+options:
+  pid:
+    description: Root pid of the process tree to checkpoint (the host's pid). Its descendants are included.
+    type: int
+    required: true
+  image_dir:
+    description: Directory to write the image to. Created with mode 0700; must be new or empty.
+    type: path
+    required: true
+  leave_running:
+    description:
+      - Keep the workload running after the checkpoint. It is frozen only while the image is being written.
+        Its GPU memory is then restored and it is unlocked.
+    type: bool
+    default: false
+  lock_timeout:
+    description: Seconds to wait for in-flight CUDA work to finish when locking each process.
+    type: float
+    default: 30
+  criu_path:
+    description: Path of the criu binary. Found on PATH and in the sbin directories when not given.
+    type: path
+  criu_options:
+    description: Extra options for C(criu dump), for example C(--tcp-established) or C(--file-locks).
+    type: list
+    elements: str
+    default: []
+  libcuda_path:
+    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
+    type: path
+  sign_key:
+    description: Key that signs the manifest (HMAC-SHA256). gpuckpt.fleet.gpu_restore verifies it when given the same key.
+    type: str
+notes:
+  - Needs root (CRIU and the driver's checkpoint API act on other processes).
+  - NCCL jobs, CUDA IPC memory, MPS clients and MIG instances are not supported by the driver's checkpoint API.
+  - Supports check mode. It validates the target, CRIU and the image directory and reports what it would do.
+seealso:
+  - module: gpuckpt.fleet.gpu_restore
+  - module: gpuckpt.fleet.cuda_process_facts
+"""
+
+EXAMPLES = r"""
+- name: Checkpoint a training job (it stops; gpu_restore brings it back)
+  gpuckpt.fleet.gpu_checkpoint:
+    pid: "{{ train_pid }}"
+    image_dir: /var/lib/gpuckpt/images/train-0001
+
+- name: Snapshot an inference server and keep it serving
+  gpuckpt.fleet.gpu_checkpoint:
+    pid: 4242
+    image_dir: /var/lib/gpuckpt/images/infer-snap
+    leave_running: true
+    lock_timeout: 60
+"""
+
+RETURN = r"""
+image_dir:
+  description: Absolute path of the image.
+  returned: always
+  type: str
+pids:
+  description: Pids of the process tree, root first.
+  returned: success
+  type: list
+  elements: int
+cuda_pids:
+  description: Pids that the driver knows as CUDA processes (locked and checkpointed).
+  returned: success
+  type: list
+  elements: int
+gpu_stage:
+  description: C(done), or C(skipped) with the reason.
+  returned: when changed
+  type: str
+timings:
+  description: Seconds per stage (cuda_lock, cuda_checkpoint, runtime_dump, cuda_resume_source, checksum, manifest).
+  returned: when changed
+  type: dict
+driver_call_seconds:
+  description: Seconds spent inside the driver's own calls, per call, to compare with the stage timings.
+  returned: when changed
+  type: dict
+image_bytes:
+  description: Size of the image.
+  returned: when changed
+  type: int
+manifest_id:
+  description: Unique id of the image (manifest.json's id).
+  returned: success
+  type: str
+stage:
+  description: On failure, the stage that failed (preflight, lock, checkpoint, criu-dump, ...).
+  returned: failure
+  type: str
+rolled_back:
+  description: On failure after the first lock, whether the workload was brought back to running.
+  returned: failure
+  type: bool
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import TOOL_ARGS, run_engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend
+
+
+def main():
+    spec = dict(
+        pid=dict(type="int", required=True),
+        image_dir=dict(type="path", required=True),
+        leave_running=dict(type="bool", default=False),
+        lock_timeout=dict(type="float", default=30),
+        sign_key=dict(type="str", no_log=True),
+    )
+    spec.update(TOOL_ARGS)
+    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
+    p = module.params
+    if p["lock_timeout"] <= 0:
+        module.fail_json(msg="lock_timeout must be positive, got %s" % p["lock_timeout"])
+    run_engine(module, lambda: engine.checkpoint(
+        p["pid"], p["image_dir"], leave_running=p["leave_running"], lock_timeout=p["lock_timeout"],
+        backend=ProcessBackend(p["criu_path"], p["criu_options"]),
+        libcuda_path=p["libcuda_path"], check_mode=module.check_mode, sign_key=p["sign_key"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,138 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: gpu_restore
+short_description: Restore a CUDA process tree from a gpuckpt image and resume it
+version_added: "0.1.0"
+description:
+  - Runs the checkpoint backwards. It verifies the image (manifest and every file's checksums) before it
+    touches anything. Then CRIU restores the process tree (detached). The driver moves each CUDA
+    process's memory back onto the GPU, every process is unlocked, and the processes are checked to be
+    alive and running.
+  - If any step fails, what was brought up is killed, so the host is left clean and the image untouched.
+  - Idempotent. If this image was already restored and its processes still run, nothing is done and
+    C(changed) is false. If a pid that the image needs is in use (for example, the original still
+    runs after a checkpoint with leave_running), the restore is refused rather than starting a
+    second copy.
+author: gpuckpt.fleet contributors
+options:
+  image_dir:
+    description: The image directory written by gpuckpt.fleet.gpu_checkpoint.
+    type: path
+    required: true
+  gpu_map:
+    description:
+      - Restore onto other GPUs of this host, as a mapping of GPU UUIDs (old to new), for example
+        C({"GPU-aaaa...": "GPU-bbbb..."}). GPUs that are not named are paired with the remaining ones in order, so the
+        map names every visible GPU, as the driver requires. Needs driver 580+ (CUDA 13.0 API).
+    type: dict
+  force:
+    description: Restore again an image whose earlier restore has since exited.
+    type: bool
+    default: false
+  verify:
+    description: Verify every file's checksums before restoring. Turn it off only for an image that was just verified.
+    type: bool
+    default: true
+  validate_wait:
+    description: Seconds to wait after unlocking before checking that every process is still alive and running.
+    type: float
+    default: 0.5
+  criu_path:
+    description: Path of the criu binary.
+    type: path
+  criu_options:
+    description: Extra options for C(criu restore).
+    type: list
+    elements: str
+    default: []
+  libcuda_path:
+    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
+    type: path
+  sign_key:
+    description: Key to verify the manifest's signature with. The restore is refused when the signature does not match.
+    type: str
+notes:
+  - Needs root. The pids recorded in the image must be free on this host (CRIU restores the same pids).
+  - Supports check mode. It verifies the image and the host and reports what it would do.
+seealso:
+  - module: gpuckpt.fleet.gpu_checkpoint
+"""
+
+EXAMPLES = r"""
+- name: Bring the training job back
+  gpuckpt.fleet.gpu_restore:
+    image_dir: /var/lib/gpuckpt/images/train-0001
+
+- name: Bring it back on GPU 1 instead of GPU 0
+  gpuckpt.fleet.gpu_restore:
+    image_dir: /var/lib/gpuckpt/images/train-0001
+    gpu_map:
+      GPU-5a7e0c1b-0000-0000-0000-000000000000: GPU-9f3d2e44-0000-0000-0000-000000000000
+"""
+
+RETURN = r"""
+pids:
+  description: Pids of the restored process tree, root first.
+  returned: success
+  type: list
+  elements: int
+cuda_pids:
+  description: Restored CUDA pids (restored onto the GPU and unlocked).
+  returned: success
+  type: list
+  elements: int
+timings:
+  description: Seconds per stage (verify, preflight, runtime_restore, cuda_restore, cuda_unlock, validate).
+  returned: when changed
+  type: dict
+driver_call_seconds:
+  description: Seconds spent inside the driver's own calls.
+  returned: when changed
+  type: dict
+gpu_pairs:
+  description: The (old, new) GPU UUID pairs passed to the driver, when O(gpu_map) was given.
+  returned: when changed
+  type: list
+stage:
+  description: On failure, the stage that failed (verify, preflight, criu-restore, cuda-restore, unlock, validate).
+  returned: failure
+  type: str
+bad_files:
+  description: On a verification failure, the files of the image that do not match the manifest.
+  returned: failure
+  type: list
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import TOOL_ARGS, run_engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend
+
+
+def main():
+    spec = dict(
+        image_dir=dict(type="path", required=True),
+        gpu_map=dict(type="dict"),
+        force=dict(type="bool", default=False),
+        verify=dict(type="bool", default=True),
+        validate_wait=dict(type="float", default=0.5),
+        sign_key=dict(type="str", no_log=True),
+    )
+    spec.update(TOOL_ARGS)
+    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
+    p = module.params
+    run_engine(module, lambda: engine.restore(
+        p["image_dir"], gpu_map=p["gpu_map"], force=p["force"], verify=p["verify"],
+        backend=ProcessBackend(p["criu_path"], p["criu_options"]), libcuda_path=p["libcuda_path"],
+        check_mode=module.check_mode, sign_key=p["sign_key"], validate_wait=p["validate_wait"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,187 @@
+/*
+ * TEST DOUBLE: a stand-in for libcuda.so.1, for CI machines that have no GPU.
+ *
+ * It implements the driver's checkpoint entry points and enforces their state machine
+ *     running --Lock--> locked --Checkpoint--> checkpointed --Restore--> locked --Unlock--> running
+ * returning CUDA_ERROR_ILLEGAL_STATE for a call out of order and CUDA_ERROR_NOT_FOUND for a pid it
+ * does not know (no CUDA process) or that does not exist. State is kept per pid in files under
+ * $FAKECUDA_STATE_DIR (default /tmp/fakecuda), so it survives across processes: the engine, the
+ * workload and a CRIU-restored workload all see the same state.
+ *
+ * Workloads "use the GPU" through two test-only calls:
+ *   fakeCudaAttach()  registers the calling pid as a running CUDA process;
+ *   fakeCudaSync()    blocks while the pid is not running, like a real CUDA call under a lock.
+ *
+ * Errors are injected with lines "<call> <pid> <code>" in $FAKECUDA_STATE_DIR/inject, where <call>
+ * is lock|checkpoint|restore|unlock|getstate; every call is appended to $FAKECUDA_STATE_DIR/calls.log
+ * as "<call> <pid>" so tests can check the order (all locks before any checkpoint).
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define CUDA_SUCCESS 0
+#define CUDA_ERROR_INVALID_VALUE 1
+#define CUDA_ERROR_OUT_OF_MEMORY 2
+#define CUDA_ERROR_NOT_INITIALIZED 3
+#define CUDA_ERROR_ILLEGAL_STATE 401
+#define CUDA_ERROR_NOT_FOUND 500
+#define CUDA_ERROR_TIMEOUT 909
+#define CUDA_ERROR_UNKNOWN 999
+
+enum { RUNNING = 0, LOCKED = 1, CHECKPOINTED = 2, FAILED = 3 };
+
+static const char *state_dir(void) {
+    const char *d = getenv("FAKECUDA_STATE_DIR");
+    return (d && *d) ? d : "/tmp/fakecuda";
+}
+
+static void path_for(char *buf, size_t n, const char *name) { snprintf(buf, n, "%s/%s", state_dir(), name); }
+
+/* One lock file serialises every state change, across processes. */
+static int big_lock(void) {
+    char p[4096];
+    mkdir(state_dir(), 0700);
+    path_for(p, sizeof p, ".lock");
+    int fd = open(p, O_CREAT | O_RDWR | O_CLOEXEC, 0600);
+    if (fd >= 0) flock(fd, LOCK_EX);
+    return fd;
+}
+static void big_unlock(int fd) { if (fd >= 0) { flock(fd, LOCK_UN); close(fd); } }
+
+static int read_state(int pid) {
+    char p[4096], name[32];
+    snprintf(name, sizeof name, "pid.%d", pid);
+    path_for(p, sizeof p, name);
+    FILE *f = fopen(p, "r");
+    if (!f) return -1;
+    int s = -1;
+    if (fscanf(f, "%d", &s) != 1) s = -1;
+    fclose(f);
+    return s;
+}
+
+static void write_state(int pid, int s) {
+    char p[4096], tmp[4200], name[32];
+    snprintf(name, sizeof name, "pid.%d", pid);
+    path_for(p, sizeof p, name);
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", p, getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) return;
+    fprintf(f, "%d\n", s);
+    fclose(f);
+    rename(tmp, p);
+}
+
+static void log_call(const char *call, int pid) {
+    char p[4096];
+    path_for(p, sizeof p, "calls.log");
+    FILE *f = fopen(p, "a");
+    if (!f) return;
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    fprintf(f, "%s %d %ld.%09ld\n", call, pid, (long)ts.tv_sec, ts.tv_nsec);
+    fclose(f);
+}
+
+static int injected(const char *call, int pid) {
+    char p[4096], c[64];
+    int ipid, code;
+    path_for(p, sizeof p, "inject");
+    FILE *f = fopen(p, "r");
+    if (!f) return 0;
+    int rc = 0;
+    while (fscanf(f, "%63s %d %d", c, &ipid, &code) == 3) {
+        if (strcmp(c, call) == 0 && ipid == pid) { rc = code; break; }
+    }
+    fclose(f);
+    return rc;
+}
+
+static int pid_exists(int pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
+
+/* The common shape of every checkpoint call: check, inject, move along the state machine. */
+static int transition(const char *call, int pid, int from, int to) {
+    int lk = big_lock();
+    log_call(call, pid);
+    int rc = injected(call, pid);
+    if (!rc) {
+        int s = read_state(pid);
+        if (!pid_exists(pid) || s < 0) rc = CUDA_ERROR_NOT_FOUND;
+        else if (s != from) rc = CUDA_ERROR_ILLEGAL_STATE;
+        else write_state(pid, to);
+    }
+    big_unlock(lk);
+    return rc;
+}
+
+int cuInit(unsigned int flags) { (void)flags; return CUDA_SUCCESS; }
+int cuDriverGetVersion(int *v) { if (!v) return CUDA_ERROR_INVALID_VALUE; *v = 13000; return CUDA_SUCCESS; }
+int cuDeviceGetCount(int *n) { if (!n) return CUDA_ERROR_INVALID_VALUE; *n = 0; return CUDA_SUCCESS; }
+int cuDeviceGet(int *d, int i) { (void)d; (void)i; return 101; /* CUDA_ERROR_INVALID_DEVICE */ }
+
+int cuGetErrorName(int code, const char **out) {
+    switch (code) {
+    case CUDA_SUCCESS: *out = "CUDA_SUCCESS"; break;
+    case CUDA_ERROR_INVALID_VALUE: *out = "CUDA_ERROR_INVALID_VALUE"; break;
+    case CUDA_ERROR_OUT_OF_MEMORY: *out = "CUDA_ERROR_OUT_OF_MEMORY"; break;
+    case CUDA_ERROR_NOT_INITIALIZED: *out = "CUDA_ERROR_NOT_INITIALIZED"; break;
+    case CUDA_ERROR_ILLEGAL_STATE: *out = "CUDA_ERROR_ILLEGAL_STATE"; break;
+    case CUDA_ERROR_NOT_FOUND: *out = "CUDA_ERROR_NOT_FOUND"; break;
+    case CUDA_ERROR_TIMEOUT: *out = "CUDA_ERROR_TIMEOUT"; break;
+    case CUDA_ERROR_UNKNOWN: *out = "CUDA_ERROR_UNKNOWN"; break;
+    default: *out = NULL; return CUDA_ERROR_INVALID_VALUE;
+    }
+    return CUDA_SUCCESS;
+}
+
+int cuCheckpointProcessGetState(int pid, int *state) {
+    if (!state) return CUDA_ERROR_INVALID_VALUE;
+    int lk = big_lock();
+    int rc = injected("getstate", pid);
+    int s = read_state(pid);
+    big_unlock(lk);
+    if (rc) return rc;
+    if (!pid_exists(pid) || s < 0) return CUDA_ERROR_NOT_FOUND;
+    *state = s;
+    return CUDA_SUCCESS;
+}
+
+int cuCheckpointProcessLock(int pid, void *args) { (void)args; return transition("lock", pid, RUNNING, LOCKED); }
+int cuCheckpointProcessCheckpoint(int pid, void *args) { (void)args; return transition("checkpoint", pid, LOCKED, CHECKPOINTED); }
+int cuCheckpointProcessRestore(int pid, void *args) { (void)args; return transition("restore", pid, CHECKPOINTED, LOCKED); }
+int cuCheckpointProcessUnlock(int pid, void *args) { (void)args; return transition("unlock", pid, LOCKED, RUNNING); }
+int cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
+    if (!tid) return CUDA_ERROR_INVALID_VALUE;
+    if (read_state(pid) < 0) return CUDA_ERROR_NOT_FOUND;
+    *tid = pid;
+    return CUDA_SUCCESS;
+}
+
+/* ---- test-only entry points used by the CI workloads ---- */
+int fakeCudaAttach(void) {
+    int lk = big_lock();
+    write_state(getpid(), RUNNING);
+    log_call("attach", getpid());
+    big_unlock(lk);
+    return CUDA_SUCCESS;
+}
+
+/* Blocks while this pid is locked or checkpointed, as a real CUDA call would under the driver's lock. */
+int fakeCudaSync(void) {
+    for (;;) {
+        int s = read_state(getpid());
+        if (s == RUNNING) return CUDA_SUCCESS;
+        if (s == FAILED || s < 0) return CUDA_ERROR_UNKNOWN;
+        usleep(2000);
+    }
+}

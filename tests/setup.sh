@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Installs and builds everything the tests and the demo need on a fresh Debian 12 machine of the
+# CI kind (root, no systemd). Idempotent: a second run only checks and takes a few seconds.
+#
+#   bash tests/setup.sh            # apt packages, CRIU 4.1.1, venv (.venv), libcuda stand-in
+#
+# Why CRIU is built from source: bookworm's criu 3.17 fails on this kernel ("vdso: Unexpected rt vDSO
+# area bounds"); trixie's 4.1.1 source builds against bookworm's libraries. The apt mirror is read
+# from the machine's own sources file, never written here.
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/.." && pwd)
+CRIU_VERSION=4.1.1
+CRIU_PREFIX=/usr/local
+export DEBIAN_FRONTEND=noninteractive
+log() { printf '[setup] %s\n' "$*" >&2; }
+
+need_apt=()
+apt_pkgs=(build-essential pkgconf libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
+  libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
+  python3-protobuf iproute2 rsync openssh-server openssh-client xz-utils procps)
+for p in "${apt_pkgs[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$p")
+done
+if [ ${#need_apt[@]} -gt 0 ]; then
+  log "apt-get install ${need_apt[*]}"
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
+fi
+
+criu_ok() {
+  local v
+  v=$("$CRIU_PREFIX/sbin/criu" --version 2>/dev/null | sed -n 's/^Version: *//p') || return 1
+  [ "$v" = "$CRIU_VERSION" ]
+}
+if ! criu_ok; then
+  log "building CRIU $CRIU_VERSION from Debian trixie's source tarball"
+  mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1)
+  [ -n "$mirror" ] || mirror=$(awk '$1=="deb"{print $2; exit}' /etc/apt/sources.list 2>/dev/null)
+  [ -n "$mirror" ] || { log "cannot read the Debian mirror from this machine's apt sources"; exit 1; }
+  src_list=/etc/apt/sources.list.d/gpuckpt-trixie-src.sources
+  if [ ! -f "$src_list" ]; then
+    printf 'Types: deb-src\nURIs: %s\nSuites: trixie\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      "$mirror" >"$src_list"
+    apt-get update -qq
+  fi
+  work=$(mktemp -d /tmp/criu-build.XXXXXX)
+  # The .dsc and .debian parts may 404 (exit 100); the orig tarball is what we need.
+  (cd "$work" && apt-get source --download-only -qq "criu/trixie" >/dev/null 2>&1) || true
+  tarball=$(ls "$work"/criu_${CRIU_VERSION}.orig.tar.* 2>/dev/null | head -n1)
+  [ -n "$tarball" ] || { log "criu_${CRIU_VERSION}.orig.tar.* did not download"; exit 1; }
+  tar -C "$work" -xf "$tarball"
+  srcdir=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name "criu-*" | head -n1)
+  make -C "$srcdir" -j"$(nproc)" criu >"$work/build.log" 2>&1 || { tail -n 40 "$work/build.log"; exit 1; }
+  install -D -m 0755 "$srcdir/criu/criu" "$CRIU_PREFIX/sbin/criu"
+  cp "$tarball" /var/cache/criu_${CRIU_VERSION}.orig.tar.xz 2>/dev/null || true
+  rm -rf "$work"
+fi
+criu_ok || { log "CRIU $CRIU_VERSION is not installed at $CRIU_PREFIX/sbin/criu"; exit 1; }
+"$CRIU_PREFIX/sbin/criu" check >/dev/null 2>&1 || { "$CRIU_PREFIX/sbin/criu" check; exit 1; }
+
+# Controller-side Python: ansible-core 2.19 is the newest that runs on this machine's Python 3.11.
+venv="$repo/.venv"
+if [ ! -x "$venv/bin/ansible-playbook" ] || ! "$venv/bin/python" -m pip --disable-pip-version-check -q check >/dev/null 2>&1 \
+   || ! cmp -s "$repo/tests/requirements.txt" "$venv/.requirements.txt"; then
+  log "creating $venv"
+  python3 -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$repo/tests/requirements.txt"
+  cp "$repo/tests/requirements.txt" "$venv/.requirements.txt"
+fi
+
+# The collection must sit at ansible_collections/gpuckpt/fleet for ansible and for imports.
+coll="$repo/.build/collections/ansible_collections/gpuckpt"
+mkdir -p "$coll"
+ln -sfn "$repo" "$coll/fleet"
+
+# The libcuda stand-in (CI only: no GPU here).
+make -s -C "$repo/tests/fakecuda" >/dev/null
+log "ready: criu $CRIU_VERSION, $("$venv/bin/ansible-playbook" --version | head -n1)"

@@ -1,0 +1,84 @@
+#!/usr/bin/env python3
+"""A CPU workload for the CI tests and the demo: a parent and N children that each hold a known
+memory pattern and count, once per tick, into <dir>/<role>.state (JSON: count, digest, pid).
+
+Each process checks its memory pattern every tick; a changed pattern writes <role>.corrupt.
+With --fakecuda LIB each process registers with the libcuda TEST DOUBLE and calls its blocking
+sync once per tick, so a lock freezes the counting exactly as a real CUDA call would block.
+
+  counter.py --dir D --daemon   # double-forks (reparented to init, no zombie), prints the root pid
+"""
+import argparse
+import ctypes
+import hashlib
+import json
+import os
+import random
+import sys
+import time
+
+
+def write_atomic(path, text):
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.rename(tmp, path)
+
+
+def run(role, args):
+    cuda = None
+    if args.fakecuda:
+        cuda = ctypes.CDLL(args.fakecuda)
+        cuda.fakeCudaAttach()
+    buf = bytearray(random.Random(role).randbytes(args.mb * 2**20))
+    digest0 = hashlib.sha256(buf).hexdigest()
+    write_atomic(os.path.join(args.dir, role + ".digest"), digest0)
+    count = 0
+    while True:
+        if cuda is not None and cuda.fakeCudaSync() != 0:
+            write_atomic(os.path.join(args.dir, role + ".corrupt"), "fake CUDA sync failed\n")
+        count += 1
+        digest = hashlib.sha256(buf).hexdigest()
+        if digest != digest0:
+            write_atomic(os.path.join(args.dir, role + ".corrupt"), "pattern changed at count %d\n" % count)
+        write_atomic(os.path.join(args.dir, role + ".state"),
+                     json.dumps({"count": count, "digest": digest, "pid": os.getpid(), "t": time.time()}))
+        time.sleep(args.interval)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--children", type=int, default=1)
+    ap.add_argument("--mb", type=int, default=8)
+    ap.add_argument("--interval", type=float, default=0.05)
+    ap.add_argument("--fakecuda")
+    ap.add_argument("--daemon", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    if args.daemon:
+        r, w = os.pipe()
+        if os.fork() > 0:
+            os.close(w)
+            pid = os.read(r, 32).decode().strip()
+            print(pid)
+            os._exit(0 if pid else 1)
+        os.close(r)
+        os.setsid()
+        if os.fork() > 0:
+            os._exit(0)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        log = os.open(os.path.join(args.dir, "workload.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        os.write(w, str(os.getpid()).encode())
+        os.close(w)
+    for i in range(args.children):
+        if os.fork() == 0:
+            run("child%d" % (i + 1), args)
+    run("parent", args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
