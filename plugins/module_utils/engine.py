@@ -184,7 +184,9 @@ def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=N
             raise TransactionError("image written, but resuming the source failed: %s" % "; ".join(problems),
                                    stage="cuda-resume", rolled_back=False)
     else:
+        # CRIU killed the tree; wait (bounded) until it is reaped so a restore here finds its pids free.
         discovery.wait_gone(pids, 10)
+        clock.stop("wait_exit")
     try:
         files = image.checksum_files(image_dir)
         clock.stop("checksum")

@@ -32,8 +32,11 @@ class ProcessBackend(Backend):
 
     def resolve(self, target):
         st = discovery.validate_target(int(target))
-        self._shell_job = st["tty_nr"] != 0
-        return int(target), discovery.process_tree(int(target))
+        tree = discovery.process_tree(int(target))
+        # CRIU dumps a session or process group only when its leader is inside the tree; otherwise
+        # (a terminal, or a daemon that is not a session leader) it must treat them as external.
+        self._shell_job = (st["tty_nr"] != 0 or st["session"] not in tree or st["pgrp"] not in tree)
+        return int(target), tree
 
     def dump(self, target, image_dir, work_dir, leave_running):
         shell_job = getattr(self, "_shell_job", False)

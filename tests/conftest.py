@@ -1,0 +1,229 @@
+"""Shared fixtures: the collection on sys.path, ansible-playbook runs, workloads stopped by PID,
+and the libcuda TEST DOUBLE (CI has no GPU; see tests/fakecuda/fakecuda.c)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLLECTIONS = os.path.join(REPO, ".build", "collections")
+VENV_BIN = os.path.join(REPO, ".venv", "bin")
+FAKE_LIBCUDA = os.path.join(REPO, "tests", "fakecuda", "libcuda.so.1")
+COUNTER = os.path.join(REPO, "tests", "workloads", "counter.py")
+# Modules run on the managed host's system Python with the standard library alone.
+MANAGED_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+
+sys.path.insert(0, COLLECTIONS)
+
+
+def pytest_configure(config):
+    if not os.path.exists(os.path.join(COLLECTIONS, "ansible_collections", "gpuckpt", "fleet")):
+        raise pytest.UsageError("run `bash tests/setup.sh` first (collection link, venv, CRIU, test double)")
+
+
+class FakeCuda(object):
+    """Handle on the libcuda TEST DOUBLE's per-pid state files."""
+
+    def __init__(self, state_dir):
+        self.state_dir = state_dir
+        self.lib = FAKE_LIBCUDA
+        os.makedirs(state_dir, exist_ok=True)
+
+    @property
+    def env(self):
+        return {"GPUCKPT_LIBCUDA": self.lib, "FAKECUDA_STATE_DIR": self.state_dir}
+
+    def state(self, pid):
+        try:
+            with open(os.path.join(self.state_dir, "pid.%d" % pid)) as fh:
+                return {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}[int(fh.read().strip())]
+        except OSError:
+            return None
+
+    def calls(self):
+        try:
+            with open(os.path.join(self.state_dir, "calls.log")) as fh:
+                return [tuple(line.split()[:2]) for line in fh if line.strip()]
+        except OSError:
+            return []
+
+    def inject(self, call, pid, code):
+        with open(os.path.join(self.state_dir, "inject"), "a") as fh:
+            fh.write("%s %d %d\n" % (call, pid, code))
+
+    def clear_injections(self):
+        try:
+            os.unlink(os.path.join(self.state_dir, "inject"))
+        except OSError:
+            pass
+
+
+@pytest.fixture
+def fakecuda(tmp_path, monkeypatch):
+    fc = FakeCuda(str(tmp_path / "fakecuda"))
+    for k, v in fc.env.items():
+        monkeypatch.setenv(k, v)
+    return fc
+
+
+def _tree(root):
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open("/proc/%s/stat" % d) as fh:
+                    data = fh.read()
+                ppid = int(data[data.rindex(")") + 2:].split()[1])
+                kids.setdefault(ppid, []).append(int(d))
+            except (OSError, ValueError):
+                pass
+    out, todo = [], [root]
+    while todo:
+        p = todo.pop(0)
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
+def alive(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            data = fh.read()
+        return data[data.rindex(")") + 2] not in "ZX"
+    except OSError:
+        return False
+
+
+class Workload(object):
+    """The counter workload (tests/workloads/counter.py): a parent and children counting into files."""
+
+    def __init__(self, directory, fakecuda=None, children=1, mb=8):
+        self.dir = directory
+        cmd = [sys.executable, COUNTER, "--dir", directory, "--daemon", "--children", str(children), "--mb", str(mb)]
+        if fakecuda:
+            cmd += ["--fakecuda", fakecuda.lib]
+        env = dict(os.environ)
+        if fakecuda:
+            env.update(fakecuda.env)
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, check=True, env=env, universal_newlines=True).stdout
+        self.pid = int(out.strip())
+        self.roles = ["parent"] + ["child%d" % (i + 1) for i in range(children)]
+        self.wait_counting()
+        self.pids = _tree(self.pid)
+        assert len(self.pids) == children + 1, self.pids
+
+    def read(self, role):
+        with open(os.path.join(self.dir, role + ".state")) as fh:
+            return json.load(fh)
+
+    def counts(self):
+        return {r: self.read(r)["count"] for r in self.roles}
+
+    def wait_counting(self, timeout=20.0, beyond=None):
+        """Wait until every role has counted past ``beyond`` (dict) or at least twice."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                c = self.counts()
+                if all(c[r] > (beyond or {}).get(r, 1) for r in self.roles):
+                    return c
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+        raise AssertionError("workload in %s is not counting (beyond %s)" % (self.dir, beyond))
+
+    def is_counting(self, seconds=0.6):
+        before = self.counts()
+        time.sleep(seconds)
+        after = self.counts()
+        return all(after[r] > before[r] for r in self.roles)
+
+    def intact(self):
+        """Every process's memory pattern is the one it started with, and nothing reported corruption."""
+        corrupt = [f for f in os.listdir(self.dir) if f.endswith(".corrupt")]
+        assert not corrupt, "workload reported corruption: %s" % corrupt
+        for r in self.roles:
+            with open(os.path.join(self.dir, r + ".digest")) as fh:
+                assert self.read(r)["digest"] == fh.read().strip(), "memory pattern of %s changed" % r
+        return True
+
+    def alive(self):
+        return [p for p in self.pids if alive(p)]
+
+    def kill(self):
+        for p in _tree(self.pid) + self.pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def workloads(tmp_path):
+    started = []
+
+    def start(name="w", **kw):
+        w = Workload(str(tmp_path / name), **kw)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.kill()
+
+
+class PlaybookRun(object):
+    def __init__(self, proc, results):
+        self.rc = proc.returncode
+        self.stdout = proc.stdout
+        self.results = results
+
+    def task(self, name_part):
+        hits = [r for r in self.results if name_part in r["_task"]]
+        assert hits, "no task matching %r in %s\n%s" % (name_part, [r["_task"] for r in self.results], self.stdout)
+        return hits[-1]
+
+
+@pytest.fixture
+def playbook(tmp_path):
+    counter = {"n": 0}
+
+    def run(name, extra_vars=None, check=False, env=None, inventory="localhost,", limit=None, args=()):
+        counter["n"] += 1
+        record = str(tmp_path / ("results-%d.jsonl" % counter["n"]))
+        e = dict(os.environ)
+        e.update({
+            "ANSIBLE_COLLECTIONS_PATH": COLLECTIONS,
+            "ANSIBLE_CALLBACK_PLUGINS": os.path.join(REPO, "tests", "integration", "callback_plugins"),
+            "ANSIBLE_CALLBACKS_ENABLED": "record_results",
+            "ANSIBLE_LOCALHOST_WARNING": "false",
+            "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false",
+            "ANSIBLE_NOCOLOR": "1",
+            "ANSIBLE_HOST_KEY_CHECKING": "false",
+            "GPUCKPT_RECORD": record,
+        })
+        e.update(env or {})
+        cmd = [os.path.join(VENV_BIN, "ansible-playbook"), name, "-i", inventory,
+               "-e", "ansible_connection=local" if inventory == "localhost," else "gpuckpt_x=1",
+               "-e", "ansible_python_interpreter=%s" % MANAGED_PYTHON,
+               "-e", json.dumps(extra_vars or {})]
+        if check:
+            cmd.append("--check")
+        if limit:
+            cmd += ["--limit", limit]
+        cmd += list(args)
+        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e, cwd=REPO,
+                              universal_newlines=True, timeout=600)
+        results = []
+        if os.path.exists(record):
+            with open(record) as fh:
+                results = [json.loads(line) for line in fh if line.strip()]
+        return PlaybookRun(proc, results)
+
+    return run

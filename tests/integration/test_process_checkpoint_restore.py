@@ -1,0 +1,168 @@
+"""Checkpoint and restore a real two-process workload with real CRIU through ansible-playbook.
+
+The GPU stage runs against the libcuda TEST DOUBLE (tests/fakecuda): CI has no GPU. The workload
+calls the double's blocking sync once per tick, so it really stops counting while locked.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+from conftest import alive
+
+CHECKPOINT = "gpuckpt.fleet.checkpoint"
+RESTORE = "gpuckpt.fleet.restore"
+
+
+def _ckpt(playbook, fakecuda, pid, image_dir, check=False, **extra):
+    v = {"gpuckpt_pid": pid, "gpuckpt_image_dir": image_dir}
+    v.update(extra)
+    return playbook(CHECKPOINT, v, check=check, env=fakecuda.env if fakecuda else None)
+
+
+def _restore(playbook, fakecuda, image_dir, check=False, **extra):
+    v = {"gpuckpt_image_dir": image_dir}
+    v.update(extra)
+    return playbook(RESTORE, v, check=check, env=fakecuda.env if fakecuda else None)
+
+
+def test_checkpoint_then_restore_resumes_counting_with_memory_intact(tmp_path, playbook, workloads, fakecuda):
+    w = workloads(fakecuda=fakecuda)
+    image_dir = str(tmp_path / "img")
+
+    run = _ckpt(playbook, fakecuda, w.pid, image_dir)
+    assert run.rc == 0, run.stdout
+    res = run.task("Checkpoint pid")
+    assert res["changed"] is True
+    assert sorted(res["cuda_pids"]) == sorted(w.pids)
+    assert res["gpu_stage"] == "done"
+    assert not w.alive(), "the workload must be gone after a checkpoint without leave_running"
+    stopped_at = w.counts()
+    assert all(fakecuda.state(p) == "checkpointed" for p in w.pids)
+    assert os.stat(image_dir).st_mode & 0o777 == 0o700
+    # Every lock comes before any checkpoint (consistent freeze of the whole workload).
+    calls = [c for c, _ in fakecuda.calls() if c in ("lock", "checkpoint")]
+    assert calls == ["lock"] * len(w.pids) + ["checkpoint"] * len(w.pids), calls
+
+    again = _ckpt(playbook, fakecuda, w.pid, image_dir)
+    assert again.rc == 0, again.stdout
+    assert again.task("Checkpoint pid")["changed"] is False
+
+    time.sleep(0.5)
+    assert w.counts() == stopped_at, "nothing may count while the workload is checkpointed"
+
+    run = _restore(playbook, fakecuda, image_dir)
+    assert run.rc == 0, run.stdout
+    res = run.task("Restore from")
+    assert res["changed"] is True
+    assert sorted(res["pids"]) == sorted(w.pids)
+    assert set(res["timings"]) >= {"verify", "runtime_restore", "cuda_restore", "cuda_unlock", "validate"}
+    after = w.wait_counting(beyond=stopped_at)
+    # It goes on from where it stopped: not reset, and no tick was lost or invented.
+    for role in w.roles:
+        assert stopped_at[role] < after[role] < stopped_at[role] + 200
+    assert w.intact()
+    assert all(fakecuda.state(p) == "running" for p in w.pids)
+
+    again = _restore(playbook, fakecuda, image_dir)
+    assert again.rc == 0, again.stdout
+    assert again.task("Restore from")["changed"] is False
+    checked = _restore(playbook, fakecuda, image_dir, check=True)
+    assert checked.rc == 0 and checked.task("Restore from")["changed"] is False
+    assert w.is_counting()
+    assert len(w.alive()) == len(w.pids)
+
+
+def test_leave_running_never_stops_and_a_second_copy_is_refused(tmp_path, playbook, workloads, fakecuda):
+    w = workloads(fakecuda=fakecuda)
+    image_dir = str(tmp_path / "img")
+    before = w.counts()
+    run = _ckpt(playbook, fakecuda, w.pid, image_dir, gpuckpt_leave_running=True)
+    assert run.rc == 0, run.stdout
+    res = run.task("Checkpoint pid")
+    assert res["changed"] is True and res["leave_running"] is True
+    assert w.alive() == w.pids
+    assert all(fakecuda.state(p) == "running" for p in w.pids)
+    w.wait_counting(beyond=before)
+    assert w.is_counting()
+    assert w.intact()
+
+    # The original still runs: restoring its image here would start a second copy.
+    run = _restore(playbook, fakecuda, image_dir)
+    assert run.rc != 0
+    res = run.task("Restore from")
+    assert res["stage"] == "preflight"
+    assert "in use" in res["msg"] and "second copy" in res["msg"]
+    assert w.alive() == w.pids and w.is_counting()
+
+
+def test_check_mode_changes_nothing(tmp_path, playbook, workloads, fakecuda):
+    w = workloads(fakecuda=fakecuda)
+    image_dir = str(tmp_path / "img")
+    run = _ckpt(playbook, fakecuda, w.pid, image_dir, check=True)
+    assert run.rc == 0, run.stdout
+    assert run.task("Checkpoint pid")["changed"] is True
+    assert not os.path.exists(image_dir)
+    assert [c for c, _ in fakecuda.calls() if c != "attach"] == []
+    assert w.is_counting()
+
+
+def test_injected_checkpoint_failure_on_second_pid_rolls_back(tmp_path, playbook, workloads, fakecuda):
+    w = workloads(fakecuda=fakecuda)
+    image_dir = str(tmp_path / "img")
+    second = w.pids[1]
+    fakecuda.inject("checkpoint", second, 2)  # CUDA_ERROR_OUT_OF_MEMORY
+    run = _ckpt(playbook, fakecuda, w.pid, image_dir)
+    assert run.rc != 0
+    res = run.task("Checkpoint pid")
+    assert res["stage"] == "checkpoint"
+    assert res["pid"] == second
+    assert res["driver_error"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in res["msg"] and str(second) in res["msg"]
+    assert res["rolled_back"] is True
+    assert all(fakecuda.state(p) == "running" for p in w.pids), "every pid must be unlocked again"
+    assert not os.path.exists(image_dir)
+    assert w.alive() == w.pids and w.is_counting() and w.intact()
+    # The first pid was checkpointed, so it was restored before everything was unlocked.
+    calls = [c for c in fakecuda.calls() if c[0] != "attach"]
+    assert ("restore", str(w.pids[0])) in calls
+    assert calls[-len(w.pids):] == [("unlock", str(p)) for p in w.pids]
+
+
+def test_failure_at_criu_dump_rolls_back(tmp_path, playbook, workloads, fakecuda):
+    """A real CRIU failure: the image directory is a 1 MiB tmpfs, too small for the pages."""
+    w = workloads(fakecuda=fakecuda, mb=16)
+    image_dir = str(tmp_path / "small")
+    os.mkdir(image_dir)
+    assert os.system("mount -t tmpfs -o size=1m gpuckpt-test %s" % image_dir) == 0
+    try:
+        run = _ckpt(playbook, fakecuda, w.pid, image_dir)
+        assert run.rc != 0
+        res = run.task("Checkpoint pid")
+        assert res["stage"] == "criu-dump"
+        assert res["rolled_back"] is True
+        assert "criu" in res["cmd"][0] and res["rc"] != 0
+        assert "dump.log" in res["stderr"]
+        assert all(fakecuda.state(p) == "running" for p in w.pids)
+        assert w.alive() == w.pids and w.is_counting() and w.intact()
+        assert os.listdir(image_dir) == [], "a failed checkpoint leaves no partial image behind"
+    finally:
+        os.system("umount %s" % image_dir)
+
+
+def test_cpu_only_workload_skips_the_gpu_stage(tmp_path, playbook, workloads):
+    """No driver on this host (no test double either): CRIU alone, and the result says so."""
+    w = workloads()
+    image_dir = str(tmp_path / "img")
+    env = {"GPUCKPT_LIBCUDA": str(tmp_path / "no-such-libcuda.so.1")}
+    run = playbook(CHECKPOINT, {"gpuckpt_pid": w.pid, "gpuckpt_image_dir": image_dir}, env=env)
+    assert run.rc == 0, run.stdout
+    res = run.task("Checkpoint pid")
+    assert res["gpu_stage"].startswith("skipped: no CUDA driver")
+    assert res["cuda_pids"] == []
+    stopped_at = w.counts()
+    run = playbook(RESTORE, {"gpuckpt_image_dir": image_dir}, env=env)
+    assert run.rc == 0, run.stdout
+    w.wait_counting(beyond=stopped_at)
+    assert w.intact()
+    assert all(alive(p) for p in w.pids)
