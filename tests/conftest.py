@@ -14,6 +14,8 @@ import pytest
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIONS = os.path.join(REPO, ".build", "collections")
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
+# On the GPU machine there is no venv: tests/gpu/run_on_device.sh points this at the carried ansible.
+ANSIBLE_PLAYBOOK = os.environ.get("GPUCKPT_ANSIBLE_PLAYBOOK") or os.path.join(VENV_BIN, "ansible-playbook")
 FAKE_LIBCUDA = os.path.join(REPO, "tests", "fakecuda", "libcuda.so.1")
 COUNTER = os.path.join(REPO, "tests", "workloads", "counter.py")
 # Modules run on the managed host's system Python with the standard library alone.
@@ -209,7 +211,7 @@ def playbook(tmp_path):
             "GPUCKPT_RECORD": record,
         })
         e.update(env or {})
-        cmd = [os.path.join(VENV_BIN, "ansible-playbook"), name, "-i", inventory,
+        cmd = [ANSIBLE_PLAYBOOK, name, "-i", inventory,
                "-e", "ansible_connection=local" if inventory == "localhost," else "gpuckpt_x=1",
                "-e", "ansible_python_interpreter=%s" % MANAGED_PYTHON,
                "-e", json.dumps(extra_vars or {})]

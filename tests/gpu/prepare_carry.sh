@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Run HERE (the CI-kind machine) before a GPU run: the GPU machine has no internet and no apt, so
+# everything the GPU tests need beyond its image travels along in two git-ignored folders:
+#   .carry/criu/  CRIU 4.1.1 built by tests/setup.sh, with the shared libraries it needs beyond glibc
+#                 (the GPU machine's glibc 2.39 runs binaries built against bookworm's 2.36)
+#   .whl/         wheels for Python 3.12: ansible-core 2.21 and pytest, with their dependencies
+set -euo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$repo"
+bash tests/setup.sh >/dev/null
+rm -rf .carry/criu && mkdir -p .carry/criu/lib
+cp /usr/local/sbin/criu .carry/criu/criu.bin
+ldd /usr/local/sbin/criu | awk '$3 ~ /^\// {print $3}' | grep -Ev '/(libc|libm|libpthread|libdl|librt|ld-linux[^/]*)\.so' \
+  | while read -r lib; do cp -L "$lib" .carry/criu/lib/; done
+cat > .carry/criu/criu <<'SH'
+#!/bin/sh
+# CRIU 4.1.1 carried from the CI-kind machine, with its libraries.
+d=$(dirname "$(readlink -f "$0")")
+LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$d/criu.bin" "$@"
+SH
+chmod +x .carry/criu/criu
+rm -rf .whl && mkdir -p .whl
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+  -d .whl ansible-core==2.21.5 jinja2==3.1.6 markupsafe==3.0.4 pyyaml==6.0.3 packaging==26.3 \
+  resolvelib==1.2.1 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 pytest==9.2.0 pluggy==1.7.0 \
+  iniconfig==2.3.1 pygments 2>&1 | grep -v '^WARNING: Location' || true
+du -sh .carry .whl

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Runs the GPU suite on the GPU machine in one call. Prepare here first: bash tests/gpu/prepare_carry.sh
+# Then, through the device tool (carry .carry and .whl):
+#   bash tests/gpu/run_on_device.sh [pytest -k expression]
+# Results: $OUT/results.jsonl (one JSON object per measurement), $OUT/pytest.log, $OUT/env.txt.
+set -uo pipefail
+repo=$(cd "$(dirname "$0")/../.." && pwd)
+cd "$repo"
+OUT=${OUT:-/tmp/gpuckpt-out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/site GPUCKPT_ANSIBLE_PLAYBOOK=/tmp/site/bin/ansible-playbook
+export GPUCKPT_RESULTS="$OUT/results.jsonl" GPUCKPT_WORKLOAD_PYTHON=$(command -v python3)
+rm -rf /opt/gpuckpt-criu && cp -r .carry/criu /opt/gpuckpt-criu && ln -sf /opt/gpuckpt-criu/criu /usr/local/sbin/criu
+mkdir -p .build/collections/ansible_collections/gpuckpt && ln -sfn "$repo" .build/collections/ansible_collections/gpuckpt/fleet
+{
+  date -u +%Y-%m-%dT%H:%M:%SZ
+  nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader
+  uname -r; python3 --version; /usr/local/sbin/criu --version | head -n1
+  python3 -c 'import torch; print("torch", torch.__version__)'
+  nproc; free -g | sed -n 2p; df -h /tmp | tail -n1
+} 2>&1 | tee "$OUT/env.txt"
+/usr/local/sbin/criu check 2>&1 | tail -n 2
+python3 -m pytest -p no:cacheprovider -v -s tests/gpu ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|RESULT|passed|failed|Error" 
+exit "${PIPESTATUS[0]}"

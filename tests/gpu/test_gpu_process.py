@@ -1,0 +1,93 @@
+"""On a real GPU: the modules checkpoint and restore a PyTorch process through ansible-playbook,
+and its GPU memory is checked (checksums before and after) once it runs again."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+from conftest import nvidia_smi_pids, raw_driver  # noqa: F401 - tests/gpu/conftest.py
+
+GIB = float(os.environ.get("GPUCKPT_GPU_GIB", "4"))
+
+
+def _engine_overhead(res):
+    """Stage time minus the time spent inside the driver's own calls during that stage."""
+    t, d = res["timings"], res["driver_call_seconds"]
+    return t, d
+
+
+def test_facts_see_the_gpu_and_the_process(playbook, torch_workloads, tmp_path, record):
+    w = torch_workloads(gib=1)
+    run = playbook(os.path.join(os.path.dirname(__file__), "facts.yml"), {"pids": w.pids})
+    assert run.rc == 0, run.stdout
+    facts = run.task("facts")["ansible_facts"]["gpuckpt"]
+    assert facts["driver"]["checkpoint_api"] is True
+    assert facts["gpus"] and facts["cuda_device_uuids"]
+    procs = {p["pid"]: p for p in facts["cuda_processes"]}
+    assert procs[w.pid]["cuda_state"] == "running"
+    assert any(d.startswith("/dev/nvidia") for d in procs[w.pid]["nvidia_devices"])
+    assert facts["criu"]["check_ok"] is True and facts["ready"] is True
+    record("facts", driver=facts["driver"], gpus=facts["gpus"], criu=facts["criu"]["version"])
+
+
+def test_checkpoint_restore_pytorch_process(playbook, torch_workloads, tmp_path, record):
+    w = torch_workloads(gib=GIB)
+    image_dir = str(tmp_path / "img")
+    assert w.pid in nvidia_smi_pids()
+    run = playbook("gpuckpt.fleet.checkpoint", {"gpuckpt_pid": w.pid, "gpuckpt_image_dir": image_dir})
+    assert run.rc == 0, run.stdout
+    ck = run.task("Checkpoint pid")
+    assert ck["changed"] is True and ck["cuda_pids"] == [w.pid] and ck["gpu_stage"] == "done"
+    assert not w.alive()
+    assert w.pid not in nvidia_smi_pids(), "the GPU memory must be released after the checkpoint"
+    stopped = w.counts()
+
+    run = playbook("gpuckpt.fleet.restore", {"gpuckpt_image_dir": image_dir})
+    assert run.rc == 0, run.stdout
+    rs = run.task("Restore from")
+    assert rs["changed"] is True and rs["cuda_pids"] == [w.pid]
+    w.wait_counting(beyond=stopped)
+    assert w.verified_after(stopped)
+    assert w.pid in nvidia_smi_pids()
+    again = playbook("gpuckpt.fleet.restore", {"gpuckpt_image_dir": image_dir})
+    assert again.rc == 0 and again.task("Restore from")["changed"] is False
+
+    # The floor, in the same run: the driver's calls alone on this same process (no CRIU around them).
+    raw = raw_driver([w.pid])[0]
+    w.wait_counting(beyond=w.counts())
+    assert w.verified_after(w.counts())
+    record("checkpoint_restore", gib=GIB, image_bytes=ck["image_bytes"], checkpoint_timings=ck["timings"],
+           checkpoint_driver_calls=ck["driver_call_seconds"], restore_timings=rs["timings"],
+           restore_driver_calls=rs["driver_call_seconds"], raw_driver=raw, fill_seconds=w.fill_seconds)
+
+
+def test_leave_running_on_gpu(playbook, torch_workloads, tmp_path, record):
+    w = torch_workloads(gib=GIB)
+    image_dir = str(tmp_path / "img")
+    before = w.counts()
+    run = playbook("gpuckpt.fleet.checkpoint", {"gpuckpt_pid": w.pid, "gpuckpt_image_dir": image_dir,
+                                                "gpuckpt_leave_running": True})
+    assert run.rc == 0, run.stdout
+    ck = run.task("Checkpoint pid")
+    assert w.alive() == [w.pid]
+    w.wait_counting(beyond=before)
+    assert w.verified_after(w.counts())
+    record("leave_running", gib=GIB, timings=ck["timings"], driver_calls=ck["driver_call_seconds"])
+
+
+def test_injected_nothing_real_driver_errors_are_named(torch_workloads):
+    """A real driver error, not a stand-in: checkpointing a process that is not locked."""
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".build", "collections"))
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils import driver as cuda
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import DriverError
+    w = torch_workloads(gib=0.25)
+    drv = cuda.CudaDriver()
+    try:
+        drv.checkpoint(w.pid)
+        raise AssertionError("checkpoint of a running (unlocked) process must fail")
+    except DriverError as exc:
+        assert exc.name.startswith("CUDA_ERROR_") and exc.pid == w.pid
+    assert drv.cuda_state(w.pid) == "running"
+    assert drv.cuda_state(os.getpid()) is None
+    w.wait_counting(beyond=w.counts())

@@ -1,0 +1,118 @@
+"""Bad input gets a clear error and touches nothing."""
+from __future__ import annotations
+
+import os
+
+import pytest
+
+CHECKPOINT = "gpuckpt.fleet.checkpoint"
+RESTORE = "gpuckpt.fleet.restore"
+
+
+def _fail(run, task):
+    assert run.rc != 0, run.stdout
+    res = run.task(task)
+    assert res["_status"] == "failed"
+    return res
+
+
+def _kernel_thread_pid():
+    for d in sorted(os.listdir("/proc"), key=lambda x: int(x) if x.isdigit() else 0):
+        if d.isdigit() and int(d) > 2:
+            with open("/proc/%s/stat" % d) as fh:
+                data = fh.read()
+            if int(data[data.rindex(")") + 2:].split()[1]) == 2:
+                return int(d)
+    return 2
+
+
+@pytest.mark.parametrize("pid,words", [
+    (4194303, "no process with pid 4194303"),
+    (1, "pid 1 is the init process"),
+    ("kthread", "kernel thread"),
+])
+def test_bad_pid_is_refused(tmp_path, playbook, pid, words):
+    if pid == "kthread":
+        pid = _kernel_thread_pid()
+    image_dir = str(tmp_path / "img")
+    run = playbook(CHECKPOINT, {"gpuckpt_pid": pid, "gpuckpt_image_dir": image_dir})
+    res = _fail(run, "Checkpoint pid")
+    assert words in res["msg"]
+    assert res["stage"] == "preflight"
+    assert not os.path.exists(image_dir)
+
+
+def test_non_empty_image_dir_is_refused(tmp_path, playbook, workloads, fakecuda):
+    w = workloads(fakecuda=fakecuda)
+    image_dir = tmp_path / "img"
+    image_dir.mkdir()
+    (image_dir / "notes.txt").write_text("mine")
+    run = playbook(CHECKPOINT, {"gpuckpt_pid": w.pid, "gpuckpt_image_dir": str(image_dir)}, env=fakecuda.env)
+    res = _fail(run, "Checkpoint pid")
+    assert "not empty" in res["msg"] and "notes.txt" in res["msg"]
+    assert os.listdir(image_dir) == ["notes.txt"]
+    assert [c for c, _ in fakecuda.calls() if c != "attach"] == [], "nothing may be locked"
+    assert w.is_counting()
+
+
+def test_tampered_image_is_refused_and_names_the_file(tmp_path, playbook, workloads, fakecuda):
+    w = workloads(fakecuda=fakecuda)
+    image_dir = str(tmp_path / "img")
+    assert playbook(CHECKPOINT, {"gpuckpt_pid": w.pid, "gpuckpt_image_dir": image_dir}, env=fakecuda.env).rc == 0
+    pages = max((f for f in os.listdir(image_dir) if f.startswith("pages-")),
+                key=lambda f: os.path.getsize(os.path.join(image_dir, f)))
+    path = os.path.join(image_dir, pages)
+    with open(path, "r+b") as fh:
+        fh.seek(4096 + 17)
+        b = fh.read(1)
+        fh.seek(4096 + 17)
+        fh.write(bytes([b[0] ^ 0x01]))
+    run = playbook(RESTORE, {"gpuckpt_image_dir": image_dir}, env=fakecuda.env)
+    res = _fail(run, "Restore from")
+    assert res["stage"] == "verify"
+    assert pages in res["msg"] and "checksum mismatch" in res["msg"]
+    assert res["bad_files"] == [pages]
+    assert not w.alive(), "nothing may be started from a corrupt image"
+    assert all(fakecuda.state(p) == "checkpointed" for p in w.pids)
+
+
+def test_missing_criu_is_a_clear_error(tmp_path, playbook, workloads):
+    w = workloads()
+    image_dir = str(tmp_path / "img")
+    # The module also searches the sbin dirs, where CRIU is installed here: name a missing file.
+    run = playbook(CHECKPOINT_WITH_CRIU_PATH, {"pid": w.pid, "image_dir": image_dir,
+                                               "criu_path": str(tmp_path / "no-criu")})
+    res = _fail(run, "gpu_checkpoint")
+    assert "criu not found" in res["msg"] and "no-criu" in res["msg"]
+    assert not os.path.exists(image_dir)
+    assert w.is_counting()
+
+
+def test_too_old_criu_is_refused(tmp_path, playbook, workloads):
+    w = workloads()
+    old = tmp_path / "criu"
+    # TEST DOUBLE: a criu that reports bookworm's 3.17, which fails on current kernels.
+    old.write_text("#!/bin/sh\necho 'Version: 3.17.1'\n")
+    old.chmod(0o755)
+    image_dir = str(tmp_path / "img")
+    run = playbook(CHECKPOINT_WITH_CRIU_PATH, {"pid": w.pid, "image_dir": image_dir, "criu_path": str(old)})
+    res = _fail(run, "gpu_checkpoint")
+    assert "CRIU 3.17.1" in res["msg"] and "too old" in res["msg"] and "4.0 or newer" in res["msg"]
+    assert not os.path.exists(image_dir)
+    assert w.is_counting()
+
+
+def test_bad_argument_fails_with_the_argument_spec_message(tmp_path, playbook):
+    run = playbook(CHECKPOINT_WITH_CRIU_PATH, {"pid": "not-a-pid", "image_dir": str(tmp_path / "i")})
+    res = _fail(run, "gpu_checkpoint")
+    assert "pid" in res["msg"] and "int" in res["msg"]
+
+
+def test_restore_of_a_directory_that_is_no_image(tmp_path, playbook):
+    d = tmp_path / "empty"
+    d.mkdir()
+    res = _fail(playbook(RESTORE, {"gpuckpt_image_dir": str(d)}), "Restore from")
+    assert "manifest.json" in res["msg"] and res["stage"] == "verify"
+
+
+CHECKPOINT_WITH_CRIU_PATH = os.path.join(os.path.dirname(__file__), "playbooks", "checkpoint_raw.yml")

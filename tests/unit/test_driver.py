@@ -1,0 +1,97 @@
+"""The ctypes driver layer against the libcuda TEST DOUBLE (state machine, error names) and
+against a library that lacks the checkpoint API."""
+from __future__ import annotations
+
+import ctypes.util
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import driver as cuda
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import DriverError, DriverUnavailable, InvalidTarget
+
+
+@pytest.fixture
+def cuda_child(fakecuda):
+    """A child process registered with the test double as a CUDA process."""
+    code = ("import ctypes,sys,time; l=ctypes.CDLL(sys.argv[1]); l.fakeCudaAttach(); print('up', flush=True); "
+            "time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, fakecuda.lib], stdout=subprocess.PIPE,
+                         env=dict(os.environ, **fakecuda.env))
+    assert p.stdout.readline().strip() == b"up"
+    yield p.pid
+    p.kill()
+    p.wait()
+
+
+def test_state_machine_is_enforced(fakecuda, cuda_child):
+    drv = cuda.CudaDriver()
+    pid = cuda_child
+    assert drv.cuda_state(pid) == "running"
+    with pytest.raises(DriverError) as exc:
+        drv.checkpoint(pid)  # must be locked first
+    assert exc.value.name == "CUDA_ERROR_ILLEGAL_STATE" and exc.value.pid == pid
+    drv.lock(pid, 1000)
+    assert drv.cuda_state(pid) == "locked"
+    drv.checkpoint(pid)
+    assert drv.cuda_state(pid) == "checkpointed"
+    with pytest.raises(DriverError):
+        drv.unlock(pid)  # must be restored first
+    drv.restore(pid)
+    drv.unlock(pid)
+    assert drv.cuda_state(pid) == "running"
+    moves = [c["call"] for c in drv.calls if c["rc"] == 0 and c["call"] != "cuCheckpointProcessGetState"]
+    assert moves == ["cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
+                     "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"]
+    assert all(c["seconds"] >= 0 for c in drv.calls)
+
+
+def test_unknown_pid_is_not_a_cuda_process(fakecuda):
+    drv = cuda.CudaDriver()
+    assert drv.cuda_state(os.getpid()) is None
+    with pytest.raises(DriverError) as exc:
+        drv.lock(os.getpid())
+    assert "CUDA_ERROR_NOT_FOUND" in str(exc.value) and str(os.getpid()) in str(exc.value)
+
+
+def test_library_without_checkpoint_api_says_driver_too_old():
+    libc = ctypes.util.find_library("c")
+    with pytest.raises(DriverUnavailable) as exc:
+        cuda.CudaDriver(libc)
+    assert "older than 570" in str(exc.value) and "cuCheckpointProcessLock" in str(exc.value)
+
+
+def test_missing_library_is_reported():
+    drv, problem = cuda.load("/nonexistent/libcuda.so.1")
+    assert drv is None and "cannot load" in problem.msg
+
+
+def test_gpu_remap_needs_driver_580(fakecuda, cuda_child):
+    drv = cuda.CudaDriver()
+    drv.api_version = 12080  # as a 570 driver reports
+    with pytest.raises(DriverUnavailable) as exc:
+        drv.restore(cuda_child, [("GPU-" + "0" * 32, "GPU-" + "1" * 32)])
+    assert "580" in str(exc.value)
+
+
+def test_uuid_round_trip_and_pairs():
+    a = "GPU-5a7e0c1b-1111-2222-3333-444455556666"
+    b = "GPU-9f3d2e44-1111-2222-3333-444455556666"
+    assert cuda.format_uuid(cuda.parse_uuid(a)) == a
+    # Moving GPU a onto b on a two-GPU host: the driver wants both GPUs named, so b goes to a.
+    assert engine.gpu_pairs_for({a: b}, [a, b]) == [(a, b), (b, a)]
+    with pytest.raises(InvalidTarget):
+        engine.gpu_pairs_for({a: "GPU-" + "7" * 32}, [a, b])
+    assert engine.gpu_pairs_for(None, [a, b]) is None
+
+
+def test_lock_timeout_is_passed_in_milliseconds(fakecuda, cuda_child):
+    drv = cuda.CudaDriver()
+    t = time.monotonic()
+    drv.lock(cuda_child, 2500)
+    drv.unlock(cuda_child)
+    assert time.monotonic() - t < 2

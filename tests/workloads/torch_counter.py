@@ -1,0 +1,126 @@
+#!/usr/bin/env python3
+"""A PyTorch GPU workload for the GPU tests, the benchmarks and the demo.
+
+Each process (a parent and --children workers, each with its own CUDA context; no NCCL) fills
+--gib GiB of GPU memory with a deterministic pattern, then counts once per tick, running a kernel
+over part of its memory every tick and a full checksum of its GPU memory every --verify-every
+seconds. <dir>/<role>.state (JSON) holds count, the latest GPU digest and the count it was taken at;
+<role>.digest holds the digest taken right after filling. A changed digest writes <role>.corrupt.
+
+  torch_counter.py --dir D --gib 4 --daemon   # prints the root pid once every process has filled
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def write_atomic(path, text):
+    tmp = "%s.tmp.%d" % (path, os.getpid())
+    with open(tmp, "w") as fh:
+        fh.write(text)
+    os.rename(tmp, path)
+
+
+CHUNK_ELEMS = 32 * 2**20  # int64 elements per checksum chunk (256 MiB)
+
+
+def gpu_digest(torch, buf, weights):
+    """Two int64 sums per 256 MiB chunk (plain and position-weighted), folded: catches changed and moved data."""
+    s1 = torch.zeros((), dtype=torch.int64, device=buf.device)
+    s2 = torch.zeros((), dtype=torch.int64, device=buf.device)
+    for i in range(0, buf.numel(), CHUNK_ELEMS):
+        c = buf[i:i + CHUNK_ELEMS]
+        s1 += c.sum()
+        s2 += (c * weights[:c.numel()]).sum() * (2 * (i // CHUNK_ELEMS) + 1)
+    torch.cuda.synchronize()
+    return "%016x%016x" % (s1.item() & (2**64 - 1), s2.item() & (2**64 - 1))
+
+
+def run(role, args, on_ready):
+    import torch
+    dev = torch.device("cuda", args.device)
+    seed = sum(map(ord, role)) + 7
+    n = int(args.gib * 2**30) // 8
+    gen = torch.Generator(device=dev)
+    gen.manual_seed(seed)
+    buf = torch.empty(n, dtype=torch.int64, device=dev)
+    for i in range(0, n, CHUNK_ELEMS):  # fill in pieces: randint on the whole buffer would need 2x memory
+        m = min(CHUNK_ELEMS, n - i)
+        buf[i:i + m] = torch.randint(-2**62, 2**62, (m,), generator=gen, device=dev, dtype=torch.int64)
+    weights = torch.arange(1, CHUNK_ELEMS + 1, device=dev, dtype=torch.int64) * 2654435761
+    digest0 = gpu_digest(torch, buf, weights)
+    write_atomic(os.path.join(args.dir, role + ".digest"), digest0)
+    count, digest, digest_count, last_verify = 0, digest0, 0, time.monotonic()
+    on_ready()
+    probe = buf[:2**20]
+    while True:
+        count += 1
+        probe_sum = int(probe.sum().item())  # a kernel every tick: blocks while the driver holds the lock
+        if time.monotonic() - last_verify >= args.verify_every:
+            digest, digest_count, last_verify = gpu_digest(torch, buf, weights), count, time.monotonic()
+            if digest != digest0:
+                write_atomic(os.path.join(args.dir, role + ".corrupt"), "GPU digest changed at count %d\n" % count)
+        write_atomic(os.path.join(args.dir, role + ".state"), json.dumps(
+            {"count": count, "digest": digest, "digest_count": digest_count, "pid": os.getpid(),
+             "device": str(dev), "gib": args.gib, "probe": probe_sum, "t": time.time()}))
+        time.sleep(args.interval)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--gib", type=float, default=4.0)
+    ap.add_argument("--children", type=int, default=0)
+    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--interval", type=float, default=0.05)
+    ap.add_argument("--verify-every", type=float, default=1.0)
+    ap.add_argument("--daemon", action="store_true")
+    args = ap.parse_args()
+    os.makedirs(args.dir, exist_ok=True)
+    out_w = None
+    if args.daemon:
+        r, w = os.pipe()
+        if os.fork() > 0:
+            os.close(w)
+            pid = os.read(r, 32).decode().strip()
+            print(pid, flush=True)
+            os._exit(0 if pid else 1)
+        os.close(r)
+        os.setsid()
+        if os.fork() > 0:
+            os._exit(0)
+        devnull = os.open(os.devnull, os.O_RDWR)
+        log = os.open(os.path.join(args.dir, "workload.log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        os.dup2(devnull, 0)
+        os.dup2(log, 1)
+        os.dup2(log, 2)
+        out_w = w
+    # Fork the workers before CUDA is initialised (CUDA does not survive fork). The root pid is
+    # reported only once every process has filled its GPU memory.
+    readies = []
+    for i in range(args.children):
+        r, w = os.pipe()
+        if os.fork() == 0:
+            os.close(r)
+
+            def child_ready(w=w):
+                os.write(w, b"1")
+                os.close(w)
+            run("child%d" % (i + 1), args, child_ready)
+        os.close(w)
+        readies.append(r)
+
+    def parent_ready():
+        for r in readies:
+            os.read(r, 1)
+            os.close(r)
+        if out_w is not None:
+            os.write(out_w, str(os.getpid()).encode())
+            os.close(out_w)
+    run("parent", args, parent_ready)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
