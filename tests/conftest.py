@@ -11,6 +11,8 @@ import time
 
 import pytest
 
+from helpers import alive, tree  # noqa: F401 - alive is re-exported for tests
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIONS = os.path.join(REPO, ".build", "collections")
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
@@ -74,34 +76,6 @@ def fakecuda(tmp_path, monkeypatch):
     return fc
 
 
-def _tree(root):
-    kids = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open("/proc/%s/stat" % d) as fh:
-                    data = fh.read()
-                ppid = int(data[data.rindex(")") + 2:].split()[1])
-                kids.setdefault(ppid, []).append(int(d))
-            except (OSError, ValueError):
-                pass
-    out, todo = [], [root]
-    while todo:
-        p = todo.pop(0)
-        out.append(p)
-        todo.extend(kids.get(p, []))
-    return out
-
-
-def alive(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as fh:
-            data = fh.read()
-        return data[data.rindex(")") + 2] not in "ZX"
-    except OSError:
-        return False
-
-
 class Workload(object):
     """The counter workload (tests/workloads/counter.py): a parent and children counting into files."""
 
@@ -117,7 +91,7 @@ class Workload(object):
         self.pid = int(out.strip())
         self.roles = ["parent"] + ["child%d" % (i + 1) for i in range(children)]
         self.wait_counting()
-        self.pids = _tree(self.pid)
+        self.pids = tree(self.pid)
         assert len(self.pids) == children + 1, self.pids
 
     def read(self, role):
@@ -159,7 +133,7 @@ class Workload(object):
         return [p for p in self.pids if alive(p)]
 
     def kill(self):
-        for p in _tree(self.pid) + self.pids:
+        for p in tree(self.pid) + self.pids:
             try:
                 os.kill(p, signal.SIGKILL)
             except OSError:

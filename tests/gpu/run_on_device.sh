@@ -23,5 +23,6 @@ mkdir -p .build/collections/ansible_collections/gpuckpt && ln -sfn "$repo" .buil
   nproc; free -g | sed -n 2p; df -h /tmp | tail -n1
 } 2>&1 | tee "$OUT/env.txt"
 /usr/local/sbin/criu check 2>&1 | tail -n 2
+python3 tests/gpu/probe_driver.py 2>&1 | tee -a "$OUT/env.txt"
 python3 -m pytest -p no:cacheprovider -v -s tests/gpu ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest.log" | grep -E "PASSED|FAILED|ERROR|SKIPPED|RESULT|passed|failed|Error" 
 exit "${PIPESTATUS[0]}"

@@ -3,17 +3,10 @@ and its GPU memory is checked (checksums before and after) once it runs again.""
 from __future__ import annotations
 
 import os
-import subprocess
 
-from conftest import nvidia_smi_pids, raw_driver  # noqa: F401 - tests/gpu/conftest.py
+from gpu_helpers import nvidia_smi_pids, raw_driver
 
 GIB = float(os.environ.get("GPUCKPT_GPU_GIB", "4"))
-
-
-def _engine_overhead(res):
-    """Stage time minus the time spent inside the driver's own calls during that stage."""
-    t, d = res["timings"], res["driver_call_seconds"]
-    return t, d
 
 
 def test_facts_see_the_gpu_and_the_process(playbook, torch_workloads, tmp_path, record):
@@ -75,7 +68,7 @@ def test_leave_running_on_gpu(playbook, torch_workloads, tmp_path, record):
     record("leave_running", gib=GIB, timings=ck["timings"], driver_calls=ck["driver_call_seconds"])
 
 
-def test_injected_nothing_real_driver_errors_are_named(torch_workloads):
+def test_real_driver_errors_are_named(torch_workloads):
     """A real driver error, not a stand-in: checkpointing a process that is not locked."""
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".build", "collections"))

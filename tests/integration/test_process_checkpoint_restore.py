@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 
-from conftest import alive
+from helpers import alive
 
 CHECKPOINT = "gpuckpt.fleet.checkpoint"
 RESTORE = "gpuckpt.fleet.restore"
