@@ -34,6 +34,9 @@ ERROR_NAMES = {
     803: "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", 909: "CUDA_ERROR_TIMEOUT", 999: "CUDA_ERROR_UNKNOWN",
 }
 CUDA_ERROR_NO_DEVICE = 100
+# What GetState answers for a pid that is not a CUDA process (driver 580.159.04, measured): a live
+# process without CUDA -> NOT_INITIALIZED; a pid that does not exist -> OPERATING_SYSTEM.
+NOT_A_CUDA_PROCESS = (3, 304, 500)
 
 CHECKPOINT_SYMBOLS = ("cuCheckpointProcessGetState", "cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
                       "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock",
@@ -149,11 +152,15 @@ class CudaDriver(object):
         return st.value
 
     def cuda_state(self, pid):
-        """State name of ``pid``, or None when the driver does not know it as a CUDA process."""
+        """State name of ``pid``, or None when it is not a CUDA process. Any process that called
+        cuInit counts, even without a context (the driver says so; so does this controller itself).
+        Other driver errors are raised: a GPU process must never be mistaken for a CPU one."""
         try:
             return STATE_NAMES.get(self.get_state(pid), "unknown")
-        except DriverError:
-            return None
+        except DriverError as exc:
+            if exc.code in NOT_A_CUDA_PROCESS:
+                return None
+            raise
 
     def lock(self, pid, timeout_ms=30000):
         args = _LockArgs(timeoutMs=int(timeout_ms))

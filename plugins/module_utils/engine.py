@@ -103,6 +103,15 @@ def _find_cuda_pids(drv, pids, driver_problem):
         s = drv.cuda_state(p)
         if s is not None:
             states[p] = s
+    # A GPU device user the driver does not know (an NVML tool, a non-CUDA GPU API) cannot be moved
+    # off the GPU, and CRIU would fail on its device files: say so before freezing anything.
+    strays = [p for p in pids if p not in states and discovery.nvidia_fds(p)]
+    if strays:
+        p = strays[0]
+        raise InvalidTarget("pid %d (%s) holds %s but the driver does not report it as a CUDA process; its GPU state "
+                            "cannot be checkpointed" % (p, (discovery.read_stat(p) or {}).get("comm"),
+                                                        ", ".join(discovery.nvidia_fds(p))),
+                            stage="preflight", pid=p, hint="stop that process or leave it out of the tree")
     return [p for p in pids if p in states], states
 
 
@@ -183,10 +192,8 @@ def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=N
         if not ok:
             raise TransactionError("image written, but resuming the source failed: %s" % "; ".join(problems),
                                    stage="cuda-resume", rolled_back=False)
-    else:
-        # CRIU killed the tree; wait (bounded) until it is reaped so a restore here finds its pids free.
-        discovery.wait_gone(pids, 10)
-        clock.stop("wait_exit")
+    # Without leave_running CRIU has killed the tree. PID 1 may take a second to reap it; a restore
+    # on this host waits for that itself, so the checkpoint does not.
     try:
         files = image.checksum_files(image_dir)
         clock.stop("checksum")
@@ -316,9 +323,10 @@ def restore(image_dir, gpu_map=None, force=False, backend=None, libcuda_path=Non
                             "run (leave_running?); refusing to start a second copy"
                             % (p, (discovery.read_stat(p) or {}).get("comm"), discovery.cmdline(p)[:80]),
                             stage="preflight", pid=p, hint="stop that process, or restore on another host")
+    clock.stop("wait_pids_free")
     verify_seconds = image.verify(image_dir, manifest, sign_key) if verify else None
     clock.stop("verify")
-    backend.preflight()
+    backend.preflight(full=False)  # `criu check` is for checkpoint/facts; here it would add downtime
     drv = None
     if target["cuda_pids"]:
         drv, problem = cuda.load(libcuda_path)

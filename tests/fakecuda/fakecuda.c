@@ -3,8 +3,9 @@
  *
  * It implements the driver's checkpoint entry points and enforces their state machine
  *     running --Lock--> locked --Checkpoint--> checkpointed --Restore--> locked --Unlock--> running
- * returning CUDA_ERROR_ILLEGAL_STATE for a call out of order and CUDA_ERROR_NOT_FOUND for a pid it
- * does not know (no CUDA process) or that does not exist. State is kept per pid in files under
+ * returning CUDA_ERROR_ILLEGAL_STATE for a call out of order. Like driver 580.159.04 (measured on an
+ * H200, tests/gpu/probe_driver.py): a live pid that is no CUDA process answers CUDA_ERROR_NOT_INITIALIZED,
+ * a pid that does not exist CUDA_ERROR_OPERATING_SYSTEM. State is kept per pid in files under
  * $FAKECUDA_STATE_DIR (default /tmp/fakecuda), so it survives across processes: the engine, the
  * workload and a CRIU-restored workload all see the same state.
  *
@@ -34,6 +35,7 @@
 #define CUDA_ERROR_OUT_OF_MEMORY 2
 #define CUDA_ERROR_NOT_INITIALIZED 3
 #define CUDA_ERROR_ILLEGAL_STATE 401
+#define CUDA_ERROR_OPERATING_SYSTEM 304
 #define CUDA_ERROR_NOT_FOUND 500
 #define CUDA_ERROR_TIMEOUT 909
 #define CUDA_ERROR_UNKNOWN 999
@@ -116,7 +118,8 @@ static int transition(const char *call, int pid, int from, int to) {
     int rc = injected(call, pid);
     if (!rc) {
         int s = read_state(pid);
-        if (!pid_exists(pid) || s < 0) rc = CUDA_ERROR_NOT_FOUND;
+        if (!pid_exists(pid)) rc = CUDA_ERROR_OPERATING_SYSTEM;
+        else if (s < 0) rc = CUDA_ERROR_NOT_INITIALIZED;
         else if (s != from) rc = CUDA_ERROR_ILLEGAL_STATE;
         else write_state(pid, to);
     }
@@ -137,6 +140,7 @@ int cuGetErrorName(int code, const char **out) {
     case CUDA_ERROR_NOT_INITIALIZED: *out = "CUDA_ERROR_NOT_INITIALIZED"; break;
     case CUDA_ERROR_ILLEGAL_STATE: *out = "CUDA_ERROR_ILLEGAL_STATE"; break;
     case CUDA_ERROR_NOT_FOUND: *out = "CUDA_ERROR_NOT_FOUND"; break;
+    case CUDA_ERROR_OPERATING_SYSTEM: *out = "CUDA_ERROR_OPERATING_SYSTEM"; break;
     case CUDA_ERROR_TIMEOUT: *out = "CUDA_ERROR_TIMEOUT"; break;
     case CUDA_ERROR_UNKNOWN: *out = "CUDA_ERROR_UNKNOWN"; break;
     default: *out = NULL; return CUDA_ERROR_INVALID_VALUE;
@@ -151,7 +155,8 @@ int cuCheckpointProcessGetState(int pid, int *state) {
     int s = read_state(pid);
     big_unlock(lk);
     if (rc) return rc;
-    if (!pid_exists(pid) || s < 0) return CUDA_ERROR_NOT_FOUND;
+    if (!pid_exists(pid)) return CUDA_ERROR_OPERATING_SYSTEM;
+    if (s < 0) return CUDA_ERROR_NOT_INITIALIZED;
     *state = s;
     return CUDA_SUCCESS;
 }
@@ -162,7 +167,7 @@ int cuCheckpointProcessRestore(int pid, void *args) { (void)args; return transit
 int cuCheckpointProcessUnlock(int pid, void *args) { (void)args; return transition("unlock", pid, LOCKED, RUNNING); }
 int cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
     if (!tid) return CUDA_ERROR_INVALID_VALUE;
-    if (read_state(pid) < 0) return CUDA_ERROR_NOT_FOUND;
+    if (read_state(pid) < 0) return CUDA_ERROR_NOT_INITIALIZED;
     *tid = pid;
     return CUDA_SUCCESS;
 }

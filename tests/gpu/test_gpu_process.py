@@ -82,5 +82,8 @@ def test_real_driver_errors_are_named(torch_workloads):
     except DriverError as exc:
         assert exc.name.startswith("CUDA_ERROR_") and exc.pid == w.pid
     assert drv.cuda_state(w.pid) == "running"
-    assert drv.cuda_state(os.getpid()) is None
+    assert drv.cuda_state(1) is None  # no CUDA in init: CUDA_ERROR_NOT_INITIALIZED
+    assert drv.cuda_state(4194303) is None  # no such pid: CUDA_ERROR_OPERATING_SYSTEM
+    # This process called cuInit, so the driver counts it as a CUDA process, with no context at all.
+    assert drv.cuda_state(os.getpid()) == "running"
     w.wait_counting(beyond=w.counts())

@@ -55,7 +55,8 @@ def test_unknown_pid_is_not_a_cuda_process(fakecuda):
     assert drv.cuda_state(os.getpid()) is None
     with pytest.raises(DriverError) as exc:
         drv.lock(os.getpid())
-    assert "CUDA_ERROR_NOT_FOUND" in str(exc.value) and str(os.getpid()) in str(exc.value)
+    assert "CUDA_ERROR_NOT_INITIALIZED" in str(exc.value) and str(os.getpid()) in str(exc.value)
+    assert drv.cuda_state(4194303) is None  # no such pid (CUDA_ERROR_OPERATING_SYSTEM)
 
 
 def test_library_without_checkpoint_api_says_driver_too_old():

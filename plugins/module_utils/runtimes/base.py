@@ -12,8 +12,9 @@ from __future__ import annotations
 class Backend(object):
     name = "base"
 
-    def preflight(self):
-        """Check the runtime is present and usable; return facts for the manifest (versions...)."""
+    def preflight(self, full=True):
+        """Check the runtime is present and usable; return facts for the manifest (versions...).
+        ``full=False`` skips the slow checks (kept for restore, where time is downtime)."""
         raise NotImplementedError
 
     def resolve(self, target):

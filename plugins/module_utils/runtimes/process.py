@@ -21,8 +21,10 @@ class ProcessBackend(Backend):
         self.extra = list(criu_options or ())
         self.timeout = timeout
 
-    def preflight(self):
+    def preflight(self, full=True):
         version = self.criu.require_version()
+        if not full:
+            return {"criu_version": version, "criu_path": self.criu.path}
         ok, out = self.criu.check()
         if not ok:
             raise GpuCkptError("`criu check` failed on this host: the kernel lacks what CRIU needs",
