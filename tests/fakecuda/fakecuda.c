@@ -5,17 +5,21 @@
  *     running --Lock--> locked --Checkpoint--> checkpointed --Restore--> locked --Unlock--> running
  * returning CUDA_ERROR_ILLEGAL_STATE for a call out of order. Like driver 580.159.04 (measured on an
  * H200, tests/gpu/probe_driver.py): a live pid that is no CUDA process answers CUDA_ERROR_NOT_INITIALIZED,
- * a pid that does not exist CUDA_ERROR_OPERATING_SYSTEM. State is kept per pid in files under
- * $FAKECUDA_STATE_DIR (default /tmp/fakecuda), so it survives across processes: the engine, the
- * workload and a CRIU-restored workload all see the same state.
+ * a pid that does not exist CUDA_ERROR_OPERATING_SYSTEM.
+ *
+ * As with the real driver, a process's checkpoint state lives INSIDE that process: in the variable
+ * fakecuda_state of its own copy of this library. The controller reads and writes it through
+ * /proc/<pid>/mem (root). So the state travels with a CRIU image to another host or pid namespace,
+ * and is restored with the process, exactly as the real GPU state does.
  *
  * Workloads "use the GPU" through two test-only calls:
- *   fakeCudaAttach()  registers the calling pid as a running CUDA process;
- *   fakeCudaSync()    blocks while the pid is not running, like a real CUDA call under a lock.
+ *   fakeCudaAttach()  makes the calling process a running CUDA process;
+ *   fakeCudaSync()    blocks while the process is not running, like a real CUDA call under a lock.
  *
  * Errors are injected with lines "<call> <pid> <code>" in $FAKECUDA_STATE_DIR/inject, where <call>
- * is lock|checkpoint|restore|unlock|getstate; every call is appended to $FAKECUDA_STATE_DIR/calls.log
- * as "<call> <pid>" so tests can check the order (all locks before any checkpoint).
+ * is lock|checkpoint|restore|unlock|getstate (pid as the caller sees it; 0 matches any pid). Every
+ * call is appended to $FAKECUDA_STATE_DIR/calls.log as "<call> <pid> <time>", so tests can check
+ * the order (all locks before any checkpoint). $FAKECUDA_API_VERSION overrides cuDriverGetVersion.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -28,6 +32,8 @@
 #include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
+#include <dlfcn.h>
+#include <stdint.h>
 #include <unistd.h>
 
 #define CUDA_SUCCESS 0
@@ -60,28 +66,56 @@ static int big_lock(void) {
 }
 static void big_unlock(int fd) { if (fd >= 0) { flock(fd, LOCK_UN); close(fd); } }
 
-static int read_state(int pid) {
-    char p[4096], name[32];
-    snprintf(name, sizeof name, "pid.%d", pid);
-    path_for(p, sizeof p, name);
-    FILE *f = fopen(p, "r");
-    if (!f) return -1;
-    int s = -1;
-    if (fscanf(f, "%d", &s) != 1) s = -1;
+/* This process's own state: -1 until fakeCudaAttach(). Exported so its offset is stable. */
+volatile int fakecuda_state = -1;
+
+/* Address of fakecuda_state inside process pid: the base of this library's first mapping there plus
+ * the variable's offset from our own base (the library's layout is the same in every process). */
+static uintptr_t state_addr(int pid) {
+    Dl_info info;
+    if (!dladdr((void *)&fakecuda_state, &info) || !info.dli_fname) return 0;
+    char self_path[4096];
+    if (!realpath(info.dli_fname, self_path)) snprintf(self_path, sizeof self_path, "%s", info.dli_fname);
+    uintptr_t off = (uintptr_t)&fakecuda_state - (uintptr_t)info.dli_fbase;
+    char maps[64], line[8192];
+    snprintf(maps, sizeof maps, "/proc/%d/maps", pid);
+    FILE *f = fopen(maps, "r");
+    if (!f) return 0;
+    uintptr_t base = 0;
+    while (fgets(line, sizeof line, f)) {
+        unsigned long lo, hi, foff;
+        char perms[8], path[4096] = "";
+        if (sscanf(line, "%lx-%lx %7s %lx %*s %*s %4095s", &lo, &hi, perms, &foff, path) >= 4 &&
+            foff == 0 && strcmp(path, self_path) == 0) { base = lo; break; }
+    }
     fclose(f);
+    return base ? base + off : 0;
+}
+
+static int read_state(int pid) {
+    if (pid == getpid()) return fakecuda_state;
+    uintptr_t addr = state_addr(pid);
+    if (!addr) return -1;
+    char p[64];
+    snprintf(p, sizeof p, "/proc/%d/mem", pid);
+    int fd = open(p, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return -1;
+    int s = -1;
+    if (pread(fd, &s, sizeof s, (off_t)addr) != (ssize_t)sizeof s) s = -1;
+    close(fd);
     return s;
 }
 
 static void write_state(int pid, int s) {
-    char p[4096], tmp[4200], name[32];
-    snprintf(name, sizeof name, "pid.%d", pid);
-    path_for(p, sizeof p, name);
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d", p, getpid());
-    FILE *f = fopen(tmp, "w");
-    if (!f) return;
-    fprintf(f, "%d\n", s);
-    fclose(f);
-    rename(tmp, p);
+    if (pid == getpid()) { fakecuda_state = s; return; }
+    uintptr_t addr = state_addr(pid);
+    if (!addr) return;
+    char p[64];
+    snprintf(p, sizeof p, "/proc/%d/mem", pid);
+    int fd = open(p, O_WRONLY | O_CLOEXEC);
+    if (fd < 0) return;
+    if (pwrite(fd, &s, sizeof s, (off_t)addr) != (ssize_t)sizeof s) { /* reported by the next read */ }
+    close(fd);
 }
 
 static void log_call(const char *call, int pid) {
@@ -103,7 +137,7 @@ static int injected(const char *call, int pid) {
     if (!f) return 0;
     int rc = 0;
     while (fscanf(f, "%63s %d %d", c, &ipid, &code) == 3) {
-        if (strcmp(c, call) == 0 && ipid == pid) { rc = code; break; }
+        if (strcmp(c, call) == 0 && (ipid == pid || ipid == 0)) { rc = code; break; }
     }
     fclose(f);
     return rc;
@@ -128,7 +162,12 @@ static int transition(const char *call, int pid, int from, int to) {
 }
 
 int cuInit(unsigned int flags) { (void)flags; return CUDA_SUCCESS; }
-int cuDriverGetVersion(int *v) { if (!v) return CUDA_ERROR_INVALID_VALUE; *v = 13000; return CUDA_SUCCESS; }
+int cuDriverGetVersion(int *v) {
+    if (!v) return CUDA_ERROR_INVALID_VALUE;
+    const char *e = getenv("FAKECUDA_API_VERSION");
+    *v = (e && *e) ? atoi(e) : 13000;
+    return CUDA_SUCCESS;
+}
 int cuDeviceGetCount(int *n) { if (!n) return CUDA_ERROR_INVALID_VALUE; *n = 0; return CUDA_SUCCESS; }
 int cuDeviceGet(int *d, int i) { (void)d; (void)i; return 101; /* CUDA_ERROR_INVALID_DEVICE */ }
 
@@ -174,17 +213,15 @@ int cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
 
 /* ---- test-only entry points used by the CI workloads ---- */
 int fakeCudaAttach(void) {
-    int lk = big_lock();
-    write_state(getpid(), RUNNING);
+    fakecuda_state = RUNNING;
     log_call("attach", getpid());
-    big_unlock(lk);
     return CUDA_SUCCESS;
 }
 
 /* Blocks while this pid is locked or checkpointed, as a real CUDA call would under the driver's lock. */
 int fakeCudaSync(void) {
     for (;;) {
-        int s = read_state(getpid());
+        int s = fakecuda_state;
         if (s == RUNNING) return CUDA_SUCCESS;
         if (s == FAILED || s < 0) return CUDA_ERROR_UNKNOWN;
         usleep(2000);

@@ -38,7 +38,6 @@ def test_checkpoint_then_restore_resumes_counting_with_memory_intact(tmp_path, p
     assert res["gpu_stage"] == "done"
     assert not w.alive(), "the workload must be gone after a checkpoint without leave_running"
     stopped_at = w.counts()
-    assert all(fakecuda.state(p) == "checkpointed" for p in w.pids)
     assert os.stat(image_dir).st_mode & 0o777 == 0o700
     # Every lock comes before any checkpoint (consistent freeze of the whole workload).
     calls = [c for c, _ in fakecuda.calls() if c in ("lock", "checkpoint")]
