@@ -56,10 +56,13 @@ class Criu(object):
         out = (res.stdout + res.stderr).strip()
         return res.rc == 0, out
 
-    def dump(self, pid, images_dir, work_dir, leave_running=False, shell_job=False, extra=(), timeout=None):
+    def dump(self, pid, images_dir, work_dir, after="exit", shell_job=False, extra=(), timeout=None):
+        """``after``: what becomes of the tree once dumped: exit (CRIU kills it), running, or stopped."""
         cmd = [self.path, "dump", "-t", pid, "-D", images_dir, "-W", work_dir, "-o", "dump.log", "-v2"]
-        if leave_running:
+        if after == "running":
             cmd.append("--leave-running")
+        elif after == "stopped":
+            cmd.append("--leave-stopped")
         if shell_job:
             cmd.append("--shell-job")
         cmd.extend(extra)
@@ -74,13 +77,15 @@ class Criu(object):
         if shell_job:
             cmd.append("--shell-job")
         cmd.extend(extra)
-        res = self._run(cmd, os.path.join(work_dir, "restore.log"), "criu-restore", None, timeout)
+        # A shell job is restored into criu's own session: give criu a new one, or the workload would
+        # belong to the ssh session of the module and die of SIGHUP when that session ends.
+        res = self._run(cmd, os.path.join(work_dir, "restore.log"), "criu-restore", None, timeout, new_session=True)
         with open(pidfile) as fh:
             return int(fh.read().strip()), res
 
-    def _run(self, cmd, log, stage, pid, timeout):
+    def _run(self, cmd, log, stage, pid, timeout, new_session=False):
         try:
-            return run(cmd, timeout=timeout, stage=stage, pid=pid)
+            return run(cmd, timeout=timeout, stage=stage, pid=pid, new_session=new_session)
         except CommandError as exc:
             exc.stderr = ((exc.stderr or "") + "\n--- %s ---\n%s" % (log, log_excerpt(log))).strip()
             raise

@@ -202,6 +202,26 @@ def gpus():
     return out, "nvidia-smi"
 
 
+def gpu_memory_by_pid():
+    """{pid: bytes of GPU memory} through NVML, {} when NVML is not installed."""
+    try:
+        import pynvml
+        pynvml.nvmlInit()
+    except Exception:  # noqa: BLE001
+        return {}
+    out = {}
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                out[proc.pid] = out.get(proc.pid, 0) + (proc.usedGpuMemory or 0)
+    except Exception:  # noqa: BLE001
+        pass
+    finally:
+        pynvml.nvmlShutdown()
+    return out
+
+
 def driver_version():
     """The kernel driver's version string (e.g. 580.159.04), or None."""
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import time
 import uuid
@@ -115,12 +116,63 @@ def _find_cuda_pids(drv, pids, driver_problem):
     return [p for p in pids if p in states], states
 
 
+class _NoHangup(object):
+    """Ignore SIGHUP while a transaction runs: a controller that dies (ssh closes) must not kill the
+    module half-way between lock and dump and leave the workload frozen. The journal tells
+    recover.yml what to finish."""
+
+    def __enter__(self):
+        try:
+            self.old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+        except (ValueError, OSError):  # not the main thread
+            self.old = None
+        return self
+
+    def __exit__(self, *exc):
+        if self.old is not None:
+            signal.signal(signal.SIGHUP, self.old)
+        return False
+
+
+class _NullJournal(object):
+    def write(self, phase, **data):
+        pass
+
+
+def _identities(pids):
+    """(comm, starttime) per pid: who a pid was, so we never signal a reused pid."""
+    out = {}
+    for p in pids:
+        st = discovery.read_stat(p) or {}
+        out[str(p)] = {"comm": st.get("comm"), "starttime": st.get("starttime")}
+    return out
+
+
+def _same_process(pid, ident):
+    st = discovery.read_stat(pid)
+    return bool(st) and ident is not None and st["starttime"] == ident.get("starttime")
+
+
 def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=None, libcuda_path=None,
-               check_mode=False, sign_key=None):
-    """Checkpoint the process tree of ``pid`` into ``image_dir``. Returns a result dict."""
+               check_mode=False, sign_key=None, leave_stopped=False, journal=None):
+    """Checkpoint the process tree of ``pid`` into ``image_dir``. Returns a result dict.
+
+    Afterwards the tree exits (default), runs on (``leave_running``), or stays stopped with its GPU
+    memory in host RAM (``leave_stopped``: a migration's source, released or resumed later)."""
+    if leave_running and leave_stopped:
+        raise InvalidTarget("leave_running and leave_stopped exclude each other", stage="preflight")
+    with _NoHangup():
+        return _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_path, check_mode,
+                           sign_key, leave_stopped, journal or _NullJournal())
+
+
+def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_path, check_mode, sign_key,
+                leave_stopped, journal):
     image_dir = os.path.abspath(image_dir)
     backend = backend or ProcessBackend()
-    result = {"changed": False, "image_dir": image_dir, "pid": pid, "leave_running": leave_running}
+    after = "running" if leave_running else "stopped" if leave_stopped else "exit"
+    result = {"changed": False, "image_dir": image_dir, "pid": pid, "leave_running": leave_running,
+              "leave_stopped": leave_stopped}
 
     # Idempotence: a complete image of this same target is already there.
     if os.path.isdir(image_dir) and image.has_manifest(image_dir):
@@ -157,10 +209,14 @@ def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=N
 
     created = image.prepare_dir(image_dir)
     work = image.state_dir(image_dir)
+    identities = _identities(pids)
+    journal.write("freezing", pids=pids, cuda_pids=cuda_pids, identities=identities, image_dir=image_dir,
+                  after=after, frozen_at=time.time())
     clock = _Clock()
     calls0 = len(drv.calls) if drv else 0
     locked, checkpointed = [], []
     lock_ms = int(lock_timeout * 1000)
+    frozen_at = time.time()
     try:
         clock.start()
         for p in cuda_pids:
@@ -171,11 +227,12 @@ def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=N
             drv.checkpoint(p)
             checkpointed.append(p)
         clock.stop("cuda_checkpoint")
-        runtime_info = backend.dump(root, image_dir, work, leave_running)
+        runtime_info = backend.dump(root, image_dir, work, after)
         clock.stop("runtime_dump")
     except Exception as exc:  # noqa: BLE001 - any failure after the first lock rolls back
         ok, problems = _rollback(drv, checkpointed, locked) if drv else (True, [])
         image.discard(image_dir, created)
+        journal.write("rolled_back" if ok else "rollback_failed", error=str(exc))
         stage = getattr(exc, "stage", None) or "checkpoint"
         where = " for pid %s" % exc.pid if getattr(exc, "pid", None) else ""
         state = ("the workload was rolled back and runs on" if ok else
@@ -192,6 +249,7 @@ def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=N
         if not ok:
             raise TransactionError("image written, but resuming the source failed: %s" % "; ".join(problems),
                                    stage="cuda-resume", rolled_back=False)
+    journal.write("frozen" if after != "running" else "snapshotted", image_dir=image_dir)
     # Without leave_running CRIU has killed the tree. PID 1 may take a second to reap it; a restore
     # on this host waits for that itself, so the checkpoint does not.
     try:
@@ -202,10 +260,12 @@ def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=N
         manifest = {
             "id": str(uuid.uuid4()), "created": _now(), "tool": "gpuckpt.fleet", "tool_version": COLLECTION_VERSION,
             "host": host, "runtime": runtime_info,
-            "target": {"root_pid": root, "pids": pids, "cuda_pids": cuda_pids,
+            "target": {"root_pid": root, "pids": pids, "cuda_pids": cuda_pids, "identities": identities,
+                       "after": after,
                        "processes": [discovery.process_info(p) for p in pids] if leave_running else
                        [{"pid": p} for p in pids]},
-            "gpu_stage": gpu_stage, "leave_running": leave_running,
+            "gpu_stage": gpu_stage, "leave_running": leave_running, "leave_stopped": leave_stopped,
+            "frozen_at": frozen_at,
             "sizes": {"image_bytes": sum(f["size"] for f in files.values()), "files": len(files)},
             "timings": dict(clock.stages), "driver_call_seconds": _driver_seconds(drv, calls0),
             "files": files,
@@ -213,8 +273,12 @@ def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=N
         image.write_manifest(image_dir, manifest, sign_key)
         clock.stop("manifest")
     except Exception as exc:  # noqa: BLE001
-        # Without leave_running the workload now lives only in this image: bring it back.
-        if not leave_running:
+        # When the tree exited, the workload now lives only in this image: bring it back.
+        if after == "stopped":
+            resume_stopped({"target": {"pids": pids, "cuda_pids": cuda_pids, "identities": identities}},
+                           backend, drv)
+            back = "the workload was resumed"
+        elif after == "exit":
             try:
                 _restore_from(image_dir, {"target": {"pids": pids, "cuda_pids": cuda_pids},
                                           "runtime": runtime_info}, backend, drv, None, _Clock())
@@ -225,12 +289,16 @@ def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=N
         else:
             back = "the workload runs on"
         image.discard(image_dir, created)
+        journal.write("rolled_back", error=str(exc))
         raise TransactionError("writing the image manifest failed: %s; %s" % (exc, back), stage="manifest",
                                rolled_back=True)
-    result.update(changed=True, manifest_id=manifest["id"], timings=dict(clock.stages),
+    journal.write("checkpointed", manifest_id=manifest["id"], image_bytes=manifest["sizes"]["image_bytes"],
+                  timings=dict(clock.stages))
+    result.update(changed=True, manifest_id=manifest["id"], timings=dict(clock.stages), frozen_at=frozen_at,
                   driver_call_seconds=manifest["driver_call_seconds"], image_bytes=manifest["sizes"]["image_bytes"],
                   msg="checkpointed %d process(es) (%d on the GPU) into %s%s"
-                  % (len(pids), len(cuda_pids), image_dir, "; workload left running" if leave_running else ""))
+                  % (len(pids), len(cuda_pids), image_dir, {"running": "; workload left running",
+                                                             "stopped": "; workload left stopped"}.get(after, "")))
     return result
 
 
@@ -295,7 +363,14 @@ def gpu_pairs_for(gpu_map, visible):
 
 
 def restore(image_dir, gpu_map=None, force=False, backend=None, libcuda_path=None, check_mode=False,
-            sign_key=None, verify=True, validate_wait=0.5, pid_wait=10.0):
+            sign_key=None, verify=True, validate_wait=0.5, pid_wait=10.0, journal=None):
+    with _NoHangup():
+        return _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_key, verify,
+                        validate_wait, pid_wait, journal or _NullJournal())
+
+
+def _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_key, verify, validate_wait,
+             pid_wait, journal):
     image_dir = os.path.abspath(image_dir)
     backend = backend or ProcessBackend()
     manifest = image.load_manifest(image_dir)
@@ -343,9 +418,12 @@ def restore(image_dir, gpu_map=None, force=False, backend=None, libcuda_path=Non
         return result
     calls0 = len(drv.calls) if drv else 0
     clock.stop("preflight")
+    journal.write("restoring", manifest_id=manifest.get("id"))
     try:
         new_pids, cuda_pids = _restore_from(image_dir, manifest, backend, drv, pairs, clock, validate_wait)
+        resumed_at = time.time()
     except Exception as exc:  # noqa: BLE001
+        journal.write("restore_failed", error=str(exc))
         stage = getattr(exc, "stage", None) or "restore"
         raise TransactionError("restore failed at stage %s%s: %s; what was brought up was stopped, the image is "
                                "untouched" % (stage, " for pid %s" % exc.pid if getattr(exc, "pid", None) else "",
@@ -354,16 +432,111 @@ def restore(image_dir, gpu_map=None, force=False, backend=None, libcuda_path=Non
                                hint=getattr(exc, "hint", None), **_error_fields(exc))
     image.write_restored_mark(image_dir, {"manifest_id": manifest.get("id"), "restored": _now(),
                                           "pids": new_pids, "cuda_pids": cuda_pids, "host": socket.gethostname()})
+    journal.write("restored", pids=new_pids, cuda_pids=cuda_pids, resumed_at=resumed_at)
     result.update(changed=True, pids=new_pids, cuda_pids=cuda_pids, timings=dict(clock.stages),
+                  resumed_at=resumed_at,
                   verify_seconds=verify_seconds, driver_call_seconds=_driver_seconds(drv, calls0),
                   gpu_pairs=pairs, msg="restored %d process(es) (%d on the GPU) from %s"
                   % (len(new_pids), len(cuda_pids), image_dir))
     return result
 
 
-def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True):
+def resume_stopped(manifest, backend=None, drv=None, libcuda_path=None):
+    """Roll a stopped source back to running: SIGCONT (the driver's restore thread must run), then CUDA
+    restore and unlock. Idempotent; returns (changed, pids that run)."""
+    backend = backend or ProcessBackend()
+    target = manifest["target"]
+    idents = target.get("identities") or {}
+    mine = [p for p in target["pids"] if _same_process(p, idents.get(str(p)))]
+    if not mine:
+        raise TransactionError("none of the source's processes %s exists any more; restore from the image instead"
+                               % target["pids"], stage="resume-source")
+    changed = any((discovery.read_stat(p) or {}).get("state") in ("T", "t") for p in mine)
+    backend.resume(mine)
+    cuda_pids = [p for p in target["cuda_pids"] if p in mine]
+    if cuda_pids:
+        if drv is None:
+            drv, problem = cuda.load(libcuda_path)
+            if drv is None:
+                raise problem
+        for p in cuda_pids:
+            if drv.cuda_state(p) == "checkpointed":
+                drv.restore(p)
+                changed = True
+        for p in cuda_pids:
+            if drv.cuda_state(p) == "locked":
+                drv.unlock(p)
+                changed = True
+        bad = [p for p in cuda_pids if drv.cuda_state(p) != "running"]
+        if bad:
+            raise TransactionError("source pid %d is %s after resume" % (bad[0], drv.cuda_state(bad[0])),
+                                   stage="resume-source", pid=bad[0])
+    return changed, mine
+
+
+def release_stopped(manifest, backend=None):
+    """Commit: kill the source's stopped processes (only those that are still the same processes)."""
+    backend = backend or ProcessBackend()
+    target = manifest["target"]
+    idents = target.get("identities") or {}
+    mine = [p for p in target["pids"] if _same_process(p, idents.get(str(p)))]
+    running = [p for p in mine if (discovery.read_stat(p) or {}).get("state") not in ("T", "t", "Z")]
+    if running:
+        raise TransactionError("source pid %d runs again (it is not stopped): refusing to kill it; the migration "
+                               "was rolled back or resumed by hand" % running[0], stage="release-source",
+                               pid=running[0])
+    if mine:
+        backend.kill(mine)
+    return bool(mine), mine
+
+
+def _read(path):
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _rss_bytes(pid):
+    text = _read("/proc/%d/status" % pid) or ""
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _free_bytes(path):
+    """Free bytes of the filesystem that holds ``path`` (or its nearest existing parent)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize
+
+
+def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=None, tree_of=None,
+          check_pids=None):
     drv, problem = cuda.load(libcuda_path)
-    out = {"host": {"hostname": socket.gethostname(), "kernel": os.uname().release}}
+    out = {"host": {"hostname": socket.gethostname(), "kernel": os.uname().release,
+                    "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+                    "pid_namespace": os.readlink("/proc/self/ns/pid")}}
+    if paths:
+        out["disk"] = {p: {"free_bytes": _free_bytes(p)} for p in paths}
+    if tree_of:
+        st = discovery.read_stat(int(tree_of))
+        if st is None:
+            out["tree"] = {"root": int(tree_of), "exists": False, "pids": []}
+        else:
+            tpids = discovery.process_tree(int(tree_of))
+            gpu_mem = discovery.gpu_memory_by_pid()
+            cuda_pids = [p for p in tpids if drv and drv.cuda_state(p) is not None] if drv else []
+            out["tree"] = {"root": int(tree_of), "exists": True, "pids": tpids, "cuda_pids": cuda_pids,
+                           "cuda_states": {str(p): drv.cuda_state(p) for p in cuda_pids} if drv else {},
+                           "rss_bytes": sum(_rss_bytes(p) for p in tpids),
+                           "gpu_bytes": sum(gpu_mem.get(p, 0) for p in tpids)}
+    if check_pids:
+        out["pids_in_use"] = [int(p) for p in check_pids if discovery.read_stat(int(p)) is not None]
     drv_info = {"available": drv is not None, "driver_version": discovery.driver_version()}
     if drv:
         drv_info.update(drv.info())

@@ -13,6 +13,20 @@ TOOL_ARGS = dict(
 )
 
 
+MIGRATION_ARGS = dict(
+    migration_id=dict(type="str"),
+    journal_dir=dict(type="path", default="/var/lib/gpuckpt/journal"),
+)
+
+
+def journal_for(params, role):
+    """The migration journal for this host's role, or None outside a migration."""
+    if not params.get("migration_id"):
+        return None
+    from .migration import Journal
+    return Journal(params["journal_dir"], params["migration_id"], role)
+
+
 def run_engine(module, fn, *args, **kwargs):
     """Call an engine function; exit_json with its result, or fail_json with an error for people."""
     try:

@@ -47,13 +47,16 @@ def _tail(text, limit=4000):
     return text if len(text) <= limit else "...(cut)...\n" + text[-limit:]
 
 
-def run(cmd, timeout=None, check=True, stage=None, pid=None, env=None, cwd=None, hint=None, input_text=None):
-    """Run ``cmd`` (an argv list), never through a shell. Raises CommandError when check and rc != 0."""
+def run(cmd, timeout=None, check=True, stage=None, pid=None, env=None, cwd=None, hint=None, input_text=None,
+        new_session=False):
+    """Run ``cmd`` (an argv list), never through a shell. Raises CommandError when check and rc != 0.
+    ``new_session``: start it in a session of its own, detached from the caller's (ssh) session."""
     cmd = [str(c) for c in cmd]
     start = time.monotonic()
     try:
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
                               env=env, cwd=cwd, input=input_text, universal_newlines=True,
+                              start_new_session=new_session,
                               stdin=None if input_text is not None else subprocess.DEVNULL)
     except subprocess.TimeoutExpired as exc:
         raise CommandError("%s timed out after %ss" % (cmd[0], timeout), stage=stage, pid=pid, cmd=cmd,

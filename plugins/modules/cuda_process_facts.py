@@ -23,6 +23,17 @@ options:
         Every process that the driver knows as a CUDA process is reported too (checkpointed processes hold no device file).
     type: list
     elements: int
+  paths:
+    description: Report the free bytes of the filesystem that holds each of these paths (as C(disk)).
+    type: list
+    elements: path
+  tree_of:
+    description: Report the process tree of this pid as C(tree) (pids, CUDA pids and states, RSS and GPU bytes).
+    type: int
+  check_pids:
+    description: Report which of these pids are in use on this host (as C(pids_in_use)).
+    type: list
+    elements: int
   check_criu:
     description: Run C(criu check). It takes about a second.
     type: bool
@@ -54,7 +65,7 @@ ansible_facts:
   type: complex
   contains:
     gpuckpt:
-      description: driver, gpus, cuda_device_uuids, cuda_processes, criu, host, ready.
+      description: driver, gpus, cuda_device_uuids, cuda_processes, criu, host (with boot_id and pid_namespace), ready; disk, tree and pids_in_use when asked for.
       type: dict
       returned: always
 """
@@ -68,6 +79,9 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkp
 def main():
     module = AnsibleModule(argument_spec=dict(
         pids=dict(type="list", elements="int"),
+        paths=dict(type="list", elements="path"),
+        tree_of=dict(type="int"),
+        check_pids=dict(type="list", elements="int"),
         check_criu=dict(type="bool", default=True),
         criu_path=dict(type="path"),
         libcuda_path=dict(type="path"),
@@ -75,7 +89,8 @@ def main():
     p = module.params
     try:
         facts = engine.facts(pids=p["pids"], libcuda_path=p["libcuda_path"], criu_path=p["criu_path"],
-                             check_criu=p["check_criu"])
+                             check_criu=p["check_criu"], paths=p["paths"], tree_of=p["tree_of"],
+                             check_pids=p["check_pids"])
     except GpuCkptError as exc:
         module.fail_json(**exc.to_dict())
     module.exit_json(changed=False, ansible_facts={"gpuckpt": facts})

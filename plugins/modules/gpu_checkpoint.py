@@ -40,6 +40,20 @@ options:
         Its GPU memory is then restored and it is unlocked.
     type: bool
     default: false
+  leave_stopped:
+    description:
+      - Leave the workload stopped after the dump, with its GPU memory in host RAM, neither running nor
+        killed. This is a migration's source. C(gpuckpt.fleet.gpu_migration) later releases it (commit)
+        or resumes it (rollback).
+    type: bool
+    default: false
+  migration_id:
+    description: Record each phase in this migration's journal on the host (see gpuckpt.fleet.gpu_migration).
+    type: str
+  journal_dir:
+    description: Directory of the migration journals.
+    type: path
+    default: /var/lib/gpuckpt/journal
   lock_timeout:
     description: Seconds to wait for in-flight CUDA work to finish when locking each process.
     type: float
@@ -78,7 +92,21 @@ EXAMPLES = r"""
     pid: 4242
     image_dir: /var/lib/gpuckpt/images/infer-snap
     leave_running: true
-    lock_timeout: 60
+    leave_stopped:
+    description:
+      - Leave the workload stopped after the dump, with its GPU memory in host RAM, neither running nor
+        killed. This is a migration's source. C(gpuckpt.fleet.gpu_migration) later releases it (commit)
+        or resumes it (rollback).
+    type: bool
+    default: false
+  migration_id:
+    description: Record each phase in this migration's journal on the host (see gpuckpt.fleet.gpu_migration).
+    type: str
+  journal_dir:
+    description: Directory of the migration journals.
+    type: path
+    default: /var/lib/gpuckpt/journal
+  lock_timeout: 60
 """
 
 RETURN = r"""
@@ -129,7 +157,8 @@ rolled_back:
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import TOOL_ARGS, run_engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
+    MIGRATION_ARGS, TOOL_ARGS, journal_for, run_engine)
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend
 
 
@@ -138,18 +167,22 @@ def main():
         pid=dict(type="int", required=True),
         image_dir=dict(type="path", required=True),
         leave_running=dict(type="bool", default=False),
+        leave_stopped=dict(type="bool", default=False),
         lock_timeout=dict(type="float", default=30),
         sign_key=dict(type="str", no_log=True),
     )
     spec.update(TOOL_ARGS)
-    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
+    spec.update(MIGRATION_ARGS)
+    module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
+                           mutually_exclusive=[("leave_running", "leave_stopped")])
     p = module.params
     if p["lock_timeout"] <= 0:
         module.fail_json(msg="lock_timeout must be positive, got %s" % p["lock_timeout"])
     run_engine(module, lambda: engine.checkpoint(
         p["pid"], p["image_dir"], leave_running=p["leave_running"], lock_timeout=p["lock_timeout"],
         backend=ProcessBackend(p["criu_path"], p["criu_options"]),
-        libcuda_path=p["libcuda_path"], check_mode=module.check_mode, sign_key=p["sign_key"]))
+        libcuda_path=p["libcuda_path"], check_mode=module.check_mode, sign_key=p["sign_key"],
+        leave_stopped=p["leave_stopped"], journal=journal_for(p, "source")))
 
 
 if __name__ == "__main__":

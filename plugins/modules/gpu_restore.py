@@ -43,6 +43,13 @@ options:
     description: Seconds to wait after unlocking before checking that every process is still alive and running.
     type: float
     default: 0.5
+  migration_id:
+    description: Record each phase in this migration's journal on the host (see gpuckpt.fleet.gpu_migration).
+    type: str
+  journal_dir:
+    description: Directory of the migration journals.
+    type: path
+    default: /var/lib/gpuckpt/journal
   criu_path:
     description: Path of the criu binary.
     type: path
@@ -112,7 +119,8 @@ bad_files:
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import TOOL_ARGS, run_engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
+    MIGRATION_ARGS, TOOL_ARGS, journal_for, run_engine)
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend
 
 
@@ -126,12 +134,14 @@ def main():
         sign_key=dict(type="str", no_log=True),
     )
     spec.update(TOOL_ARGS)
+    spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
     p = module.params
     run_engine(module, lambda: engine.restore(
         p["image_dir"], gpu_map=p["gpu_map"], force=p["force"], verify=p["verify"],
         backend=ProcessBackend(p["criu_path"], p["criu_options"]), libcuda_path=p["libcuda_path"],
-        check_mode=module.check_mode, sign_key=p["sign_key"], validate_wait=p["validate_wait"]))
+        check_mode=module.check_mode, sign_key=p["sign_key"], validate_wait=p["validate_wait"],
+        journal=journal_for(p, "target")))
 
 
 if __name__ == "__main__":

@@ -61,7 +61,7 @@ def main():
         if os.fork() > 0:
             os.close(w)
             pid = os.read(r, 32).decode().strip()
-            print(pid)
+            print(pid, flush=True)
             os._exit(0 if pid else 1)
         os.close(r)
         os.setsid()

@@ -21,13 +21,18 @@ class Backend(object):
         """Validate ``target`` and return (root_host_pid, [host pids of the workload])."""
         raise NotImplementedError
 
-    def dump(self, target, image_dir, work_dir, leave_running):
-        """Write the workload's state into image_dir. On failure the workload must run on
-        (the runtime thaws it). Returns a dict recorded in the manifest under 'runtime'."""
+    def dump(self, target, image_dir, work_dir, after):
+        """Write the workload's state into image_dir; afterwards the workload exits, runs on, or is
+        left stopped (``after``: exit|running|stopped). On failure the workload must run on (the
+        runtime thaws it). Returns a dict recorded in the manifest under 'runtime'."""
         raise NotImplementedError
 
     def restore(self, image_dir, work_dir, manifest):
         """Bring the workload back from image_dir; return its host pids (root first)."""
+        raise NotImplementedError
+
+    def resume(self, pids):
+        """Let a workload left stopped by dump(after='stopped') run again."""
         raise NotImplementedError
 
     def kill(self, pids):

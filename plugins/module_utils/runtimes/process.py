@@ -40,9 +40,9 @@ class ProcessBackend(Backend):
         self._shell_job = (st["tty_nr"] != 0 or st["session"] not in tree or st["pgrp"] not in tree)
         return int(target), tree
 
-    def dump(self, target, image_dir, work_dir, leave_running):
+    def dump(self, target, image_dir, work_dir, after):
         shell_job = getattr(self, "_shell_job", False)
-        res = self.criu.dump(int(target), image_dir, work_dir, leave_running=leave_running,
+        res = self.criu.dump(int(target), image_dir, work_dir, after=after,
                              shell_job=shell_job, extra=self.extra, timeout=self.timeout)
         return {"backend": self.name, "root_pid": int(target), "shell_job": shell_job,
                 "criu_options": self.extra, "criu_seconds": res.seconds}
@@ -52,6 +52,14 @@ class ProcessBackend(Backend):
         root, _res = self.criu.restore(image_dir, work_dir, shell_job=rt.get("shell_job", False),
                                        extra=self.extra, timeout=self.timeout)
         return discovery.process_tree(root)
+
+    def resume(self, pids):
+        """Let a tree left stopped by a dump run again."""
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGCONT)
+            except OSError:
+                pass
 
     def kill(self, pids):
         for p in pids:

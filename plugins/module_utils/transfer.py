@@ -1,0 +1,65 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Moving an image from this host to another: rsync over the hosts' own ssh.
+
+Why rsync: it is on every fleet node, speaks ssh (no extra port or daemon), keeps partial files, and
+resumes them (--append-verify) when a transfer is cut; a repair pass (--checksum) re-sends only the
+blocks that differ after a checksum mismatch. The manifest's chunked SHA-256 checksums, verified by
+gpu_restore on the target before anything is restored, are what prove the copy.
+"""
+from __future__ import annotations
+
+import re
+import shlex
+import time
+
+from .errors import CommandError
+from .run import find_binary, run
+
+STATE_EXCLUDE = "/.gpuckpt/"  # logs and the restore marker of the source stay there
+
+
+def _stat(text, label):
+    m = re.search(r"^%s:\s*([\d,]+)" % re.escape(label), text, re.M)
+    return int(m.group(1).replace(",", "")) if m else 0
+
+
+def push(src, dest_host, dest, user="root", port=22, ssh_args=(), rsync_path=None, repair=False,
+         bwlimit=0, io_timeout=120, retries=3, retry_delay=1.0, progress_file=None):
+    """rsync ``src``/ to ``user@dest_host:dest``/; retried (and resumed) up to ``retries`` times."""
+    rsync = find_binary("rsync", what="install rsync on both hosts")
+    ssh = ["ssh", "-p", str(port), "-o", "BatchMode=yes", "-o", "Compression=no"] + list(ssh_args)
+    cmd = [rsync, "-a", "--mkpath", "--stats", "--exclude", STATE_EXCLUDE, "--timeout", str(io_timeout),
+           "-e", " ".join(shlex.quote(a) for a in ssh)]
+    if repair:
+        cmd += ["--checksum", "--inplace", "--no-whole-file"]
+    else:
+        cmd += ["--partial", "--append-verify"]
+    if bwlimit:
+        cmd += ["--bwlimit", str(bwlimit)]
+    if rsync_path:
+        cmd += ["--rsync-path", rsync_path]
+    if progress_file:
+        cmd += ["--info=progress2", "--log-file", progress_file]
+    cmd += [src.rstrip("/") + "/", "%s@%s:%s/" % (user, dest_host, dest.rstrip("/"))]
+    attempts, moved, start, last = 0, 0, time.monotonic(), None
+    while attempts <= retries:
+        attempts += 1
+        try:
+            res = run(cmd, stage="transfer", check=True,
+                      hint="check that this host reaches %s over ssh and that the target has free disk" % dest_host)
+            moved += _stat(res.stdout, "Total transferred file size")
+            return {"attempts": attempts, "bytes_transferred": moved, "seconds": round(time.monotonic() - start, 3),
+                    "bytes_total": _stat(res.stdout, "Total file size"), "cmd": cmd}
+        except CommandError as exc:
+            last = exc
+            text = (exc.stderr or "") + (exc.stdout or "")
+            if "No space left on device" in text:
+                exc.msg = "transfer to %s:%s failed: the target's disk is full" % (dest_host, dest)
+                exc.hint = "free space on the target (the image needs what the manifest's sizes say)"
+                raise exc
+            if attempts <= retries:
+                time.sleep(retry_delay)
+    last.msg = "transfer to %s:%s failed after %d attempts: %s" % (dest_host, dest, attempts, last.msg)
+    raise last

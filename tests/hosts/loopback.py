@@ -1,0 +1,138 @@
+"""Two test "hosts" on this machine: sshd on 127.0.0.2 and 127.0.0.3 (port 22), each in its own pid
+namespace (its own /proc), sharing the filesystem. Real ssh, real rsync; per-host image, state and
+journal directories. Started and stopped by PID by the tests; also usable from the command line:
+
+  python3 tests/hosts/loopback.py start DIR   # writes DIR/inventory.ini and DIR/ssh_config, prints pids
+  python3 tests/hosts/loopback.py stop DIR
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+HOSTS = (("hosta", "127.0.0.2"), ("hostb", "127.0.0.3"))
+SSHD = "/usr/sbin/sshd"
+
+
+def _sh(cmd):
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def _wait_port(addr, port, timeout=15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection((addr, port), 0.5).close()
+            return
+        except OSError:
+            time.sleep(0.1)
+    raise RuntimeError("sshd on %s:%d did not come up" % (addr, port))
+
+
+class LoopbackHosts(object):
+    def __init__(self, base, port=22, pid_namespaces=True, python="/usr/bin/python3"):
+        self.base = os.path.abspath(base)
+        self.port = port
+        self.pidns = pid_namespaces
+        self.python = python
+        self.pids = {}
+
+    def path(self, *parts):
+        return os.path.join(self.base, *parts)
+
+    def host_dir(self, name, what):
+        return self.path(name, what)
+
+    def start(self, host_vars=None):
+        os.makedirs(self.base, exist_ok=True)
+        os.makedirs("/run/sshd", exist_ok=True)
+        key = self.path("id_ed25519")
+        if not os.path.exists(key):
+            _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", key])
+        with open(key + ".pub") as fh, open(self.path("authorized_keys"), "w") as out:
+            out.write(fh.read())
+        lines = []
+        for name, addr in HOSTS:
+            d = self.path(name)
+            os.makedirs(d, exist_ok=True)
+            hk = os.path.join(d, "ssh_host_ed25519_key")
+            if not os.path.exists(hk):
+                _sh(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", hk])
+            cfg = os.path.join(d, "sshd_config")
+            with open(cfg, "w") as fh:
+                fh.write("\n".join([
+                    "ListenAddress %s:%d" % (addr, self.port), "HostKey %s" % hk,
+                    "PidFile %s" % os.path.join(d, "sshd.pid"), "AuthorizedKeysFile %s" % self.path("authorized_keys"),
+                    "PermitRootLogin prohibit-password", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
+                    "UsePAM no", "StrictModes no", "Subsystem sftp internal-sftp", "MaxStartups 50", "MaxSessions 50",
+                    "LogLevel ERROR", ""]))
+            cmd = [SSHD, "-D", "-e", "-f", cfg]
+            if self.pidns:
+                cmd = ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "unchanged",
+                       self.python, os.path.join(HERE, "nsinit.py")] + cmd
+            log = open(os.path.join(d, "sshd.log"), "ab")
+            proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+            self.pids[name] = proc.pid
+            lines.append((name, addr))
+        for _name, addr in HOSTS:
+            _wait_port(addr, self.port)
+        known = self.path("known_hosts")
+        with open(self.path("ssh_config"), "w") as fh:
+            for name, addr in HOSTS:
+                # Match both the alias and the address, or a stale known_hosts entry breaks the host.
+                fh.write("Host %s %s\n  HostName %s\n  Port %d\n  User root\n  IdentityFile %s\n"
+                         "  UserKnownHostsFile %s\n  StrictHostKeyChecking accept-new\n  LogLevel ERROR\n"
+                         % (name, addr, addr, self.port, key, known))
+        if os.path.exists(known):
+            os.unlink(known)
+        hv = host_vars or {}
+        with open(self.path("inventory.ini"), "w") as fh:
+            fh.write("[gpu_nodes]\n")
+            for name, addr in HOSTS:
+                extra = " ".join("%s=%s" % (k, json.dumps(v) if not isinstance(v, str) else v)
+                                 for k, v in (hv.get(name) or {}).items())
+                fh.write("%s ansible_host=%s ansible_port=%d ansible_user=root ansible_python_interpreter=%s "
+                         "gpuckpt_image_root=%s gpuckpt_journal_dir=%s %s\n"
+                         % (name, addr, self.port, self.python, self.host_dir(name, "images"),
+                            self.host_dir(name, "journal"), extra))
+            fh.write("\n[gpu_nodes:vars]\nansible_ssh_common_args=-F %s\ngpuckpt_transfer_ssh_args=[\"-F\", \"%s\"]\n"
+                     % (self.path("ssh_config"), self.path("ssh_config")))
+        with open(self.path("pids.json"), "w") as fh:
+            json.dump(self.pids, fh)
+        return self
+
+    def ssh(self, name, command, check=True, timeout=120):
+        """Run a shell command on a test host (inside its pid namespace)."""
+        return subprocess.run(["ssh", "-F", self.path("ssh_config"), name, command], stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, universal_newlines=True, check=check, timeout=timeout)
+
+    def stop(self):
+        pids = self.pids
+        if not pids and os.path.exists(self.path("pids.json")):
+            with open(self.path("pids.json")) as fh:
+                pids = json.load(fh)
+        for pid in pids.values():
+            try:
+                os.killpg(pid, signal.SIGKILL)  # the namespace's init and everything in its session
+            except OSError:
+                pass
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        self.pids = {}
+
+
+if __name__ == "__main__":
+    action, base = sys.argv[1], sys.argv[2]
+    hosts = LoopbackHosts(base)
+    if action == "start":
+        print(json.dumps(hosts.start().pids))
+    else:
+        hosts.stop()

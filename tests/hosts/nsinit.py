@@ -1,0 +1,19 @@
+#!/usr/bin/env python3
+"""PID 1 of a test host's pid namespace: starts the host's sshd and reaps every orphan at once
+(a workload restored there is reparented to us; a slow reaper would hold its pids)."""
+import os
+import signal
+import subprocess
+import sys
+
+child = subprocess.Popen(sys.argv[1:])
+signal.signal(signal.SIGTERM, lambda *_: (child.terminate(), os._exit(0)))
+while True:
+    try:
+        pid, _status = os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+    except InterruptedError:
+        continue
+    if pid == child.pid:
+        break
