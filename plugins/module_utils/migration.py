@@ -86,7 +86,7 @@ def status(journal, wait=0.0):
     (freezing, restoring) to settle, when a module is still at work after the controller died."""
     deadline = time.monotonic() + wait
     doc = journal.read()
-    while doc and doc.get("phase") in ("freezing", "restoring", "receiving") and time.monotonic() < deadline:
+    while doc and doc.get("phase") in ("freezing", "restoring") and time.monotonic() < deadline:
         time.sleep(0.5)
         doc = journal.read()
     if not doc:

@@ -19,7 +19,8 @@
  * Errors are injected with lines "<call> <pid> <code>" in $FAKECUDA_STATE_DIR/inject, where <call>
  * is lock|checkpoint|restore|unlock|getstate (pid as the caller sees it; 0 matches any pid). Every
  * call is appended to $FAKECUDA_STATE_DIR/calls.log as "<call> <pid> <time>", so tests can check
- * the order (all locks before any checkpoint). $FAKECUDA_API_VERSION overrides cuDriverGetVersion.
+ * the order (all locks before any checkpoint). $FAKECUDA_API_VERSION, or a number in
+ * $FAKECUDA_STATE_DIR/api_version, overrides what cuDriverGetVersion reports (13000: driver 580).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -166,6 +167,10 @@ int cuDriverGetVersion(int *v) {
     if (!v) return CUDA_ERROR_INVALID_VALUE;
     const char *e = getenv("FAKECUDA_API_VERSION");
     *v = (e && *e) ? atoi(e) : 13000;
+    char p[4096];
+    path_for(p, sizeof p, "api_version");  /* per host, for tests whose hosts share an environment */
+    FILE *f = fopen(p, "r");
+    if (f) { if (fscanf(f, "%d", v) != 1) *v = 13000; fclose(f); }
     return CUDA_SUCCESS;
 }
 int cuDeviceGetCount(int *n) { if (!n) return CUDA_ERROR_INVALID_VALUE; *n = 0; return CUDA_SUCCESS; }

@@ -2,7 +2,7 @@
 namespace (its own /proc), sharing the filesystem. Real ssh, real rsync; per-host image, state and
 journal directories. Started and stopped by PID by the tests; also usable from the command line:
 
-  python3 tests/hosts/loopback.py start DIR   # writes DIR/inventory.ini and DIR/ssh_config, prints pids
+  python3 tests/hosts/loopback.py start DIR   # writes DIR/inventory.yml and DIR/ssh_config, prints pids
   python3 tests/hosts/loopback.py stop DIR
 """
 from __future__ import annotations
@@ -91,18 +91,19 @@ class LoopbackHosts(object):
                          % (name, addr, addr, self.port, key, known))
         if os.path.exists(known):
             os.unlink(known)
-        hv = host_vars or {}
-        with open(self.path("inventory.ini"), "w") as fh:
-            fh.write("[gpu_nodes]\n")
-            for name, addr in HOSTS:
-                extra = " ".join("%s=%s" % (k, json.dumps(v) if not isinstance(v, str) else v)
-                                 for k, v in (hv.get(name) or {}).items())
-                fh.write("%s ansible_host=%s ansible_port=%d ansible_user=root ansible_python_interpreter=%s "
-                         "gpuckpt_image_root=%s gpuckpt_journal_dir=%s %s\n"
-                         % (name, addr, self.port, self.python, self.host_dir(name, "images"),
-                            self.host_dir(name, "journal"), extra))
-            fh.write("\n[gpu_nodes:vars]\nansible_ssh_common_args=-F %s\ngpuckpt_transfer_ssh_args=[\"-F\", \"%s\"]\n"
-                     % (self.path("ssh_config"), self.path("ssh_config")))
+        hosts = {}
+        for name, addr in HOSTS:
+            hv = {"ansible_host": addr, "ansible_port": self.port, "ansible_user": "root",
+                  "ansible_python_interpreter": self.python,
+                  "gpuckpt_image_root": self.host_dir(name, "images"),
+                  "gpuckpt_journal_dir": self.host_dir(name, "journal")}
+            hv.update((host_vars or {}).get(name) or {})
+            hosts[name] = hv
+        inventory = {"gpu_nodes": {"hosts": hosts, "vars": {
+            "ansible_ssh_common_args": "-F %s" % self.path("ssh_config"),
+            "gpuckpt_transfer_ssh_args": ["-F", self.path("ssh_config")]}}}
+        with open(self.path("inventory.yml"), "w") as fh:  # JSON is YAML
+            json.dump(inventory, fh, indent=1)
         with open(self.path("pids.json"), "w") as fh:
             json.dump(self.pids, fh)
         return self

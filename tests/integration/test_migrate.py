@@ -1,0 +1,327 @@
+"""migrate.yml and recover.yml between two real sshd "hosts" on loopback (127.0.0.2, 127.0.0.3),
+each in its own pid namespace, with real ssh, rsync and CRIU. The GPU stage runs against the libcuda
+TEST DOUBLE (CI has no GPU); it keeps each process's CUDA state inside the process, so the state
+travels with the image as it does with the real driver.
+
+Every test ends by checking that exactly one copy of the workload runs, with its state intact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from conftest import ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, REPO
+
+sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
+from loopback import LoopbackHosts  # noqa: E402
+
+MIGRATE = "gpuckpt.fleet.migrate"
+RECOVER = "gpuckpt.fleet.recover"
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("hosts"))
+    host_vars = {}
+    for name in ("hosta", "hostb"):
+        fc = os.path.join(base, name, "fakecuda")
+        os.makedirs(fc, exist_ok=True)
+        host_vars[name] = {"gpuckpt_environment": {"GPUCKPT_LIBCUDA": FAKE_LIBCUDA, "FAKECUDA_STATE_DIR": fc}}
+    h = LoopbackHosts(base).start(host_vars)
+    yield h
+    h.stop()
+
+
+def processes(workdir):
+    """(pid, state) of every process of this workload on the machine (all pid namespaces)."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % d, "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode()
+            with open("/proc/%s/stat" % d) as fh:
+                st = fh.read()
+        except OSError:
+            continue
+        if COUNTER in cmd and ("--dir %s " % workdir) in cmd + " ":
+            state = st[st.rindex(")") + 2]
+            if state not in "ZX":
+                out.append((int(d), state))
+    return out
+
+
+class RemoteWorkload(object):
+    roles = ("parent", "child1")
+
+    def __init__(self, hosts, host, workdir, mb=8):
+        self.dir = workdir
+        res = hosts.ssh(host, "python3 %s --dir %s --daemon --fakecuda %s --mb %d" % (COUNTER, workdir, FAKE_LIBCUDA, mb))
+        self.pid = int(res.stdout.strip().splitlines()[-1])
+        self.wait_counting()
+
+    def counts(self):
+        out = {}
+        for r in self.roles:
+            with open(os.path.join(self.dir, r + ".state")) as fh:
+                out[r] = json.load(fh)["count"]
+        return out
+
+    def wait_counting(self, beyond=None, timeout=20):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                c = self.counts()
+                if all(c[r] > (beyond or {}).get(r, 1) for r in self.roles):
+                    return c
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+        raise AssertionError("workload %s not counting beyond %s; processes %s" % (self.dir, beyond,
+                                                                                 processes(self.dir)))
+
+    def one_copy_runs_intact(self):
+        """Exactly one copy: one process per role, none stopped; it counts on; memory patterns intact."""
+        deadline = time.monotonic() + 10
+        while True:
+            procs = processes(self.dir)
+            if len(procs) == len(self.roles) and all(s != "T" for _, s in procs):
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError("expected exactly one running copy, found %s" % procs)
+            time.sleep(0.1)
+        self.wait_counting(beyond=self.counts())
+        assert not [f for f in os.listdir(self.dir) if f.endswith(".corrupt")]
+        for r in self.roles:
+            with open(os.path.join(self.dir, r + ".state")) as fh, open(os.path.join(self.dir, r + ".digest")) as dg:
+                assert json.load(fh)["digest"] == dg.read().strip(), "memory pattern of %s changed" % r
+        return True
+
+    def kill(self):
+        for p, _ in processes(self.dir):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+@pytest.fixture
+def remote_workload(hosts, tmp_path):
+    started = []
+
+    def start(host="hosta", **kw):
+        w = RemoteWorkload(hosts, host, str(tmp_path / ("w%d" % len(started))), **kw)
+        started.append(w)
+        return w
+
+    yield start
+    for w in started:
+        w.kill()
+
+
+def migrate(playbook, hosts, w, mid, **extra):
+    v = {"source": "hosta", "target": "hostb", "pid": w.pid, "migration_id": mid}
+    v.update(extra)
+    return playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
+
+
+def changed_tasks(run):
+    return [r["_task"] for r in run.results if r.get("changed")]
+
+
+def test_migrate_moves_the_workload_and_a_rerun_changes_nothing(playbook, hosts, remote_workload):
+    w = remote_workload()
+    before = w.counts()
+    run = migrate(playbook, hosts, w, "t-move")
+    assert run.rc == 0, run.stdout
+    ck = run.task("Stage 1/3")
+    assert ck["leave_stopped"] is True and sorted(ck["cuda_pids"]) == [w.pid, w.pid + 1]
+    assert run.task("Restore on hostb")["changed"] is True
+    summary = "\n".join(run.task("Summary")["msg"])
+    assert "Downtime" in summary and "moved from hosta to hostb" in summary
+    assert w.one_copy_runs_intact()
+    assert w.counts()["parent"] > before["parent"]
+    # The copy that runs is the target's: it lives in hostb's pid namespace.
+    ns_b = os.readlink("/proc/%d/ns/pid" % processes(w.dir)[0][0])
+    assert ns_b == hosts.ssh("hostb", "readlink /proc/self/ns/pid").stdout.strip()
+    # Images are removed on both hosts after a commit (the default); journals say committed.
+    assert not os.path.exists(hosts.path("hosta", "images", "t-move"))
+    assert not os.path.exists(hosts.path("hostb", "images", "t-move"))
+    with open(hosts.path("hosta", "journal", "t-move.source.json")) as fh:
+        assert json.load(fh)["phase"] == "committed"
+
+    again = migrate(playbook, hosts, w, "t-move")
+    assert again.rc == 0, again.stdout
+    assert changed_tasks(again) == [], changed_tasks(again)
+    assert w.one_copy_runs_intact()
+
+
+def test_transfer_cut_midway_is_resumed(playbook, hosts, remote_workload, tmp_path):
+    w = remote_workload(mb=24)
+    killed = []
+
+    def cut():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not killed:
+            for d in os.listdir("/proc"):
+                try:
+                    with open("/proc/%s/cmdline" % d, "rb") as fh:
+                        cmd = fh.read().replace(b"\0", b" ").decode()
+                except OSError:
+                    continue
+                if cmd.startswith("/usr/bin/rsync") and "t-cut" in cmd and "--server" not in cmd:
+                    time.sleep(1.0)  # let some bytes through first
+                    os.kill(int(d), signal.SIGKILL)
+                    killed.append(int(d))
+                    return
+            time.sleep(0.05)
+
+    t = threading.Thread(target=cut)
+    t.start()
+    run = migrate(playbook, hosts, w, "t-cut", gpuckpt_transfer_bwlimit=15000)
+    t.join()
+    assert killed, "the transfer was never cut"
+    assert run.rc == 0, run.stdout
+    sync = run.task("Stage 2/3")
+    assert sync["attempts"] >= 2
+    assert w.one_copy_runs_intact()
+
+
+def test_a_byte_changed_in_transit_is_found_and_repaired(playbook, hosts, remote_workload, tmp_path):
+    w = remote_workload()
+    marker = tmp_path / "flipped"
+    # TEST DOUBLE of a lossy link: the receiving rsync flips one byte of the largest image file, once.
+    flip = tmp_path / "lossy-rsync"
+    flip.write_text("""#!/bin/sh
+/usr/bin/rsync "$@"; rc=$?
+for last; do :; done
+if [ ! -e %(m)s ] && [ -d "$last" ]; then
+  f=$(ls -S "$last"/pages-*.img 2>/dev/null | head -n1)
+  if [ -n "$f" ]; then
+    python3 -c "import sys; f=open(sys.argv[1],'r+b'); f.seek(5000); b=f.read(1); f.seek(5000); f.write(bytes([b[0]^1]))" "$f"
+    touch %(m)s
+  fi
+fi
+exit $rc
+""" % {"m": marker})
+    flip.chmod(0o755)
+    run = migrate(playbook, hosts, w, "t-flip", gpuckpt_rsync_path=str(flip))
+    assert marker.exists(), "the lossy link never changed a byte"
+    assert run.rc == 0, run.stdout
+    first = [r for r in run.results if r["_task"] == "Restore on hostb"][0]
+    assert first["_status"] == "failed" and first["stage"] == "verify" and "pages-" in first["msg"]
+    assert run.task("re-send only what differs")["changed"] is True
+    assert run.task("after the repair")["changed"] is True
+    assert w.one_copy_runs_intact()
+
+
+def test_target_disk_full_is_refused_before_freezing(playbook, hosts, remote_workload):
+    w = remote_workload()
+    root = hosts.path("hostb", "images")
+    hosts.ssh("hostb", "mkdir -p %s && mount -t tmpfs -o size=1m gpuckpt-full %s" % (root, root))
+    try:
+        run = migrate(playbook, hosts, w, "t-full")
+        assert run.rc != 0
+        res = run.task("Stop here if the hosts do not fit")
+        text = "\n".join(res["msg"])
+        assert "free disk for the image" in text and "DIFFERS" in text
+        assert not os.path.exists(hosts.path("hosta", "journal", "t-full.source.json")), "nothing may be frozen"
+    finally:
+        hosts.ssh("hostb", "umount %s" % root, check=False)
+    assert w.one_copy_runs_intact()
+
+
+def test_different_driver_on_target_is_refused_with_a_table(playbook, hosts, remote_workload):
+    w = remote_workload()
+    api = hosts.path("hostb", "fakecuda", "api_version")
+    with open(api, "w") as fh:
+        fh.write("12080\n")  # the stand-in reports a 570 driver (CUDA 12.8) on the target
+    try:
+        run = migrate(playbook, hosts, w, "t-driver")
+    finally:
+        os.unlink(api)
+    assert run.rc != 0
+    text = "\n".join(run.task("Stop here if the hosts do not fit")["msg"])
+    assert "CUDA API version" in text and "13.0" in text and "12.8" in text and "DIFFERS" in text
+    assert w.one_copy_runs_intact()
+
+
+def test_pid_taken_on_target_is_refused(playbook, hosts, remote_workload):
+    w = remote_workload()
+    squatter = None
+    for _ in range(20):
+        out = hosts.ssh("hostb", "echo %d > /proc/sys/kernel/ns_last_pid; setsid sleep 300 >/dev/null 2>&1 </dev/null & "
+                        "echo $!" % (w.pid - 1)).stdout.strip().splitlines()[-1]
+        if int(out) == w.pid:
+            squatter = int(out)
+            break
+        hosts.ssh("hostb", "kill -9 %s" % out, check=False)
+    assert squatter, "could not take pid %d on hostb" % w.pid
+    try:
+        run = migrate(playbook, hosts, w, "t-pid")
+        assert run.rc != 0
+        text = "\n".join(run.task("Stop here if the hosts do not fit")["msg"])
+        assert "pids free on target" in text and ("in use: %d" % w.pid) in text
+    finally:
+        hosts.ssh("hostb", "kill -9 %d" % squatter, check=False)
+    assert w.one_copy_runs_intact()
+
+
+def test_restore_failing_on_target_rolls_back_to_the_source(playbook, hosts, remote_workload):
+    w = remote_workload()
+    inject = hosts.path("hostb", "fakecuda", "inject")
+    with open(inject, "w") as fh:
+        fh.write("restore 0 2\n")  # CUDA_ERROR_OUT_OF_MEMORY on every restore on the target only
+    try:
+        run = migrate(playbook, hosts, w, "t-restore-fails")
+    finally:
+        os.unlink(inject)
+    assert run.rc != 0
+    final = run.task("Migration failed and was rolled back")
+    assert "runs on hosta" in final["msg"] and "CUDA_ERROR_OUT_OF_MEMORY" in final["msg"]
+    assert run.task("Roll back: resume the source")["changed"] is True
+    assert not os.path.exists(hosts.path("hostb", "images", "t-restore-fails"))
+    assert w.one_copy_runs_intact()
+    # Re-running with the same id finds it rolled back and changes nothing.
+    again = migrate(playbook, hosts, w, "t-restore-fails")
+    assert again.rc == 0, again.stdout
+    assert changed_tasks(again) == []
+    assert w.one_copy_runs_intact()
+
+
+def test_controller_killed_mid_migration_then_recover(playbook, hosts, remote_workload, tmp_path):
+    w = remote_workload(mb=24)
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS, ANSIBLE_HOST_KEY_CHECKING="false")
+    cmd = [ANSIBLE_PLAYBOOK, MIGRATE, "-i", hosts.path("inventory.yml"), "-e",
+           json.dumps({"source": "hosta", "target": "hostb", "pid": w.pid, "migration_id": "t-kill",
+                       "gpuckpt_transfer_bwlimit": 8000})]
+    log = open(str(tmp_path / "controller.log"), "w")
+    ctl = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+    target_image = hosts.path("hostb", "images", "t-kill")
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # kill it once the transfer is under way: the source is frozen
+        if os.path.isdir(target_image) and any(f.startswith("pages-") for f in os.listdir(target_image)):
+            break
+        time.sleep(0.05)
+    else:
+        raise AssertionError("transfer never started:\n" + open(str(tmp_path / "controller.log")).read())
+    os.killpg(ctl.pid, signal.SIGKILL)
+    ctl.wait()
+    assert [s for _, s in processes(w.dir)] == ["T", "T"], "the source should be frozen (stopped) here"
+
+    run = playbook(RECOVER, {"source": "hosta", "target": "hostb", "migration_id": "t-kill"},
+                   inventory=hosts.path("inventory.yml"))
+    assert run.rc == 0, run.stdout
+    assert "rolled back: the workload runs on hosta" in run.task("Report where the workload runs")["msg"]
+    assert w.one_copy_runs_intact()
+    again = playbook(RECOVER, {"source": "hosta", "target": "hostb", "migration_id": "t-kill"},
+                     inventory=hosts.path("inventory.yml"))
+    assert again.rc == 0 and changed_tasks(again) == []
