@@ -2,6 +2,17 @@
 from __future__ import annotations
 
 import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+COLLECTIONS = os.path.join(REPO, ".build", "collections")
+VENV_BIN = os.path.join(REPO, ".venv", "bin")
+# On the GPU machine there is no venv: tests/gpu/run_on_device.sh points this at the carried ansible.
+ANSIBLE_PLAYBOOK = os.environ.get("GPUCKPT_ANSIBLE_PLAYBOOK") or os.path.join(VENV_BIN, "ansible-playbook")
+FAKE_LIBCUDA = os.path.join(REPO, "tests", "fakecuda", "libcuda.so.1")
+COUNTER = os.path.join(REPO, "tests", "workloads", "counter.py")
+# Modules run on the managed host's system Python with the standard library alone.
+MANAGED_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
 
 
 def tree(root):
