@@ -175,6 +175,7 @@ def playbook(tmp_path):
             "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false",
             "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_HOST_KEY_CHECKING": "false",
+            "ANSIBLE_PIPELINING": "true",
             "GPUCKPT_RECORD": record,
         })
         e.update(env or {})

@@ -10,7 +10,7 @@ cd "$repo"
 bash tests/setup.sh >/dev/null
 rm -rf .carry/criu && mkdir -p .carry/criu/lib
 cp /usr/local/sbin/criu .carry/criu/criu.bin
-ldd /usr/local/sbin/criu | awk '$3 ~ /^\// {print $3}' | grep -Ev '/(libc|libm|libpthread|libdl|librt|ld-linux[^/]*)\.so' \
+ldd /usr/local/sbin/criu | awk '$3 ~ /^\// {print $3}' | grep -Ev '/(libc|libm|libpthread|libdl|librt|libresolv|ld-linux[^/]*)\.so' \
   | while read -r lib; do cp -L "$lib" .carry/criu/lib/; done
 cat > .carry/criu/criu <<'SH'
 #!/bin/sh
@@ -25,4 +25,20 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
   -d .whl ansible-core==2.21.5 jinja2==3.1.6 markupsafe==3.0.4 pyyaml==6.0.3 packaging==26.3 \
   resolvelib==1.2.1 cryptography==50.0.2 cffi==2.1.1 pycparser==3.12 pytest==9.2.0 pluggy==1.7.0 \
   iniconfig==2.3.1 pygments 2>&1 | grep -v '^WARNING: Location' || true
+
+# ssh, sshd and rsync for the two loopback "hosts" of the GPU migration tests, in case the GPU
+# machine's image lacks them: bookworm's binaries with the libraries they need beyond glibc.
+rm -rf .carry/ssh && mkdir -p .carry/ssh/bin .carry/ssh/lib
+for b in /usr/sbin/sshd /usr/bin/ssh /usr/bin/ssh-keygen /usr/bin/rsync; do
+  cp "$b" .carry/ssh/bin/"$(basename "$b")".bin
+  ldd "$b" | awk '$3 ~ /^\// {print $3}' | grep -Ev '/(libc|libm|libpthread|libdl|librt|libresolv|ld-linux[^/]*)\.so' \
+    | while read -r lib; do cp -Ln "$lib" .carry/ssh/lib/ 2>/dev/null || true; done
+  cat > .carry/ssh/bin/"$(basename "$b")" <<SH
+#!/bin/sh
+d=\$(dirname "\$(readlink -f "\$0")")
+LD_LIBRARY_PATH="\$d/../lib" exec "\$d/$(basename "$b").bin" "\$@"
+SH
+  chmod +x .carry/ssh/bin/"$(basename "$b")"
+done
+du -sh .carry/ssh
 du -sh .carry .whl

@@ -87,3 +87,24 @@ def test_real_driver_errors_are_named(torch_workloads):
     # This process called cuInit, so the driver counts it as a CUDA process, with no context at all.
     assert drv.cuda_state(os.getpid()) == "running"
     w.wait_counting(beyond=w.counts())
+
+
+def test_three_cuda_processes_frozen_together(playbook, torch_workloads, tmp_path, record):
+    """A parent and two worker processes, each with its own CUDA context and GPU memory (no NCCL)."""
+    w = torch_workloads(gib=2, children=2)
+    assert len(w.pids) == 3
+    image_dir = str(tmp_path / "img")
+    run = playbook("gpuckpt.fleet.checkpoint", {"gpuckpt_pid": w.pid, "gpuckpt_image_dir": image_dir})
+    assert run.rc == 0, run.stdout
+    ck = run.task("Checkpoint pid")
+    assert sorted(ck["cuda_pids"]) == sorted(w.pids)
+    assert not w.alive()
+    stopped = w.counts()
+    run = playbook("gpuckpt.fleet.restore", {"gpuckpt_image_dir": image_dir})
+    assert run.rc == 0, run.stdout
+    rs = run.task("Restore from")
+    w.wait_counting(beyond=stopped)
+    assert w.verified_after(stopped)
+    record("multi_process", processes=3, gib_each=2, checkpoint_timings=ck["timings"],
+           checkpoint_driver_calls=ck["driver_call_seconds"], restore_timings=rs["timings"],
+           image_bytes=ck["image_bytes"])

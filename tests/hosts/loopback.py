@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -17,7 +18,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOSTS = (("hosta", "127.0.0.2"), ("hostb", "127.0.0.3"))
-SSHD = "/usr/sbin/sshd"
+SSHD = shutil.which("sshd") or "/usr/sbin/sshd"  # sshd wants an absolute path (it re-executes itself)
 
 
 def _sh(cmd):

@@ -1,0 +1,108 @@
+#!/usr/bin/env python3
+"""GPU checkpoint/restore benchmark (issue: GPU proof and performance). Run on the GPU machine
+through tests/gpu/run_on_device.sh (GPUCKPT_BENCH=1), or by hand where a GPU and CRIU are present:
+
+  python3 bench/gpu_bench.py --sizes 4,16,56 --image-root /tmp/gpuckpt-bench
+
+For each size it starts a PyTorch process holding that many GiB of GPU memory, then measures, in one
+run: the engine's first checkpoint + restore, the raw driver calls alone on the same process
+(bench/raw_driver.py, no engine), and a second engine checkpoint + restore (host memory already faulted
+in). It checks the GPU memory checksum after each restore. Floors measured once: pinned
+device-to-host copy, copy into fresh pageable memory, and disk write bandwidth.
+Prints JSON lines (also appended to $GPUCKPT_RESULTS).
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
+sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine  # noqa: E402
+from gpu_helpers import TorchWorkload, raw_driver  # noqa: E402
+
+
+def emit(kind, **data):
+    data.update(kind=kind, time=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()))
+    line = json.dumps(data)
+    print("RESULT", line, flush=True)
+    if os.environ.get("GPUCKPT_RESULTS"):
+        with open(os.environ["GPUCKPT_RESULTS"], "a") as fh:
+            fh.write(line + "\n")
+
+
+def floors(image_root, gib=8):
+    code = r"""
+import json, time, torch
+n = %d * 2**30
+x = torch.empty(n, dtype=torch.uint8, device="cuda"); x.fill_(7); torch.cuda.synchronize()
+pinned = torch.empty(n, dtype=torch.uint8, pin_memory=True)
+pinned.copy_(x); torch.cuda.synchronize()
+t = time.perf_counter(); pinned.copy_(x); torch.cuda.synchronize(); d2h = n / (time.perf_counter() - t)
+t = time.perf_counter(); x.copy_(pinned); torch.cuda.synchronize(); h2d = n / (time.perf_counter() - t)
+t = time.perf_counter(); fresh = x.cpu(); fresh_bw = n / (time.perf_counter() - t)
+print(json.dumps({"pinned_d2h_GBps": d2h / 1e9, "pinned_h2d_GBps": h2d / 1e9, "fresh_pageable_d2h_GBps": fresh_bw / 1e9}))
+""" % gib
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    out = subprocess.run([os.environ.get("GPUCKPT_WORKLOAD_PYTHON", "python3"), "-c", code], stdout=subprocess.PIPE,
+                         env=env, universal_newlines=True, check=True).stdout
+    res = json.loads(out.strip().splitlines()[-1])
+    os.makedirs(image_root, exist_ok=True)
+    path = os.path.join(image_root, "disk-floor.bin")
+    t = time.perf_counter()
+    subprocess.run(["dd", "if=/dev/urandom", "of=/dev/null", "bs=1M", "count=1"], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    buf = os.urandom(64 * 2**20)
+    t = time.perf_counter()
+    with open(path, "wb") as fh:
+        for _ in range(gib * 16):
+            fh.write(buf)
+        fh.flush()
+        os.fsync(fh.fileno())
+    res["disk_write_GBps"] = gib * 2**30 / (time.perf_counter() - t) / 1e9
+    os.unlink(path)
+    emit("floors", gib=gib, **res)
+
+
+def cycle(w, image_dir, label):
+    ck = engine.checkpoint(w.pid, image_dir)
+    stopped = w.counts()
+    rs = engine.restore(image_dir)
+    w.wait_counting(beyond=stopped)
+    ok = w.verified_after(stopped)
+    shutil.rmtree(image_dir)
+    return {"label": label, "checkpoint": ck["timings"], "checkpoint_driver": ck["driver_call_seconds"],
+            "restore": rs["timings"], "restore_driver": rs["driver_call_seconds"], "image_bytes": ck["image_bytes"],
+            "data_intact": ok}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="4,16")
+    ap.add_argument("--image-root", default="/tmp/gpuckpt-bench")
+    ap.add_argument("--no-floors", action="store_true")
+    args = ap.parse_args()
+    if not args.no_floors:
+        floors(args.image_root)
+    for gib in [float(s) for s in args.sizes.split(",") if s]:
+        wdir = os.path.join(args.image_root, "w-%g" % gib)
+        shutil.rmtree(wdir, ignore_errors=True)
+        w = TorchWorkload(wdir, gib=gib, verify_every=2.0)
+        try:
+            first = cycle(w, os.path.join(args.image_root, "img-%g-1" % gib), "first")
+            raw = raw_driver(w.pids)[0]
+            w.wait_counting(beyond=w.counts())
+            second = cycle(w, os.path.join(args.image_root, "img-%g-2" % gib), "second")
+            emit("size", gib=gib, fill_seconds=w.fill_seconds, first=first, raw_driver=raw, second=second)
+        finally:
+            w.kill()
+            time.sleep(2)
+
+
+if __name__ == "__main__":
+    main()
