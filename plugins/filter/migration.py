@@ -35,6 +35,10 @@ options:
     description: Compare GPU models, count and free memory.
     type: bool
     default: true
+  same_pid_space:
+    description: Source and target share one pid space, so the workload's own pids are expected in use on the target.
+    type: bool
+    default: false
 """
 
 
@@ -47,7 +51,7 @@ def _row(check, src, tgt, ok):
 
 
 def migration_preflight(src, tgt, source_path, target_path, allow_driver_mismatch=False, check_gpus=True,
-                        margin=1.10):
+                        same_pid_space=False, margin=1.10):
     rows = []
     tree = src.get("tree") or {}
     rows.append(_row("workload pid %s on source" % tree.get("root"), "%d process(es)" % len(tree.get("pids") or []),
@@ -85,8 +89,15 @@ def migration_preflight(src, tgt, source_path, target_path, allow_driver_mismatc
     rows.append(_row("free disk for the image (~%s)" % _gib(need), _gib(sfree), _gib(tfree),
                      sfree is not None and tfree is not None and sfree >= need and tfree >= need))
     taken = tgt.get("pids_in_use") or []
-    rows.append(_row("workload pids free on target", ",".join(map(str, tree.get("pids") or [])),
-                     "in use: " + ",".join(map(str, taken)) if taken else "free", not taken))
+    if same_pid_space:
+        # One pid space (one kernel seen as two hosts): the pids in use are the workload's own, and the
+        # checkpoint frees them. Anything else holding them would be a real conflict.
+        others = [p for p in taken if p not in (tree.get("pids") or [])]
+        rows.append(_row("workload pids free on target (same pid space)", ",".join(map(str, tree.get("pids") or [])),
+                         "in use: " + ",".join(map(str, others)) if others else "freed by the checkpoint", not others))
+    else:
+        rows.append(_row("workload pids free on target", ",".join(map(str, tree.get("pids") or [])),
+                         "in use: " + ",".join(map(str, taken)) if taken else "free", not taken))
     width = max(len(r["check"]) for r in rows)
     lines = ["%-*s  %-22s  %-22s  %s" % (width, "check", "source", "target", "")]
     for r in rows:

@@ -73,7 +73,10 @@ class RemoteTorch(TorchWorkload):
                 pass
 
 
-@pytest.fixture(params=[False, True], ids=["one-pid-space", "pid-namespaces"])
+# One pid space only: the driver's checkpoint API resolves pids in the host's (initial) pid namespace,
+# so a controller inside a test host's own pid namespace cannot reach its processes (seen on driver
+# 580.159.04, docs/benchmarks). Container backends call the driver from the host with host pids.
+@pytest.fixture(params=[False], ids=["one-pid-space"])
 def gpu_hosts(request, tmp_path):
     env = dict(PASS_ENV)
     hv = {n: {"gpuckpt_environment": env} for n in ("hosta", "hostb")}
@@ -115,8 +118,6 @@ def test_migrate_onto_the_other_gpu(playbook, gpu_hosts, tmp_path, record):
     uuids = _uuids()
     if len(uuids) < 2:
         pytest.skip("one GPU on this machine: restore onto another GPU needs the two-GPU machine")
-    if gpu_hosts.pidns:
-        pytest.skip("run once, in one pid space")
     w = RemoteTorch(gpu_hosts, "hosta", str(tmp_path / "w"), GIB)
     try:
         before = [a for a in _apps() if int(a[0]) in w.pids]

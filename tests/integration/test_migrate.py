@@ -64,7 +64,10 @@ class RemoteWorkload(object):
 
     def __init__(self, hosts, host, workdir, mb=8):
         self.dir = workdir
-        res = hosts.ssh(host, "python3 %s --dir %s --daemon --fakecuda %s --mb %d" % (COUNTER, workdir, FAKE_LIBCUDA, mb))
+        # Start high in the host's pid space: CRIU restores the same pids on the target, where the
+        # low ones are taken by that host's own sshd sessions.
+        res = hosts.ssh(host, "echo 20000 > /proc/sys/kernel/ns_last_pid; python3 %s --dir %s --daemon --fakecuda %s "
+                        "--mb %d" % (COUNTER, workdir, FAKE_LIBCUDA, mb))
         self.pid = int(res.stdout.strip().splitlines()[-1])
         self.wait_counting()
 
