@@ -316,6 +316,7 @@ def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_
         for p in cuda_pids:
             drv.unlock(p)
         clock.stop("cuda_unlock")
+        clock.resumed_at = time.time()  # the workload runs again from here: the end of its downtime
         if validate_wait:
             time.sleep(validate_wait)
         dead = [p for p in new_pids if not discovery.alive(p)]
@@ -421,7 +422,7 @@ def _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_
     journal.write("restoring", manifest_id=manifest.get("id"))
     try:
         new_pids, cuda_pids = _restore_from(image_dir, manifest, backend, drv, pairs, clock, validate_wait)
-        resumed_at = time.time()
+        resumed_at = clock.resumed_at
     except Exception as exc:  # noqa: BLE001
         journal.write("restore_failed", error=str(exc))
         stage = getattr(exc, "stage", None) or "restore"

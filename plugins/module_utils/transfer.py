@@ -4,7 +4,8 @@
 """Moving an image from this host to another: rsync over the hosts' own ssh.
 
 Why rsync: it is on every fleet node, speaks ssh (no extra port or daemon), keeps partial files, and
-resumes them (--append-verify) when a transfer is cut; a repair pass (--checksum) re-sends only the
+resumes them (--append-verify, from the second attempt on) when a transfer is cut; the first attempt
+sends whole files with no extra checksum pass, as fast as the link allows; a repair pass (--checksum) re-sends only the
 blocks that differ after a checksum mismatch. The manifest's chunked SHA-256 checksums, verified by
 gpu_restore on the target before anything is restored, are what prove the copy.
 """
@@ -35,7 +36,7 @@ def push(src, dest_host, dest, user="root", port=22, ssh_args=(), rsync_path=Non
     if repair:
         cmd += ["--checksum", "--inplace", "--no-whole-file"]
     else:
-        cmd += ["--partial", "--append-verify"]
+        cmd += ["--partial", "--whole-file"]
     if bwlimit:
         cmd += ["--bwlimit", str(bwlimit)]
     if rsync_path:
@@ -61,5 +62,10 @@ def push(src, dest_host, dest, user="root", port=22, ssh_args=(), rsync_path=Non
                 raise exc
             if attempts <= retries:
                 time.sleep(retry_delay)
+                # Resume what the cut transfer left: append to the partial files and check each whole
+                # file's checksum (rsync's own) once it is complete.
+                cmd = [c for c in cmd if c != "--whole-file"]
+                if "--append-verify" not in cmd and not repair:
+                    cmd.insert(cmd.index("--partial") + 1, "--append-verify")
     last.msg = "transfer to %s:%s failed after %d attempts: %s" % (dest_host, dest, attempts, last.msg)
     raise last

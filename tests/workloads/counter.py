@@ -30,7 +30,10 @@ def run(role, args):
     if args.fakecuda:
         cuda = ctypes.CDLL(args.fakecuda)
         cuda.fakeCudaAttach()
-    buf = bytearray(random.Random(role).randbytes(args.mb * 2**20))
+    rng = random.Random(role)
+    buf = bytearray()
+    for _ in range(args.mb):  # 1 MiB at a time: randbytes() of more than 256 MiB overflows
+        buf += rng.randbytes(2**20)
     digest0 = hashlib.sha256(buf).hexdigest()
     write_atomic(os.path.join(args.dir, role + ".digest"), digest0)
     count = 0

@@ -1,0 +1,171 @@
+#!/usr/bin/env python3
+"""Migration downtime against its floor and against the plain chain, measured in one run.
+
+Two loopback "hosts" (tests/hosts/loopback.py: sshd on 127.0.0.2/.3, real ssh and rsync). For a
+workload of the given size it measures:
+  floor   = stage 1 (driver checkpoint + restore, from the engine's own timings)
+            + image bytes / disk write bandwidth (dd with fsync, same size)
+            + image bytes / link bandwidth (ssh to the target into /dev/null, same size)
+  chain   = the plain chain by hand on a fresh workload: criu dump, rsync to the target, criu restore
+            there (plus the driver's checkpoint/restore when on the GPU)
+  ours    = migrate.yml on a fresh workload: downtime = resumed on the target - frozen on the source
+Prints a JSON line and a markdown row. Run it from the repo root after tests/setup.sh:
+
+  python3 bench/migrate_bench.py --mb 512          # CPU workload: parent + child, 512 MiB each
+  python3 bench/migrate_bench.py --torch-gib 4     # GPU workload (GPU machine)
+"""
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
+sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
+from loopback import LoopbackHosts  # noqa: E402
+
+PLAYBOOK = os.environ.get("GPUCKPT_ANSIBLE_PLAYBOOK") or os.path.join(REPO, ".venv", "bin", "ansible-playbook")
+PY = os.environ.get("GPUCKPT_WORKLOAD_PYTHON", "python3")
+PASS_ENV = {k: os.environ[k] for k in ("LD_LIBRARY_PATH", "PATH") if k in os.environ}
+
+
+def start(hosts, args, workdir):
+    env = " ".join("%s=%s" % kv for kv in PASS_ENV.items())
+    if args.torch_gib:
+        cmd = "%s %s/tests/workloads/torch_counter.py --dir %s --gib %s --daemon" % (PY, REPO, workdir, args.torch_gib)
+    else:
+        cmd = "%s %s/tests/workloads/counter.py --dir %s --mb %d --daemon" % (PY, REPO, workdir, args.mb)
+    out = hosts.ssh("hosta", "echo 20000 > /proc/sys/kernel/ns_last_pid; env %s %s" % (env, cmd), timeout=900).stdout
+    pid = int(out.strip().splitlines()[-1])
+    deadline = time.time() + 300
+    while not os.path.exists(os.path.join(workdir, "parent.state")) and time.time() < deadline:
+        time.sleep(0.1)
+    time.sleep(1)
+    return pid
+
+
+def timed(fn):
+    t = time.monotonic()
+    fn()
+    return time.monotonic() - t
+
+
+def remote_py(hosts, host, code):
+    env = " ".join("%s=%s" % kv for kv in PASS_ENV.items())
+    return hosts.ssh(host, "env %s PYTHONPATH=%s %s -c %s" % (env, os.path.join(REPO, ".build", "collections"), PY,
+                                                           json.dumps(code)), timeout=900)
+
+
+def plain_chain(hosts, args, base):
+    """criu dump (+ driver checkpoint) on hosta, rsync, criu restore (+ driver restore) on hostb."""
+    wdir = os.path.join(base, "chain-w")
+    pid = start(hosts, args, wdir)
+    src, dst = os.path.join(base, "chain-src"), os.path.join(base, "chain-dst")
+    os.makedirs(src)
+    stage1 = ("from ansible_collections.gpuckpt.fleet.plugins.module_utils import driver as d, discovery as q\n"
+              "drv=d.CudaDriver()\nps=[p for p in q.process_tree(%d) if drv.cuda_state(p)]\n"
+              "[drv.lock(p) for p in ps]\n[drv.checkpoint(p) for p in ps]\n") % pid
+    steps = {}
+    t0 = time.monotonic()
+    if args.torch_gib:
+        remote_py(hosts, "hosta", stage1)
+    steps["stage1_checkpoint"] = time.monotonic() - t0
+    hosts.ssh("hosta", "cd %s && criu dump -t %d -D %s --shell-job -o dump.log" % (src, pid, src))
+    steps["dump"] = time.monotonic() - t0 - sum(steps.values())
+    subprocess.run(["ssh", "-F", hosts.path("ssh_config"), "hosta", "rsync -a -e 'ssh -F %s' %s/ hostb:%s/"
+                    % (hosts.path("ssh_config"), src, dst)], check=True)
+    steps["rsync"] = time.monotonic() - t0 - sum(steps.values())
+    hosts.ssh("hostb", "cd %s && setsid criu restore -D %s --shell-job -d -o restore.log --pidfile %s/pid" % (dst, dst, dst))
+    steps["restore"] = time.monotonic() - t0 - sum(steps.values())
+    if args.torch_gib:
+        remote_py(hosts, "hostb", "from ansible_collections.gpuckpt.fleet.plugins.module_utils import driver as d, "
+                  "discovery as q\ndrv=d.CudaDriver()\nps=[p for p in q.process_tree(%d) if drv.cuda_state(p)]\n"
+                  "[drv.restore(p) for p in ps]\n[drv.unlock(p) for p in ps]\n" % pid)
+    total = time.monotonic() - t0
+    steps["stage1_restore"] = total - sum(steps.values())
+    size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
+    return total, size, steps
+
+
+def ours(hosts, args, base):
+    wdir = os.path.join(base, "ours-w")
+    pid = start(hosts, args, wdir)
+    rec = os.path.join(base, "ours.jsonl")
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=os.path.join(REPO, ".build", "collections"),
+               ANSIBLE_PIPELINING="true", ANSIBLE_HOST_KEY_CHECKING="false", GPUCKPT_RECORD=rec,
+               ANSIBLE_CALLBACK_PLUGINS=os.path.join(REPO, "tests", "integration", "callback_plugins"),
+               ANSIBLE_CALLBACKS_ENABLED="record_results")
+    subprocess.run([PLAYBOOK, "gpuckpt.fleet.migrate", "-i", hosts.path("inventory.yml"), "-e",
+                    json.dumps({"source": "hosta", "target": "hostb", "pid": pid, "migration_id": "bench"})],
+                   check=True, env=env, stdout=open(os.path.join(base, "ours.log"), "w"))
+    res = {}
+    for line in open(rec):
+        r = json.loads(line)
+        if r["_task"].startswith("Stage 1/3"):
+            res["ck"] = r
+        if r["_task"].startswith("Stage 2/3"):
+            res["sync"] = r
+        if r["_task"] == "Restore on hostb":
+            res["rs"] = r
+    downtime = res["rs"]["resumed_at"] - res["ck"]["frozen_at"]
+    stage1 = res["ck"]["timings"]["cuda_checkpoint"] + res["ck"]["timings"]["cuda_lock"] + \
+        res["rs"]["timings"]["cuda_restore"] + res["rs"]["timings"]["cuda_unlock"]
+    return downtime, res["ck"]["image_bytes"], stage1, res
+
+
+def bandwidths(hosts, base, size):
+    f = os.path.join(base, "bw.bin")
+    n = max(1, size // (64 * 2**20))
+    disk = n * 64 * 2**20 / timed(lambda: subprocess.run(
+        ["dd", "if=/dev/zero", "of=%s" % f, "bs=64M", "count=%d" % n, "conv=fsync"], check=True,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    link = n * 64 * 2**20 / timed(lambda: subprocess.run(
+        "ssh -F %s hosta 'ssh -F %s hostb \"cat > /dev/null\" < %s'" % (hosts.path("ssh_config"), hosts.path("ssh_config"), f),
+        shell=True, check=True))
+    os.unlink(f)
+    return disk, link
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--mb", type=int, default=512)
+    ap.add_argument("--torch-gib", type=float, default=0)
+    ap.add_argument("--base", default=None)
+    ap.add_argument("--pid-namespaces", type=int, default=1)
+    args = ap.parse_args()
+    base = args.base or tempfile.mkdtemp(prefix="gpuckpt-mbench-")
+    hv = {n: {"gpuckpt_environment": PASS_ENV} for n in ("hosta", "hostb")}
+    hosts = LoopbackHosts(os.path.join(base, "hosts"), pid_namespaces=bool(args.pid_namespaces), python=PY).start(hv)
+    try:
+        down, size, stage1, res = ours(hosts, args, base)
+        time.sleep(1)
+        subprocess.run("pkill -9 -f -- '[-]-dir %s/ours-w'" % base, shell=True)
+        time.sleep(2)
+        chain, chain_size, chain_steps = plain_chain(hosts, args, base)
+        disk, link = bandwidths(hosts, base, size)
+        floor = stage1 + size / disk + size / link
+        out = {"kind": "migration_downtime", "workload": ("torch %g GiB" % args.torch_gib) if args.torch_gib else
+               ("cpu 2x%d MiB" % args.mb), "image_bytes": size, "downtime_s": down, "floor_s": floor,
+               "stage1_s": stage1, "disk_GBps": disk / 1e9, "link_GBps": link / 1e9, "plain_chain_s": chain, "plain_chain_bytes": chain_size, "plain_chain_steps": chain_steps,
+               "ours_over_floor": down / floor, "chain_over_ours": chain / down,
+               "ours_stages": {"checkpoint": res["ck"]["timings"], "transfer_s": res["sync"]["seconds"],
+                               "restore": res["rs"]["timings"]},
+               "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        print("RESULT", json.dumps(out))
+        if os.environ.get("GPUCKPT_RESULTS"):
+            with open(os.environ["GPUCKPT_RESULTS"], "a") as fh:
+                fh.write(json.dumps(out) + "\n")
+        print("| %s | %.2f GB | %.2f s | %.2f s | %.2f s | %.2fx | %.2fx |" % (
+            out["workload"], size / 1e9, floor, down, chain, down / floor, chain / down))
+    finally:
+        hosts.stop()
+        if not os.environ.get("GPUCKPT_BENCH_KEEP"):
+            shutil.rmtree(base, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
