@@ -35,4 +35,18 @@ if [ -n "${GPUCKPT_BENCH_SIZES:-}" ]; then
   python3 bench/gpu_bench.py --sizes "$GPUCKPT_BENCH_SIZES" $([ "${GPUCKPT_BENCH_FLOORS:-1}" = 0 ] && echo --no-floors) \
     2>&1 | tee "$OUT/bench.log" | grep -E "RESULT|Error|error" || rc=1
 fi
+# Migration downtime against its floor and the plain chain (issue 3): GPUCKPT_MIGRATE_BENCH_GIB=4
+if [ -n "${GPUCKPT_MIGRATE_BENCH_GIB:-}" ]; then
+  python3 bench/migrate_bench.py --torch-gib "$GPUCKPT_MIGRATE_BENCH_GIB" --pid-namespaces 0 2>&1 \
+    | tee "$OUT/migrate_bench.log" | grep -E "RESULT|Error|error|\|" || rc=1
+fi
+# What the driver does not support, tried once (issue 4): GPUCKPT_LIMITS=1
+if [ "${GPUCKPT_LIMITS:-0}" = 1 ]; then
+  python3 bench/gpu_limits.py 2>&1 | tee "$OUT/limits.log" | grep -E "RESULT|Traceback" || rc=1
+fi
+# Image on tmpfs instead of the disk (issue 4): GPUCKPT_TMPFS_SIZES=16
+if [ -n "${GPUCKPT_TMPFS_SIZES:-}" ]; then
+  python3 bench/gpu_bench.py --sizes "$GPUCKPT_TMPFS_SIZES" --no-floors --image-root /dev/shm/gpuckpt-bench 2>&1 \
+    | sed 's/"kind": "size"/"kind": "size", "image_root": "tmpfs"/' | tee "$OUT/tmpfs.log" | grep -E "RESULT|Error|error" || rc=1
+fi
 exit "$rc"
