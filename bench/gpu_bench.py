@@ -98,7 +98,8 @@ def main():
             raw = raw_driver(w.pids)[0]
             w.wait_counting(beyond=w.counts())
             second = cycle(w, os.path.join(args.image_root, "img-%g-2" % gib), "second")
-            emit("size", gib=gib, fill_seconds=w.fill_seconds, first=first, raw_driver=raw, second=second)
+            emit("size", gib=gib, image_root=args.image_root, fill_seconds=w.fill_seconds, first=first,
+                 raw_driver=raw, second=second)
         finally:
             w.kill()
             time.sleep(2)
