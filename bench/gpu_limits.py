@@ -76,7 +76,11 @@ def emit(**data):
 def run_case(name, code):
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env["NCCL_NVLS_ENABLE"] = "0"
-    proc = subprocess.Popen([PY, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
+    # A real file, not -c: spawned workers (torch.multiprocessing) import the main module by path.
+    script = tempfile.NamedTemporaryFile("w", suffix="-%s.py" % name, delete=False)
+    script.write(code)
+    script.close()
+    proc = subprocess.Popen([PY, script.name], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env,
                             universal_newlines=True, start_new_session=True)
     line = ""
     deadline = time.time() + 120
@@ -85,10 +89,14 @@ def run_case(name, code):
         if "READY" in line or not line:
             break
     if "READY" not in line:
-        emit(case=name, started=False, output=line)
+        os.killpg(proc.pid, signal.SIGKILL)
+        emit(case=name, started=False, output=(line + proc.stdout.read())[-1500:])
         os.killpg(proc.pid, signal.SIGKILL)
         return
-    time.sleep(3)
+    time.sleep(5)
+    if proc.poll() is not None:
+        emit(case=name, started=False, output=proc.stdout.read()[-1500:])
+        return
     tree = discovery.process_tree(proc.pid)
     img = tempfile.mkdtemp(prefix="gpuckpt-limit-%s-" % name)
     os.rmdir(img)

@@ -56,8 +56,10 @@ def timed(fn):
 
 def remote_py(hosts, host, code):
     env = " ".join("%s=%s" % kv for kv in PASS_ENV.items())
-    return hosts.ssh(host, "env %s PYTHONPATH=%s %s -c %s" % (env, os.path.join(REPO, ".build", "collections"), PY,
-                                                           json.dumps(code)), timeout=900)
+    with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:  # the hosts share the filesystem
+        fh.write(code)
+    return hosts.ssh(host, "env %s PYTHONPATH=%s %s %s" % (env, os.path.join(REPO, ".build", "collections"), PY,
+                                                        fh.name), timeout=900)
 
 
 def plain_chain(hosts, args, base):

@@ -34,6 +34,7 @@ ERROR_NAMES = {
     803: "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", 909: "CUDA_ERROR_TIMEOUT", 999: "CUDA_ERROR_UNKNOWN",
 }
 CUDA_ERROR_NO_DEVICE = 100
+CUDA_ERROR_NOT_SUPPORTED = 801  # seen on driver 580.159.04 for a process with managed (UVM) memory
 # What GetState answers for a pid that is not a CUDA process (driver 580.159.04, measured): a live
 # process without CUDA -> NOT_INITIALIZED; a pid that does not exist -> OPERATING_SYSTEM.
 NOT_A_CUDA_PROCESS = (3, 304, 500)
@@ -141,8 +142,11 @@ class CudaDriver(object):
         secs = time.monotonic() - start
         self.calls.append({"call": name, "pid": pid, "seconds": secs, "rc": code})
         if code != 0:
-            raise DriverError(name, code, self.error_name(code), pid=pid, stage=kw.get("stage"),
-                              hint=kw.get("hint"))
+            hint = kw.get("hint")
+            if code == CUDA_ERROR_NOT_SUPPORTED:
+                hint = ("the driver cannot checkpoint this process: it uses something the checkpoint API does "
+                        "not support (managed/UVM memory, CUDA IPC memory, NCCL, MPS or MIG)")
+            raise DriverError(name, code, self.error_name(code), pid=pid, stage=kw.get("stage"), hint=hint)
         return secs
 
     # -- the checkpoint API ----------------------------------------------------------------------
