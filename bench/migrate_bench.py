@@ -81,6 +81,7 @@ def plain_chain(hosts, args, base):
     subprocess.run(["ssh", "-F", hosts.path("ssh_config"), "hosta", "rsync -a -e 'ssh -F %s' %s/ hostb:%s/"
                     % (hosts.path("ssh_config"), src, dst)], check=True)
     steps["rsync"] = time.monotonic() - t0 - sum(steps.values())
+    hosts.ssh("hostb", "while [ -e /proc/%d ]; do sleep 0.05; done" % pid)  # one pid space: wait for the reaper
     hosts.ssh("hostb", "cd %s && setsid criu restore -D %s --shell-job -d -o restore.log --pidfile %s/pid" % (dst, dst, dst))
     steps["restore"] = time.monotonic() - t0 - sum(steps.values())
     if args.torch_gib:
