@@ -153,8 +153,37 @@ def _same_process(pid, ident):
     return bool(st) and ident is not None and st["starttime"] == ident.get("starttime")
 
 
+def _each(pids, fn, parallel):
+    """fn(pid) for every pid, in order, or on one thread per pid (the driver call releases the GIL).
+    Returns the pids done; raises the first error after every call has returned."""
+    if not parallel or len(pids) < 2:
+        done = []
+        for p in pids:
+            try:
+                fn(p)
+            except Exception as exc:
+                exc.done = done  # the rollback must undo exactly these
+                raise
+            done.append(p)
+        return done
+    from concurrent.futures import ThreadPoolExecutor
+    with ThreadPoolExecutor(len(pids)) as pool:
+        futures = [(p, pool.submit(fn, p)) for p in pids]
+    done, first_error = [], None
+    for p, f in futures:
+        exc = f.exception()
+        if exc is None:
+            done.append(p)
+        elif first_error is None:
+            first_error = exc
+    if first_error is not None:
+        first_error.done = done
+        raise first_error
+    return done
+
+
 def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=None, libcuda_path=None,
-               check_mode=False, sign_key=None, leave_stopped=False, journal=None):
+               check_mode=False, sign_key=None, leave_stopped=False, journal=None, parallel=False):
     """Checkpoint the process tree of ``pid`` into ``image_dir``. Returns a result dict.
 
     Afterwards the tree exits (default), runs on (``leave_running``), or stays stopped with its GPU
@@ -163,11 +192,11 @@ def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=N
         raise InvalidTarget("leave_running and leave_stopped exclude each other", stage="preflight")
     with _NoHangup():
         return _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_path, check_mode,
-                           sign_key, leave_stopped, journal or _NullJournal())
+                           sign_key, leave_stopped, journal or _NullJournal(), parallel)
 
 
 def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_path, check_mode, sign_key,
-                leave_stopped, journal):
+                leave_stopped, journal, parallel):
     image_dir = os.path.abspath(image_dir)
     backend = backend or ProcessBackend()
     after = "running" if leave_running else "stopped" if leave_stopped else "exit"
@@ -189,6 +218,13 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
         image.prepare_dir(image_dir)  # raises the not-empty error, touching nothing
     drv, driver_problem = cuda.load(libcuda_path)
     cuda_pids, states = _find_cuda_pids(drv, pids, driver_problem)
+    for p in cuda_pids:
+        features = discovery.unsupported_features(p)
+        if features:
+            raise InvalidTarget("pid %d uses %s, which the driver's checkpoint API does not support (it checkpoints "
+                                "such a process but cannot restore it, so the job would stay frozen); nothing was "
+                                "frozen" % (p, ", ".join(features)), stage="preflight", pid=p,
+                                hint="checkpoint NCCL jobs with the framework's own checkpoints instead")
     busy = {p: s for p, s in states.items() if s != "running"}
     if busy:
         p, s = sorted(busy.items())[0]
@@ -219,13 +255,15 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
     frozen_at = time.time()
     try:
         clock.start()
-        for p in cuda_pids:
+        for p in cuda_pids:  # locks stay sequential: each one is fast, and the order is the freeze order
             drv.lock(p, lock_ms)
             locked.append(p)
         clock.stop("cuda_lock")
-        for p in cuda_pids:
-            drv.checkpoint(p)
-            checkpointed.append(p)
+        try:
+            checkpointed.extend(_each(cuda_pids, lambda p: drv.checkpoint(p), parallel))
+        except Exception as exc:
+            checkpointed.extend(getattr(exc, "done", []))
+            raise
         clock.stop("cuda_checkpoint")
         runtime_info = backend.dump(root, image_dir, work, after)
         clock.stop("runtime_dump")
@@ -302,7 +340,7 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
     return result
 
 
-def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_wait=0.0):
+def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_wait=0.0, parallel=False):
     """Runtime restore, CUDA restore of all pids, then unlock of all. Kills what it brought up on failure."""
     work = image.state_dir(image_dir)
     new_pids = []
@@ -310,8 +348,7 @@ def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_
         new_pids = backend.restore(image_dir, work, manifest)
         clock.stop("runtime_restore")
         cuda_pids = _map_pids(manifest, new_pids)
-        for p in cuda_pids:
-            drv.restore(p, gpu_pairs)
+        _each(cuda_pids, lambda p: drv.restore(p, gpu_pairs), parallel)
         clock.stop("cuda_restore")
         for p in cuda_pids:
             drv.unlock(p)
@@ -364,14 +401,14 @@ def gpu_pairs_for(gpu_map, visible):
 
 
 def restore(image_dir, gpu_map=None, force=False, backend=None, libcuda_path=None, check_mode=False,
-            sign_key=None, verify=True, validate_wait=0.5, pid_wait=10.0, journal=None):
+            sign_key=None, verify=True, validate_wait=0.5, pid_wait=10.0, journal=None, parallel=False):
     with _NoHangup():
         return _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_key, verify,
-                        validate_wait, pid_wait, journal or _NullJournal())
+                        validate_wait, pid_wait, journal or _NullJournal(), parallel)
 
 
 def _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_key, verify, validate_wait,
-             pid_wait, journal):
+             pid_wait, journal, parallel):
     image_dir = os.path.abspath(image_dir)
     backend = backend or ProcessBackend()
     manifest = image.load_manifest(image_dir)
@@ -421,7 +458,8 @@ def _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_
     clock.stop("preflight")
     journal.write("restoring", manifest_id=manifest.get("id"))
     try:
-        new_pids, cuda_pids = _restore_from(image_dir, manifest, backend, drv, pairs, clock, validate_wait)
+        new_pids, cuda_pids = _restore_from(image_dir, manifest, backend, drv, pairs, clock, validate_wait,
+                                            parallel)
         resumed_at = clock.resumed_at
     except Exception as exc:  # noqa: BLE001
         journal.write("restore_failed", error=str(exc))

@@ -6,6 +6,9 @@ calls the double's blocking sync once per tick, so it really stops counting whil
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import sys
 import time
 
 from helpers import alive
@@ -165,3 +168,42 @@ def test_cpu_only_workload_skips_the_gpu_stage(tmp_path, playbook, workloads):
     w.wait_counting(beyond=stopped_at)
     assert w.intact()
     assert all(alive(p) for p in w.pids)
+
+
+def test_nccl_job_is_refused_before_anything_is_frozen(tmp_path, playbook, workloads, fakecuda):
+    """The driver checkpoints NCCL ranks but cannot restore them (seen on driver 580.159.04), so a
+    process that maps libnccl is refused in preflight. Here the "NCCL" is a copy of the test double
+    named libnccl.so.2, loaded by the workload: the check reads the process's mapped files."""
+    nccl = tmp_path / "libnccl.so.2"
+    shutil.copy(fakecuda.lib, nccl)
+    w = workloads(fakecuda=fakecuda)
+    child = subprocess.Popen([sys.executable, "-c", "import ctypes,sys,time; l=ctypes.CDLL(sys.argv[1]); "
+                              "l.fakeCudaAttach(); ctypes.CDLL(sys.argv[2]); print('up', flush=True); time.sleep(300)",
+                              fakecuda.lib, str(nccl)], stdout=subprocess.PIPE, env=dict(os.environ, **fakecuda.env))
+    try:
+        assert child.stdout.readline().strip() == b"up"
+        run = _ckpt(playbook, fakecuda, child.pid, str(tmp_path / "img"))
+        assert run.rc != 0
+        res = run.task("Checkpoint pid")
+        assert res["stage"] == "preflight" and "NCCL" in res["msg"] and "nothing was frozen" in res["msg"]
+        assert not [c for c, p in fakecuda.calls() if c == "lock"], "nothing may be locked"
+        assert fakecuda.state(child.pid) == "running"
+    finally:
+        child.kill()
+        child.wait()
+    assert w.is_counting()
+
+
+def test_parallel_driver_calls_keep_the_consistent_freeze(tmp_path, workloads, fakecuda):
+    """Engine option: checkpoint/restore the CUDA processes on one thread each. Locks stay first."""
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
+    w = workloads(fakecuda=fakecuda, children=3)
+    image_dir = str(tmp_path / "img")
+    res = engine.checkpoint(w.pid, image_dir, parallel=True)
+    assert sorted(res["cuda_pids"]) == sorted(w.pids)
+    calls = [c for c, _ in fakecuda.calls() if c in ("lock", "checkpoint")]
+    assert calls == ["lock"] * 4 + ["checkpoint"] * 4
+    stopped = w.counts()
+    engine.restore(image_dir, parallel=True)
+    w.wait_counting(beyond=stopped)
+    assert w.intact()
