@@ -69,10 +69,10 @@ print(json.dumps({"pinned_d2h_GBps": d2h / 1e9, "pinned_h2d_GBps": h2d / 1e9, "f
     emit("floors", gib=gib, **res)
 
 
-def cycle(w, image_dir, label):
-    ck = engine.checkpoint(w.pid, image_dir)
+def cycle(w, image_dir, label, parallel=False):
+    ck = engine.checkpoint(w.pid, image_dir, parallel=parallel)
     stopped = w.counts()
-    rs = engine.restore(image_dir)
+    rs = engine.restore(image_dir, parallel=parallel)
     w.wait_counting(beyond=stopped)
     ok = w.verified_after(stopped)
     shutil.rmtree(image_dir)
@@ -86,7 +86,24 @@ def main():
     ap.add_argument("--sizes", default="4,16")
     ap.add_argument("--image-root", default="/tmp/gpuckpt-bench")
     ap.add_argument("--no-floors", action="store_true")
+    ap.add_argument("--multi", type=float, default=0,
+                    help="GiB per process of a 3-process workload: driver calls one after another vs in parallel")
     args = ap.parse_args()
+    if args.multi:
+        wdir = os.path.join(args.image_root, "w-multi")
+        shutil.rmtree(wdir, ignore_errors=True)
+        w = TorchWorkload(wdir, gib=args.multi, children=2, verify_every=2.0)
+        try:
+            seq = cycle(w, os.path.join(args.image_root, "img-multi-seq"), "sequential")
+            w.wait_counting(beyond=w.counts())
+            par = cycle(w, os.path.join(args.image_root, "img-multi-par"), "parallel", parallel=True)
+            w.wait_counting(beyond=w.counts())
+            seq2 = cycle(w, os.path.join(args.image_root, "img-multi-seq2"), "sequential-again")
+            emit("multi", processes=3, gib_each=args.multi, cycles=[seq, par, seq2])
+        finally:
+            w.kill()
+            time.sleep(2)
+        return
     if not args.no_floors:
         floors(args.image_root)
     for gib in [float(s) for s in args.sizes.split(",") if s]:

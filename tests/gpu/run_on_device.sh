@@ -40,9 +40,13 @@ if [ -n "${GPUCKPT_MIGRATE_BENCH_GIB:-}" ]; then
   python3 bench/migrate_bench.py --torch-gib "$GPUCKPT_MIGRATE_BENCH_GIB" --pid-namespaces 0 2>&1 \
     | tee "$OUT/migrate_bench.log" | grep -E "RESULT|Error|error|\|" || rc=1
 fi
-# What the driver does not support, tried once (issue 4): GPUCKPT_LIMITS=1
-if [ "${GPUCKPT_LIMITS:-0}" = 1 ]; then
-  python3 bench/gpu_limits.py 2>&1 | tee "$OUT/limits.log" | grep -E "RESULT|Traceback" || rc=1
+# Three CUDA processes: driver calls one after another vs in parallel (issue 4): GPUCKPT_MULTI_GIB=4
+if [ -n "${GPUCKPT_MULTI_GIB:-}" ]; then
+  python3 bench/gpu_bench.py --multi "$GPUCKPT_MULTI_GIB" 2>&1 | tee "$OUT/multi.log" | grep -E "RESULT|Error|error" || rc=1
+fi
+# What the driver does not support, tried once (issue 4): GPUCKPT_LIMITS=1 (or a list: nccl,ipc,uvm)
+if [ "${GPUCKPT_LIMITS:-0}" != 0 ]; then
+  python3 bench/gpu_limits.py $([ "$GPUCKPT_LIMITS" != 1 ] && echo "$GPUCKPT_LIMITS" | tr , ' ') 2>&1 | tee "$OUT/limits.log" | grep -E "RESULT|Traceback" || rc=1
 fi
 # Image on tmpfs instead of the disk (issue 4): GPUCKPT_TMPFS_SIZES=16
 if [ -n "${GPUCKPT_TMPFS_SIZES:-}" ]; then
