@@ -100,7 +100,10 @@ def run_case(name, code):
     tree = discovery.process_tree(proc.pid)
     img = tempfile.mkdtemp(prefix="gpuckpt-limit-%s-" % name)
     os.rmdir(img)
-    out = {"case": name, "started": True, "pids": tree}
+    out = {"case": name, "started": True, "pids": tree,
+           "nccl_in_use": {str(p): discovery.nccl_in_use(p) for p in tree},
+           "nccl_shm_maps": {str(p): sorted({ln.split()[-1] for ln in open("/proc/%d/maps" % p) if "/dev/shm/" in ln})
+                             for p in tree if os.path.exists("/proc/%d/maps" % p)}}
     try:
         res = engine.checkpoint(proc.pid, img, leave_running=True, lock_timeout=20)
         out.update(checkpoint="ok", cuda_pids=res["cuda_pids"], timings=res["timings"])

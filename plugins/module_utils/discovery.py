@@ -119,29 +119,38 @@ def nvidia_fds(pid):
     return sorted(out)
 
 
-def mapped_libraries(pid, names):
-    """Which of ``names`` (substrings of a library file name) pid has mapped."""
-    found = set()
+def _thread_names(pid):
+    names = []
     try:
-        with open("/proc/%d/maps" % pid) as fh:
-            for line in fh:
-                path = line.rsplit(None, 1)[-1] if "/" in line else ""
-                base = os.path.basename(path)
-                for n in names:
-                    if n in base:
-                        found.add(n)
+        for tid in os.listdir("/proc/%d/task" % pid):
+            try:
+                with open("/proc/%d/task/%s/comm" % (pid, tid)) as fh:
+                    names.append(fh.read().strip())
+            except OSError:
+                pass
     except OSError:
         pass
-    return sorted(found)
+    return names
 
 
-# Libraries whose use the driver's checkpoint API cannot undo. NCCL, measured on driver 580.159.04:
-# the ranks checkpoint, but their restore fails (CUDA_ERROR_NOT_SUPPORTED), leaving them frozen.
-UNSUPPORTED_LIBRARIES = {"libnccl": "NCCL"}
+def nccl_in_use(pid):
+    """True when pid has live NCCL communicators: NCCL's shared-memory segments (/dev/shm/nccl-*) are
+    mapped, or its threads are named NCCL*. Merely loading libnccl does not count: every PyTorch
+    process maps it (seen on the GPU machine), and that is safe to checkpoint."""
+    try:
+        with open("/proc/%d/maps" % pid) as fh:
+            if any("/dev/shm/nccl-" in line for line in fh):
+                return True
+    except OSError:
+        pass
+    return any(n.startswith("NCCL") for n in _thread_names(pid))
 
 
 def unsupported_features(pid):
-    return [UNSUPPORTED_LIBRARIES[n] for n in mapped_libraries(pid, list(UNSUPPORTED_LIBRARIES))]
+    """What the driver's checkpoint API cannot undo, detectable before freezing. NCCL, measured on
+    driver 580.159.04: the ranks checkpoint, but their restore fails (CUDA_ERROR_NOT_SUPPORTED),
+    leaving them frozen."""
+    return ["NCCL communicators"] if nccl_in_use(pid) else []
 
 
 def container_id(pid):

@@ -172,14 +172,14 @@ def test_cpu_only_workload_skips_the_gpu_stage(tmp_path, playbook, workloads):
 
 def test_nccl_job_is_refused_before_anything_is_frozen(tmp_path, playbook, workloads, fakecuda):
     """The driver checkpoints NCCL ranks but cannot restore them (seen on driver 580.159.04), so a
-    process that maps libnccl is refused in preflight. Here the "NCCL" is a copy of the test double
-    named libnccl.so.2, loaded by the workload: the check reads the process's mapped files."""
-    nccl = tmp_path / "libnccl.so.2"
-    shutil.copy(fakecuda.lib, nccl)
+    process with live NCCL communicators is refused in preflight. Here the "communicator" is what the
+    check reads: a mapped /dev/shm/nccl-* segment, as NCCL maps for its transports and proxy."""
     w = workloads(fakecuda=fakecuda)
-    child = subprocess.Popen([sys.executable, "-c", "import ctypes,sys,time; l=ctypes.CDLL(sys.argv[1]); "
-                              "l.fakeCudaAttach(); ctypes.CDLL(sys.argv[2]); print('up', flush=True); time.sleep(300)",
-                              fakecuda.lib, str(nccl)], stdout=subprocess.PIPE, env=dict(os.environ, **fakecuda.env))
+    shm = "/dev/shm/nccl-gpuckpt-test-%d" % os.getpid()
+    child = subprocess.Popen([sys.executable, "-c", "import ctypes,mmap,os,sys,time; l=ctypes.CDLL(sys.argv[1]); "
+                              "l.fakeCudaAttach(); f=open(sys.argv[2],'w+b'); f.truncate(4096); "
+                              "m=mmap.mmap(f.fileno(), 4096); print('up', flush=True); time.sleep(300)",
+                              fakecuda.lib, shm], stdout=subprocess.PIPE, env=dict(os.environ, **fakecuda.env))
     try:
         assert child.stdout.readline().strip() == b"up"
         run = _ckpt(playbook, fakecuda, child.pid, str(tmp_path / "img"))
@@ -191,7 +191,27 @@ def test_nccl_job_is_refused_before_anything_is_frozen(tmp_path, playbook, workl
     finally:
         child.kill()
         child.wait()
+        os.unlink(shm)
     assert w.is_counting()
+
+
+def test_a_loaded_but_unused_libnccl_is_fine(tmp_path, playbook, fakecuda):
+    """Every PyTorch process maps libnccl; that alone must not refuse the checkpoint."""
+    nccl = tmp_path / "libnccl.so.2"
+    shutil.copy(fakecuda.lib, nccl)
+    child = subprocess.Popen([sys.executable, "-c", "import ctypes,sys,time; l=ctypes.CDLL(sys.argv[1]); "
+                              "l.fakeCudaAttach(); ctypes.CDLL(sys.argv[2]); print('up', flush=True); "
+                              "[time.sleep(0.05) or l.fakeCudaSync() for _ in range(6000)]",
+                              fakecuda.lib, str(nccl)], stdout=subprocess.PIPE, env=dict(os.environ, **fakecuda.env))
+    try:
+        assert child.stdout.readline().strip() == b"up"
+        run = _ckpt(playbook, fakecuda, child.pid, str(tmp_path / "img"), gpuckpt_leave_running=True)
+        assert run.rc == 0, run.stdout
+        assert run.task("Checkpoint pid")["cuda_pids"] == [child.pid]
+        assert fakecuda.state(child.pid) == "running"
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_parallel_driver_calls_keep_the_consistent_freeze(tmp_path, workloads, fakecuda):
