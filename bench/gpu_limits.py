@@ -101,7 +101,7 @@ def run_case(name, code):
     img = tempfile.mkdtemp(prefix="gpuckpt-limit-%s-" % name)
     os.rmdir(img)
     out = {"case": name, "started": True, "pids": tree,
-           "nccl_in_use": {str(p): discovery.nccl_in_use(p) for p in tree},
+           "unsupported_features": {str(p): discovery.unsupported_features(p) for p in tree},
            "nccl_shm_maps": {str(p): sorted({ln.split()[-1] for ln in open("/proc/%d/maps" % p) if "/dev/shm/" in ln})
                              for p in tree if os.path.exists("/proc/%d/maps" % p)}}
     try:

@@ -133,24 +133,60 @@ def _thread_names(pid):
     return names
 
 
-def nccl_in_use(pid):
-    """True when pid has live NCCL communicators: NCCL's shared-memory segments (/dev/shm/nccl-*) are
-    mapped, or its threads are named NCCL*. Merely loading libnccl does not count: every PyTorch
-    process maps it (seen on the GPU machine), and that is safe to checkpoint."""
+def _environ(pid):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as fh:
+            items = fh.read().split(b"\0")
+    except OSError:
+        return {}
+    out = {}
+    for it in items:
+        k, _, v = it.partition(b"=")
+        if k:
+            out[k.decode("utf-8", "replace")] = v.decode("utf-8", "replace")
+    return out
+
+
+def _shm_maps(pid):
     try:
         with open("/proc/%d/maps" % pid) as fh:
-            if any("/dev/shm/nccl-" in line for line in fh):
-                return True
+            return [ln.split()[-1] for ln in fh if "/dev/shm/" in ln]
     except OSError:
-        pass
-    return any(n.startswith("NCCL") for n in _thread_names(pid))
+        return []
 
 
 def unsupported_features(pid):
-    """What the driver's checkpoint API cannot undo, detectable before freezing. NCCL, measured on
-    driver 580.159.04: the ranks checkpoint, but their restore fails (CUDA_ERROR_NOT_SUPPORTED),
-    leaving them frozen."""
-    return ["NCCL communicators"] if nccl_in_use(pid) else []
+    """What the driver's checkpoint API cannot undo, detectable before freezing (driver 580.159.04,
+    measured on the GPU machine, docs/benchmarks):
+    - NCCL: the ranks checkpoint, but their restore fails (CUDA_ERROR_NOT_SUPPORTED) and they stay
+      frozen. Every PyTorch process maps libnccl, so that alone says nothing; live communicators show
+      as NCCL's shared memory (/dev/shm/nccl-*) or NCCL-named threads, and launchers (torchrun,
+      DeepSpeed, accelerate) start each rank with WORLD_SIZE > 1 in its environment. A 2-rank NVLink
+      job started without a launcher showed none of these: that case is not caught here.
+    - CUDA IPC memory: producer and consumer map CUDA's /dev/shm/cuda.shm.* segment (no other CUDA
+      process did); the consumer's restore fails (CUDA_ERROR_INVALID_VALUE) and it stays frozen."""
+    found = []
+    shm = _shm_maps(pid)
+    env = _environ(pid)
+    nccl_loaded = any("libnccl" in os.path.basename(p) for p in _mapped_files(pid))
+    try:
+        world = int(env.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        world = 1
+    if any("/dev/shm/nccl-" in m for m in shm) or any(n.startswith("NCCL") for n in _thread_names(pid)) or (
+            nccl_loaded and world > 1):
+        found.append("NCCL (a distributed job's communicators)")
+    if any(os.path.basename(m).startswith("cuda.shm.") for m in shm):
+        found.append("CUDA IPC memory")
+    return found
+
+
+def _mapped_files(pid):
+    try:
+        with open("/proc/%d/maps" % pid) as fh:
+            return {ln.split()[-1] for ln in fh if "/" in ln}
+    except OSError:
+        return set()
 
 
 def container_id(pid):

@@ -155,6 +155,8 @@ def _same_process(pid, ident):
 
 def _each(pids, fn, parallel):
     """fn(pid) for every pid, in order, or on one thread per pid (the driver call releases the GIL).
+    Parallel is the default: for 3 processes of 2 GiB on an H200 the driver's checkpoint took 1.8 s in
+    parallel against 5.0 s one after another, restore 1.0 s against 2.2 s (docs/benchmarks).
     Returns the pids done; raises the first error after every call has returned."""
     if not parallel or len(pids) < 2:
         done = []
@@ -183,7 +185,7 @@ def _each(pids, fn, parallel):
 
 
 def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=None, libcuda_path=None,
-               check_mode=False, sign_key=None, leave_stopped=False, journal=None, parallel=False):
+               check_mode=False, sign_key=None, leave_stopped=False, journal=None, parallel=True):
     """Checkpoint the process tree of ``pid`` into ``image_dir``. Returns a result dict.
 
     Afterwards the tree exits (default), runs on (``leave_running``), or stays stopped with its GPU
@@ -223,8 +225,8 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
         if features:
             raise InvalidTarget("pid %d uses %s, which the driver's checkpoint API does not support (it checkpoints "
                                 "such a process but cannot restore it, so the job would stay frozen); nothing was "
-                                "frozen" % (p, ", ".join(features)), stage="preflight", pid=p,
-                                hint="checkpoint NCCL jobs with the framework's own checkpoints instead")
+                                "frozen" % (p, " and ".join(features)), stage="preflight", pid=p,
+                                hint="use the framework's own checkpoints for such jobs")
     busy = {p: s for p, s in states.items() if s != "running"}
     if busy:
         p, s = sorted(busy.items())[0]
@@ -401,7 +403,7 @@ def gpu_pairs_for(gpu_map, visible):
 
 
 def restore(image_dir, gpu_map=None, force=False, backend=None, libcuda_path=None, check_mode=False,
-            sign_key=None, verify=True, validate_wait=0.5, pid_wait=10.0, journal=None, parallel=False):
+            sign_key=None, verify=True, validate_wait=0.5, pid_wait=10.0, journal=None, parallel=True):
     with _NoHangup():
         return _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_key, verify,
                         validate_wait, pid_wait, journal or _NullJournal(), parallel)

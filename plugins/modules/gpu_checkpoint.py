@@ -58,6 +58,12 @@ options:
     description: Seconds to wait for in-flight CUDA work to finish when locking each process.
     type: float
     default: 30
+  parallel:
+    description:
+      - Make the driver's checkpoint calls for all CUDA processes of the workload at once (one thread each) rather than one after another.
+      - Locks are always taken one after another, before any checkpoint.
+    type: bool
+    default: true
   criu_path:
     description: Path of the criu binary. Found on PATH and in the sbin directories when not given.
     type: path
@@ -170,6 +176,7 @@ def main():
         leave_stopped=dict(type="bool", default=False),
         lock_timeout=dict(type="float", default=30),
         sign_key=dict(type="str", no_log=True),
+        parallel=dict(type="bool", default=True),
     )
     spec.update(TOOL_ARGS)
     spec.update(MIGRATION_ARGS)
@@ -182,7 +189,7 @@ def main():
         p["pid"], p["image_dir"], leave_running=p["leave_running"], lock_timeout=p["lock_timeout"],
         backend=ProcessBackend(p["criu_path"], p["criu_options"]),
         libcuda_path=p["libcuda_path"], check_mode=module.check_mode, sign_key=p["sign_key"],
-        leave_stopped=p["leave_stopped"], journal=journal_for(p, "source")))
+        leave_stopped=p["leave_stopped"], journal=journal_for(p, "source"), parallel=p["parallel"]))
 
 
 if __name__ == "__main__":

@@ -50,6 +50,12 @@ options:
     description: Directory of the migration journals.
     type: path
     default: /var/lib/gpuckpt/journal
+  parallel:
+    description:
+      - Make the driver's restore calls for all CUDA processes of the workload at once (one thread each) rather than one after another.
+      - Locks are always taken one after another, before any checkpoint.
+    type: bool
+    default: true
   criu_path:
     description: Path of the criu binary.
     type: path
@@ -132,6 +138,7 @@ def main():
         verify=dict(type="bool", default=True),
         validate_wait=dict(type="float", default=0.5),
         sign_key=dict(type="str", no_log=True),
+        parallel=dict(type="bool", default=True),
     )
     spec.update(TOOL_ARGS)
     spec.update(MIGRATION_ARGS)
@@ -141,7 +148,7 @@ def main():
         p["image_dir"], gpu_map=p["gpu_map"], force=p["force"], verify=p["verify"],
         backend=ProcessBackend(p["criu_path"], p["criu_options"]), libcuda_path=p["libcuda_path"],
         check_mode=module.check_mode, sign_key=p["sign_key"], validate_wait=p["validate_wait"],
-        journal=journal_for(p, "target")))
+        journal=journal_for(p, "target"), parallel=p["parallel"]))
 
 
 if __name__ == "__main__":

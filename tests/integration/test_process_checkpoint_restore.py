@@ -195,6 +195,44 @@ def test_nccl_job_is_refused_before_anything_is_frozen(tmp_path, playbook, workl
     assert w.is_counting()
 
 
+def test_a_launched_distributed_rank_with_nccl_is_refused(tmp_path, playbook, fakecuda):
+    """A rank started by a launcher (WORLD_SIZE > 1) that has libnccl loaded is refused in preflight."""
+    nccl = tmp_path / "libnccl.so.2"
+    shutil.copy(fakecuda.lib, nccl)
+    child = subprocess.Popen([sys.executable, "-c", "import ctypes,sys,time; l=ctypes.CDLL(sys.argv[1]); "
+                              "l.fakeCudaAttach(); ctypes.CDLL(sys.argv[2]); print('up', flush=True); time.sleep(300)",
+                              fakecuda.lib, str(nccl)], stdout=subprocess.PIPE,
+                             env=dict(os.environ, WORLD_SIZE="2", RANK="0", **fakecuda.env))
+    try:
+        assert child.stdout.readline().strip() == b"up"
+        run = _ckpt(playbook, fakecuda, child.pid, str(tmp_path / "img"))
+        res = run.task("Checkpoint pid")
+        assert run.rc != 0 and res["stage"] == "preflight" and "NCCL" in res["msg"]
+        assert fakecuda.state(child.pid) == "running"
+    finally:
+        child.kill()
+        child.wait()
+
+
+def test_cuda_ipc_memory_is_refused(tmp_path, playbook, fakecuda):
+    """Producer and consumer of CUDA IPC memory map CUDA's /dev/shm/cuda.shm.* segment."""
+    shm = "/dev/shm/cuda.shm.0.gpuckpt-test.%d" % os.getpid()
+    child = subprocess.Popen([sys.executable, "-c", "import ctypes,mmap,sys,time; l=ctypes.CDLL(sys.argv[1]); "
+                              "l.fakeCudaAttach(); f=open(sys.argv[2],'w+b'); f.truncate(4096); "
+                              "m=mmap.mmap(f.fileno(), 4096); print('up', flush=True); time.sleep(300)",
+                              fakecuda.lib, shm], stdout=subprocess.PIPE, env=dict(os.environ, **fakecuda.env))
+    try:
+        assert child.stdout.readline().strip() == b"up"
+        run = _ckpt(playbook, fakecuda, child.pid, str(tmp_path / "img"))
+        res = run.task("Checkpoint pid")
+        assert run.rc != 0 and res["stage"] == "preflight" and "CUDA IPC memory" in res["msg"]
+        assert not [c for c, p in fakecuda.calls() if c == "lock"]
+    finally:
+        child.kill()
+        child.wait()
+        os.unlink(shm)
+
+
 def test_a_loaded_but_unused_libnccl_is_fine(tmp_path, playbook, fakecuda):
     """Every PyTorch process maps libnccl; that alone must not refuse the checkpoint."""
     nccl = tmp_path / "libnccl.so.2"
