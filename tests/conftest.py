@@ -7,12 +7,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 from helpers import (  # noqa: F401 - re-exported for tests
-    ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, MANAGED_PYTHON, REPO, alive, tree)
+    ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, MANAGED_PYTHON, REPO, CountingWorkload, alive, tree)
 
 sys.path.insert(0, COLLECTIONS)
 
@@ -69,7 +68,7 @@ def fakecuda(tmp_path, monkeypatch):
     return fc
 
 
-class Workload(object):
+class Workload(CountingWorkload):
     """The counter workload (tests/workloads/counter.py): a parent and children counting into files."""
 
     def __init__(self, directory, fakecuda=None, children=1, mb=8):
@@ -87,39 +86,12 @@ class Workload(object):
         self.pids = tree(self.pid)
         assert len(self.pids) == children + 1, self.pids
 
-    def read(self, role):
-        with open(os.path.join(self.dir, role + ".state")) as fh:
-            return json.load(fh)
-
-    def counts(self):
-        return {r: self.read(r)["count"] for r in self.roles}
-
-    def wait_counting(self, timeout=20.0, beyond=None):
-        """Wait until every role has counted past ``beyond`` (dict) or at least twice."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                c = self.counts()
-                if all(c[r] > (beyond or {}).get(r, 1) for r in self.roles):
-                    return c
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
-        raise AssertionError("workload in %s is not counting (beyond %s)" % (self.dir, beyond))
-
-    def is_counting(self, seconds=0.6):
-        before = self.counts()
-        time.sleep(seconds)
-        after = self.counts()
-        return all(after[r] > before[r] for r in self.roles)
-
     def intact(self):
         """Every process's memory pattern is the one it started with, and nothing reported corruption."""
         corrupt = [f for f in os.listdir(self.dir) if f.endswith(".corrupt")]
         assert not corrupt, "workload reported corruption: %s" % corrupt
         for r in self.roles:
-            with open(os.path.join(self.dir, r + ".digest")) as fh:
-                assert self.read(r)["digest"] == fh.read().strip(), "memory pattern of %s changed" % r
+            assert self.read(r)["digest"] == self.digest0(r), "memory pattern of %s changed" % r
         return True
 
     def alive(self):

@@ -1,8 +1,10 @@
 """Helpers shared by the tests (plain functions; fixtures live in conftest.py)."""
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COLLECTIONS = os.path.join(REPO, ".build", "collections")
@@ -41,3 +43,62 @@ def alive(pid):
         return data[data.rindex(")") + 2] not in "ZX"
     except OSError:
         return False
+
+
+class CountingWorkload(object):
+    """What every test workload shares: each role (parent, child1, ...) counts into <dir>/<role>.state
+    and keeps the checksum of its memory pattern from the start in <dir>/<role>.digest."""
+
+    dir = None
+    roles = ("parent",)
+    count_timeout = 20.0
+
+    def read(self, role):
+        with open(os.path.join(self.dir, role + ".state")) as fh:
+            return json.load(fh)
+
+    def digest0(self, role):
+        with open(os.path.join(self.dir, role + ".digest")) as fh:
+            return fh.read().strip()
+
+    def counts(self):
+        return {r: self.read(r)["count"] for r in self.roles}
+
+    def wait_counting(self, beyond=None, timeout=None):
+        """Wait until every role has counted past ``beyond`` (dict), or at least twice."""
+        deadline = time.monotonic() + (timeout or self.count_timeout)
+        while time.monotonic() < deadline:
+            try:
+                c = self.counts()
+                if all(c[r] > (beyond or {}).get(r, 1) for r in self.roles):
+                    return c
+            except (OSError, ValueError, KeyError):
+                pass
+            time.sleep(0.05)
+        raise AssertionError("workload in %s is not counting beyond %s" % (self.dir, beyond))
+
+    def is_counting(self, seconds=0.6):
+        before = self.counts()
+        time.sleep(seconds)
+        after = self.counts()
+        return all(after[r] > before[r] for r in self.roles)
+
+
+def workload_processes(script, workdir):
+    """(pid, state) of every live process of a test workload, in every pid namespace of this machine."""
+    out = []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            with open("/proc/%s/cmdline" % d, "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode()
+            with open("/proc/%s/stat" % d) as fh:
+                st = fh.read()
+        except OSError:
+            continue
+        if script in cmd and ("--dir %s " % workdir) in cmd + " ":
+            state = st[st.rindex(")") + 2]
+            if state not in "ZX":
+                out.append((int(d), state))
+    return out

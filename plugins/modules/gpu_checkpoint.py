@@ -47,37 +47,13 @@ options:
         or resumes it (rollback).
     type: bool
     default: false
-  migration_id:
-    description: Record each phase in this migration's journal on the host (see gpuckpt.fleet.gpu_migration).
-    type: str
-  journal_dir:
-    description: Directory of the migration journals.
-    type: path
-    default: /var/lib/gpuckpt/journal
   lock_timeout:
     description: Seconds to wait for in-flight CUDA work to finish when locking each process.
     type: float
     default: 30
-  parallel:
-    description:
-      - Make the driver's checkpoint calls for all CUDA processes of the workload at once (one thread each) rather than one after another.
-      - Locks are always taken one after another, before any checkpoint.
-    type: bool
-    default: true
-  criu_path:
-    description: Path of the criu binary. Found on PATH and in the sbin directories when not given.
-    type: path
-  criu_options:
-    description: Extra options for C(criu dump), for example C(--tcp-established) or C(--file-locks).
-    type: list
-    elements: str
-    default: []
-  libcuda_path:
-    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
-    type: path
-  sign_key:
-    description: Key that signs the manifest (HMAC-SHA256). gpuckpt.fleet.gpu_restore verifies it when given the same key.
-    type: str
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.tools
+  - gpuckpt.fleet.common.migration
 notes:
   - Needs root (CRIU and the driver's checkpoint API act on other processes).
   - NCCL jobs, CUDA IPC memory, MPS clients and MIG instances are not supported by the driver's checkpoint API.

@@ -27,9 +27,9 @@ options:
     required: true
   gpu_map:
     description:
-      - Restore onto other GPUs of this host, as a mapping of GPU UUIDs (old to new), for example
-        C({"GPU-aaaa...": "GPU-bbbb..."}). GPUs that are not named are paired with the remaining ones in order, so the
-        map names every visible GPU, as the driver requires. Needs driver 580+ (CUDA 13.0 API).
+      - Restore onto other GPUs of this host, as a mapping of GPU UUIDs, old UUID to new UUID (see EXAMPLES).
+      - GPUs that are not named are paired with the remaining ones in order, so the map names every visible GPU, as the driver requires.
+      - Needs driver 580+ (CUDA 13.0 API).
     type: dict
   force:
     description: Restore again an image whose earlier restore has since exited.
@@ -43,33 +43,9 @@ options:
     description: Seconds to wait after unlocking before checking that every process is still alive and running.
     type: float
     default: 0.5
-  migration_id:
-    description: Record each phase in this migration's journal on the host (see gpuckpt.fleet.gpu_migration).
-    type: str
-  journal_dir:
-    description: Directory of the migration journals.
-    type: path
-    default: /var/lib/gpuckpt/journal
-  parallel:
-    description:
-      - Make the driver's restore calls for all CUDA processes of the workload at once (one thread each) rather than one after another.
-      - Locks are always taken one after another, before any checkpoint.
-    type: bool
-    default: true
-  criu_path:
-    description: Path of the criu binary.
-    type: path
-  criu_options:
-    description: Extra options for C(criu restore).
-    type: list
-    elements: str
-    default: []
-  libcuda_path:
-    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
-    type: path
-  sign_key:
-    description: Key to verify the manifest's signature with. The restore is refused when the signature does not match.
-    type: str
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.tools
+  - gpuckpt.fleet.common.migration
 notes:
   - Needs root. The pids recorded in the image must be free on this host (CRIU restores the same pids).
   - Supports check mode. It verifies the image and the host and reports what it would do.

@@ -10,6 +10,8 @@ import time
 
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+from helpers import CountingWorkload  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(HERE))
 TORCH_COUNTER = os.path.join(REPO, "tests", "workloads", "torch_counter.py")
 RAW_DRIVER = os.path.join(REPO, "bench", "raw_driver.py")
@@ -35,7 +37,8 @@ def nvidia_smi_pids():
     return {int(a.split(",")[0]): int(a.split(",")[1]) for a in out.splitlines() if a.strip()}
 
 
-class TorchWorkload(object):
+class TorchWorkload(CountingWorkload):
+    count_timeout = 120
     def __init__(self, directory, gib, children=0, device=0, verify_every=1.0):
         self.dir = directory
         cmd = [WORKLOAD_PYTHON, TORCH_COUNTER, "--dir", directory, "--gib", str(gib), "--children", str(children),
@@ -52,29 +55,6 @@ class TorchWorkload(object):
         self.roles = ["parent"] + ["child%d" % (i + 1) for i in range(children)]
         self.wait_counting()
         self.pids = sorted(p["pid"] for p in (self.read(r) for r in self.roles))
-
-    def read(self, role):
-        with open(os.path.join(self.dir, role + ".state")) as fh:
-            return json.load(fh)
-
-    def digest0(self, role):
-        with open(os.path.join(self.dir, role + ".digest")) as fh:
-            return fh.read().strip()
-
-    def counts(self):
-        return {r: self.read(r)["count"] for r in self.roles}
-
-    def wait_counting(self, beyond=None, timeout=120):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                c = self.counts()
-                if all(c[r] > (beyond or {}).get(r, 1) for r in self.roles):
-                    return c
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
-        raise AssertionError("GPU workload not counting beyond %s" % beyond)
 
     def verified_after(self, counts, timeout=180):
         """Wait for a GPU checksum taken after ``counts`` and compare it with the one taken at fill time."""

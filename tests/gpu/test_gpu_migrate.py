@@ -11,6 +11,7 @@ import time
 import pytest
 
 from gpu_helpers import REPO, WORKLOAD_PYTHON, TorchWorkload
+from helpers import workload_processes
 
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 from loopback import LoopbackHosts  # noqa: E402
@@ -33,21 +34,7 @@ def _apps():
 
 
 def _processes(workdir):
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open("/proc/%s/cmdline" % d, "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode()
-            with open("/proc/%s/stat" % d) as fh:
-                st = fh.read()
-        except OSError:
-            continue
-        if "torch_counter.py" in cmd and ("--dir %s " % workdir) in cmd + " ":
-            if st[st.rindex(")") + 2] not in "ZX":
-                out.append((int(d), st[st.rindex(")") + 2]))
-    return out
+    return workload_processes("torch_counter.py", workdir)
 
 
 class RemoteTorch(TorchWorkload):

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from helpers import ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, REPO
+from helpers import ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, workload_processes
 
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 from loopback import LoopbackHosts  # noqa: E402
@@ -40,26 +40,10 @@ def hosts(tmp_path_factory):
 
 
 def processes(workdir):
-    """(pid, state) of every process of this workload on the machine (all pid namespaces)."""
-    out = []
-    for d in os.listdir("/proc"):
-        if not d.isdigit():
-            continue
-        try:
-            with open("/proc/%s/cmdline" % d, "rb") as fh:
-                cmd = fh.read().replace(b"\0", b" ").decode()
-            with open("/proc/%s/stat" % d) as fh:
-                st = fh.read()
-        except OSError:
-            continue
-        if COUNTER in cmd and ("--dir %s " % workdir) in cmd + " ":
-            state = st[st.rindex(")") + 2]
-            if state not in "ZX":
-                out.append((int(d), state))
-    return out
+    return workload_processes(COUNTER, workdir)
 
 
-class RemoteWorkload(object):
+class RemoteWorkload(CountingWorkload):
     roles = ("parent", "child1")
 
     def __init__(self, hosts, host, workdir, mb=8):
@@ -70,26 +54,6 @@ class RemoteWorkload(object):
                         "--mb %d" % (COUNTER, workdir, FAKE_LIBCUDA, mb))
         self.pid = int(res.stdout.strip().splitlines()[-1])
         self.wait_counting()
-
-    def counts(self):
-        out = {}
-        for r in self.roles:
-            with open(os.path.join(self.dir, r + ".state")) as fh:
-                out[r] = json.load(fh)["count"]
-        return out
-
-    def wait_counting(self, beyond=None, timeout=20):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            try:
-                c = self.counts()
-                if all(c[r] > (beyond or {}).get(r, 1) for r in self.roles):
-                    return c
-            except (OSError, ValueError, KeyError):
-                pass
-            time.sleep(0.05)
-        raise AssertionError("workload %s not counting beyond %s; processes %s" % (self.dir, beyond,
-                                                                                 processes(self.dir)))
 
     def one_copy_runs_intact(self):
         """Exactly one copy: one process per role, none stopped; it counts on; memory patterns intact."""
@@ -104,8 +68,7 @@ class RemoteWorkload(object):
         self.wait_counting(beyond=self.counts())
         assert not [f for f in os.listdir(self.dir) if f.endswith(".corrupt")]
         for r in self.roles:
-            with open(os.path.join(self.dir, r + ".state")) as fh, open(os.path.join(self.dir, r + ".digest")) as dg:
-                assert json.load(fh)["digest"] == dg.read().strip(), "memory pattern of %s changed" % r
+            assert self.read(r)["digest"] == self.digest0(r), "memory pattern of %s changed" % r
         return True
 
     def kill(self):

@@ -1,0 +1,42 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Options shared by the modules: finding the tools, and a migration's journal."""
+from __future__ import annotations
+
+
+class ModuleDocFragment(object):
+    TOOLS = r"""
+options:
+  criu_path:
+    description: Path of the criu binary. Found on PATH and in the sbin directories when not given.
+    type: path
+  criu_options:
+    description: Extra options for CRIU (C(criu dump) when checkpointing, C(criu restore) when restoring), for example C(--tcp-established).
+    type: list
+    elements: str
+    default: []
+  libcuda_path:
+    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
+    type: path
+  sign_key:
+    description: Key of the manifest's signature (HMAC-SHA256). A checkpoint signs the manifest with it; a restore refuses an image whose signature does not match.
+    type: str
+  parallel:
+    description:
+      - Make the driver's checkpoint or restore calls for all CUDA processes of the workload at once (one thread each) rather than one after another.
+      - Locks are always taken one after another, before any checkpoint.
+    type: bool
+    default: true
+"""
+
+    MIGRATION = r"""
+options:
+  migration_id:
+    description: Record each phase in this migration's journal on the host (see gpuckpt.fleet.gpu_migration).
+    type: str
+  journal_dir:
+    description: Directory of the migration journals.
+    type: path
+    default: /var/lib/gpuckpt/journal
+"""
