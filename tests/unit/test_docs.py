@@ -1,0 +1,23 @@
+"""Every plugin's DOCUMENTATION parses (ansible-doc), with the shared doc fragments."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from helpers import COLLECTIONS, REPO
+
+ANSIBLE_DOC = os.path.join(REPO, ".venv", "bin", "ansible-doc")
+
+
+@pytest.mark.skipif(not os.path.exists(ANSIBLE_DOC), reason="needs the venv from tests/setup.sh")
+@pytest.mark.parametrize("kind,name", [("module", m) for m in (
+    "cuda_process_facts", "gpu_checkpoint", "gpu_restore", "gpu_migration", "gpu_image_sync")]
+    + [("filter", "migration_preflight")])
+def test_documentation_parses(kind, name):
+    res = subprocess.run([ANSIBLE_DOC, "-t", kind, "--json", "gpuckpt.fleet." + name], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, universal_newlines=True,
+                         env=dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS))
+    assert res.returncode == 0, res.stdout
+    assert '"options"' in res.stdout
