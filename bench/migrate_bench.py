@@ -5,7 +5,7 @@ Two loopback "hosts" (tests/hosts/loopback.py: sshd on 127.0.0.2/.3, real ssh an
 workload of the given size it measures:
   floor   = stage 1 (driver checkpoint + restore, from the engine's own timings)
             + image bytes / disk write bandwidth (dd with fsync, same size)
-            + image bytes / link bandwidth (ssh to the target into /dev/null, same size)
+            + image bytes / link bandwidth (one ssh stream, the fastest cipher, into /dev/null)
   chain   = the plain chain by hand on a fresh workload: criu dump, rsync to the target, criu restore
             there (plus the driver's checkpoint/restore when on the GPU)
   ours    = migrate.yml on a fresh workload: downtime = resumed on the target - frozen on the source
@@ -27,6 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
 from loopback import LoopbackHosts  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import FAST_CIPHERS  # noqa: E402
 
 PLAYBOOK = os.environ.get("GPUCKPT_ANSIBLE_PLAYBOOK") or os.path.join(REPO, ".venv", "bin", "ansible-playbook")
 PY = os.environ.get("GPUCKPT_WORKLOAD_PYTHON", "python3")
@@ -127,7 +128,8 @@ def bandwidths(hosts, base, size):
         ["dd", "if=/dev/zero", "of=%s" % f, "bs=64M", "count=%d" % n, "conv=fsync"], check=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     link = n * 64 * 2**20 / timed(lambda: subprocess.run(
-        "ssh -F %s hosta 'ssh -F %s hostb \"cat > /dev/null\" < %s'" % (hosts.path("ssh_config"), hosts.path("ssh_config"), f),
+        "ssh -F %s hosta 'ssh -F %s -o Ciphers=%s hostb \"cat > /dev/null\" < %s'"
+        % (hosts.path("ssh_config"), hosts.path("ssh_config"), FAST_CIPHERS, f),
         shell=True, check=True))
     os.unlink(f)
     return disk, link
@@ -149,6 +151,9 @@ def main():
         subprocess.run("pkill -9 -f -- '[-]-dir %s/ours-w'" % base, shell=True)
         time.sleep(2)
         chain, chain_size, chain_steps = plain_chain(hosts, args, base)
+        time.sleep(1)
+        subprocess.run("pkill -9 -f -- '[-]-dir %s/chain-w'" % base, shell=True)  # idle machine for the floors
+        time.sleep(2)
         disk, link = bandwidths(hosts, base, size)
         floor = stage1 + size / disk + size / link
         out = {"kind": "migration_downtime", "workload": ("torch %g GiB" % args.torch_gib) if args.torch_gib else

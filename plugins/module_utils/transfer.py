@@ -19,6 +19,7 @@ from .errors import CommandError
 from .run import find_binary, run
 
 STATE_EXCLUDE = "/.gpuckpt/"  # logs and the restore marker of the source stay there
+FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
 
 
 def _stat(text, label):
@@ -30,7 +31,11 @@ def push(src, dest_host, dest, user="root", port=22, ssh_args=(), rsync_path=Non
          bwlimit=0, io_timeout=120, retries=3, retry_delay=1.0, progress_file=None):
     """rsync ``src``/ to ``user@dest_host:dest``/; retried (and resumed) up to ``retries`` times."""
     rsync = find_binary("rsync", what="install rsync on both hosts")
-    ssh = ["ssh", "-p", str(port), "-o", "BatchMode=yes", "-o", "Compression=no"] + list(ssh_args)
+    # The user's ssh arguments first: for ssh, the first value given for an option wins. AES-GCM is
+    # preferred over OpenSSH's default chacha20-poly1305: on the CI kind of machine (AES-NI) one ssh
+    # stream moved 1.06 GB/s with aes128-gcm against 0.69 GB/s with chacha20 (see docs/benchmarks).
+    ssh = ["ssh"] + list(ssh_args) + ["-p", str(port), "-o", "BatchMode=yes", "-o", "Compression=no",
+                                      "-o", "Ciphers=" + FAST_CIPHERS]
     cmd = [rsync, "-a", "--mkpath", "--stats", "--exclude", STATE_EXCLUDE, "--timeout", str(io_timeout),
            "-e", " ".join(shlex.quote(a) for a in ssh)]
     if repair:
