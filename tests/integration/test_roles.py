@@ -38,3 +38,32 @@ def test_criu_role_rejects_a_bad_argument(playbook, tmp_path):
     assert run.rc != 0
     text = run.stdout
     assert "criu_install_method" in text and "bogus" in text and "one of" in text
+
+
+ROLE_CUDA_CHECKPOINT = os.path.join(HERE, "playbooks", "role_cuda_checkpoint.yml")
+
+
+def test_cuda_checkpoint_role_fails_clearly_without_a_driver(playbook, tmp_path):
+    """CI has no NVIDIA driver: the role must say so, not pass."""
+    run = playbook(ROLE_CUDA_CHECKPOINT, {"cuda_checkpoint_path": str(tmp_path / "cuda-checkpoint")},
+                   env={"GPUCKPT_LIBCUDA": str(tmp_path / "no-libcuda.so.1")})
+    assert run.rc != 0
+    msg = run.task("Require driver")["msg"]
+    assert "not found" in msg and "570 or newer" in msg
+    assert not (tmp_path / "cuda-checkpoint").exists()
+
+
+def test_cuda_checkpoint_role_installs_the_binary_then_changes_nothing(playbook, tmp_path):
+    # TEST DOUBLE of the cuda-checkpoint binary (NVIDIA's is not reachable here): answers --help.
+    fake = tmp_path / "cuda-checkpoint-src"
+    fake.write_text("#!/bin/sh\necho 'CUDA checkpoint and restore utility'\n")
+    dest = tmp_path / "bin" / "cuda-checkpoint"
+    dest.parent.mkdir()
+    v = {"cuda_checkpoint_require_driver": False, "cuda_checkpoint_source_file": str(fake),
+         "cuda_checkpoint_path": str(dest)}
+    run = playbook(ROLE_CUDA_CHECKPOINT, v)
+    assert run.rc == 0, run.stdout
+    assert dest.exists() and os.access(str(dest), os.X_OK)
+    assert _recap_changed(run) == 1
+    again = playbook(ROLE_CUDA_CHECKPOINT, v)
+    assert again.rc == 0 and _recap_changed(again) == 0
