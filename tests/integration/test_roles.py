@@ -67,3 +67,77 @@ def test_cuda_checkpoint_role_installs_the_binary_then_changes_nothing(playbook,
     assert _recap_changed(run) == 1
     again = playbook(ROLE_CUDA_CHECKPOINT, v)
     assert again.rc == 0 and _recap_changed(again) == 0
+
+
+ROLE_NCR = os.path.join(HERE, "playbooks", "role_nvidia_container_runtime.yml")
+
+USER_DAEMON_JSON = {"data-root": "/srv/docker", "log-driver": "json-file", "log-opts": {"max-size": "10m"},
+                    "runtimes": {"crun": {"path": "/usr/bin/crun"}}, "default-runtime": "crun"}
+
+USER_CONFIG_TOML = '''version = 2
+root = "/srv/containerd"
+
+[grpc]
+  address = "/run/containerd/containerd.sock"
+
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+  runtime_type = "io.containerd.runc.v2"
+  [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+    SystemdCgroup = true
+'''
+
+
+def _ncr_vars(tmp_path, **extra):
+    v = {"nvidia_container_runtime_install": False, "nvidia_container_runtime_restart": False,
+         "nvidia_container_runtime_configure": ["docker", "containerd"],
+         "nvidia_container_runtime_docker_config": str(tmp_path / "daemon.json"),
+         "nvidia_container_runtime_containerd_config": str(tmp_path / "config.toml")}
+    v.update(extra)
+    return v
+
+
+def test_container_runtime_role_adds_only_what_is_missing(playbook, tmp_path):
+    import json
+    import tomllib
+    (tmp_path / "daemon.json").write_text(json.dumps(USER_DAEMON_JSON, indent=4))
+    (tmp_path / "config.toml").write_text(USER_CONFIG_TOML)
+    v = _ncr_vars(tmp_path, nvidia_container_runtime_docker_default=True)
+    run = playbook(ROLE_NCR, v)
+    assert run.rc == 0, run.stdout
+    assert _recap_changed(run) == 2
+    daemon = json.loads((tmp_path / "daemon.json").read_text())
+    for key, value in USER_DAEMON_JSON.items():
+        if key != "runtimes":
+            assert daemon[key] == value, "the user's %s was changed" % key
+    assert daemon["default-runtime"] == "crun", "a user's default runtime wins over ours"
+    assert daemon["runtimes"]["crun"] == {"path": "/usr/bin/crun"}
+    assert daemon["runtimes"]["nvidia"]["path"] == "nvidia-container-runtime"
+    conf = tomllib.loads((tmp_path / "config.toml").read_text())
+    assert conf["root"] == "/srv/containerd" and conf["grpc"]["address"] == "/run/containerd/containerd.sock"
+    runtimes = conf["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    assert runtimes["runc"]["options"]["SystemdCgroup"] is True
+    assert runtimes["nvidia"]["options"]["BinaryName"] == "nvidia-container-runtime"
+    again = playbook(ROLE_NCR, v)
+    assert again.rc == 0 and _recap_changed(again) == 0, [r["_task"] for r in again.results if r.get("changed")]
+
+
+def test_container_runtime_role_keeps_a_users_own_nvidia_entries(playbook, tmp_path):
+    import json
+    mine = {"runtimes": {"nvidia": {"path": "/opt/nvidia/bin/nvidia-container-runtime", "runtimeArgs": ["--debug"]}}}
+    (tmp_path / "daemon.json").write_text(json.dumps(mine))
+    toml = USER_CONFIG_TOML + '''
+[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.nvidia]
+  runtime_type = "io.containerd.runc.v2"
+'''
+    (tmp_path / "config.toml").write_text(toml)
+    run = playbook(ROLE_NCR, _ncr_vars(tmp_path))
+    assert run.rc == 0, run.stdout
+    assert _recap_changed(run) == 0
+    assert json.loads((tmp_path / "daemon.json").read_text()) == mine
+    assert (tmp_path / "config.toml").read_text() == toml
+
+
+def test_container_runtime_role_rejects_a_bad_argument(playbook, tmp_path):
+    run = playbook(ROLE_NCR, _ncr_vars(tmp_path, nvidia_container_runtime_configure=["bogus"]))
+    assert run.rc != 0
+    assert "nvidia_container_runtime_configure" in run.stdout and "bogus" in run.stdout
