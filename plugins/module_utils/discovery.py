@@ -226,7 +226,7 @@ def process_info(pid, driver=None):
     info = {"pid": pid, "comm": st.get("comm"), "cmdline": cmdline(pid), "ppid": st.get("ppid"),
             "nvidia_devices": nvidia_fds(pid), "container_id": container_id(pid)}
     if driver is not None:
-        info["cuda_state"] = driver.cuda_state(pid)
+        info["cuda_state"] = driver.state_or_error(pid)
     return info
 
 

@@ -166,6 +166,13 @@ class CudaDriver(object):
                 return None
             raise
 
+    def state_or_error(self, pid):
+        """For reports: the state name, None when not a CUDA process, or the driver's error name."""
+        try:
+            return self.cuda_state(pid)
+        except DriverError as exc:
+            return exc.name
+
     def lock(self, pid, timeout_ms=30000):
         args = _LockArgs(timeoutMs=int(timeout_ms))
         return self._call("cuCheckpointProcessLock", pid, ctypes.byref(args), stage="lock")

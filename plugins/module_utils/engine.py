@@ -571,9 +571,9 @@ def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=N
         else:
             tpids = discovery.process_tree(int(tree_of))
             gpu_mem = discovery.gpu_memory_by_pid()
-            cuda_pids = [p for p in tpids if drv and drv.cuda_state(p) is not None] if drv else []
+            cuda_pids = [p for p in tpids if drv.state_or_error(p) is not None] if drv else []
             out["tree"] = {"root": int(tree_of), "exists": True, "pids": tpids, "cuda_pids": cuda_pids,
-                           "cuda_states": {str(p): drv.cuda_state(p) for p in cuda_pids} if drv else {},
+                           "cuda_states": {str(p): drv.state_or_error(p) for p in cuda_pids} if drv else {},
                            "rss_bytes": sum(_rss_bytes(p) for p in tpids),
                            "gpu_bytes": sum(gpu_mem.get(p, 0) for p in tpids)}
     if check_pids:
@@ -596,7 +596,7 @@ def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=N
         candidates = [p for p in discovery.all_pids() if discovery.nvidia_fds(p)]
         if drv:  # checkpointed processes hold no /dev/nvidia fd: ask the driver about the rest
             candidates = sorted(set(candidates) | {p for p in discovery.all_pids()
-                                                   if p != os.getpid() and drv.cuda_state(p) is not None})
+                                                   if p != os.getpid() and drv.state_or_error(p) is not None})
     procs = []
     for p in candidates:
         if discovery.read_stat(p) is None:
