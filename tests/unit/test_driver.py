@@ -96,3 +96,13 @@ def test_lock_timeout_is_passed_in_milliseconds(fakecuda, cuda_child):
     drv.lock(cuda_child, 2500)
     drv.unlock(cuda_child)
     assert time.monotonic() - t < 2
+
+
+def test_facts_report_an_unexpected_driver_answer_instead_of_failing(fakecuda, cuda_child):
+    fakecuda.inject("getstate", cuda_child, 999)
+    drv = cuda.CudaDriver()
+    with pytest.raises(DriverError):
+        drv.cuda_state(cuda_child)  # the engine must not take it for a CPU process
+    facts = engine.facts(pids=[cuda_child], check_criu=False, tree_of=cuda_child)
+    assert facts["cuda_processes"][0]["cuda_state"] == "CUDA_ERROR_UNKNOWN"
+    assert facts["tree"]["cuda_states"] == {str(cuda_child): "CUDA_ERROR_UNKNOWN"}
