@@ -74,21 +74,14 @@ EXAMPLES = r"""
     pid: 4242
     image_dir: /var/lib/gpuckpt/images/infer-snap
     leave_running: true
-    leave_stopped:
-    description:
-      - Leave the workload stopped after the dump, with its GPU memory in host RAM, neither running nor
-        killed. This is a migration's source. C(gpuckpt.fleet.gpu_migration) later releases it (commit)
-        or resumes it (rollback).
-    type: bool
-    default: false
-  migration_id:
-    description: Record each phase in this migration's journal on the host (see gpuckpt.fleet.gpu_migration).
-    type: str
-  journal_dir:
-    description: Directory of the migration journals.
-    type: path
-    default: /var/lib/gpuckpt/journal
-  lock_timeout: 60
+    lock_timeout: 60
+
+- name: Freeze a migration's source (gpuckpt.fleet.migrate does this)
+  gpuckpt.fleet.gpu_checkpoint:
+    pid: 4242
+    image_dir: /var/lib/gpuckpt/images/m-42
+    leave_stopped: true
+    migration_id: m-42
 """
 
 RETURN = r"""

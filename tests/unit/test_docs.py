@@ -21,3 +21,18 @@ def test_documentation_parses(kind, name):
                          env=dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS))
     assert res.returncode == 0, res.stdout
     assert '"options"' in res.stdout
+    if kind == "module":  # EXAMPLES must be valid YAML: a list of tasks that call this module
+        import json
+        import yaml
+        doc = json.loads(res.stdout)["gpuckpt.fleet." + name]
+        options = doc["doc"]["options"]
+        examples = yaml.safe_load(doc["examples"])
+        assert isinstance(examples, list) and examples
+        for task in examples:
+            args = task.get("gpuckpt.fleet." + name)
+            if args is None:
+                continue
+            for key, value in (args or {}).items():
+                assert key in options, "example %r passes %s, which is no option" % (task["name"], key)
+                if options[key].get("type") == "bool":
+                    assert isinstance(value, bool), "example %r: %s must be a bool" % (task["name"], key)
