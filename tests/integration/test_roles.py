@@ -48,7 +48,7 @@ def test_cuda_checkpoint_role_fails_clearly_without_a_driver(playbook, tmp_path)
     run = playbook(ROLE_CUDA_CHECKPOINT, {"cuda_checkpoint_path": str(tmp_path / "cuda-checkpoint")},
                    env={"GPUCKPT_LIBCUDA": str(tmp_path / "no-libcuda.so.1")})
     assert run.rc != 0
-    msg = run.task("Require driver")["msg"]
+    msg = run.task("Require the checkpoint API")["msg"]
     assert "not found" in msg and "570 or newer" in msg
     assert not (tmp_path / "cuda-checkpoint").exists()
 
@@ -141,3 +141,15 @@ def test_container_runtime_role_rejects_a_bad_argument(playbook, tmp_path):
     run = playbook(ROLE_NCR, _ncr_vars(tmp_path, nvidia_container_runtime_configure=["bogus"]))
     assert run.rc != 0
     assert "nvidia_container_runtime_configure" in run.stdout and "bogus" in run.stdout
+
+
+def test_container_runtime_role_uses_containerd_2_section_names(playbook, tmp_path):
+    """containerd 2.x (config schema version 3) names the CRI runtime plugin io.containerd.cri.v1.runtime."""
+    import tomllib
+    (tmp_path / "config.toml").write_text('version = 3\nroot = "/srv/containerd"\n')
+    run = playbook(ROLE_NCR, _ncr_vars(tmp_path, nvidia_container_runtime_configure=["containerd"]))
+    assert run.rc == 0, run.stdout
+    conf = tomllib.loads((tmp_path / "config.toml").read_text())
+    assert conf["root"] == "/srv/containerd"
+    nvidia = conf["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["nvidia"]
+    assert nvidia["options"]["BinaryName"] == "nvidia-container-runtime"

@@ -1,0 +1,21 @@
+"""ansible-lint with the production profile on the collection's playbooks and roles (issue: lint in CI)."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from helpers import COLLECTIONS, REPO
+
+ANSIBLE_LINT = os.path.join(REPO, ".venv", "bin", "ansible-lint")
+
+
+@pytest.mark.skipif(not os.path.exists(ANSIBLE_LINT), reason="needs the venv from tests/setup.sh")
+def test_ansible_lint_production_profile():
+    res = subprocess.run([ANSIBLE_LINT, "--profile", "production", "--offline", "--nocolor", "-f", "pep8",
+                          "playbooks", "roles"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         universal_newlines=True, cwd=REPO,
+                         env=dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS,
+                                  PATH=os.path.join(REPO, ".venv", "bin") + os.pathsep + os.environ.get("PATH", "")))
+    assert res.returncode == 0, res.stdout[-4000:]
