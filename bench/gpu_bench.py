@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """GPU checkpoint/restore benchmark (issue: GPU proof and performance). Run on the GPU machine
 through tests/gpu/run_on_device.sh (GPUCKPT_BENCH=1), or by hand where a GPU and CRIU are present:
 
@@ -60,7 +59,7 @@ print(json.dumps({"pinned_d2h_GBps": d2h / 1e9, "pinned_h2d_GBps": h2d / 1e9, "f
     buf = os.urandom(64 * 2**20)
     t = time.perf_counter()
     with open(path, "wb") as fh:
-        for _ in range(gib * 16):
+        for unused in range(gib * 16):
             fh.write(buf)
         fh.flush()
         os.fsync(fh.fileno())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Migration downtime against its floor and against the plain chain, measured in one run.
 
 Two loopback "hosts" (tests/hosts/loopback.py: sshd on 127.0.0.2/.3, real ssh and rsync). For a
@@ -59,8 +58,8 @@ def remote_py(hosts, host, code):
     env = " ".join("%s=%s" % kv for kv in PASS_ENV.items())
     with tempfile.NamedTemporaryFile("w", suffix=".py", delete=False) as fh:  # the hosts share the filesystem
         fh.write(code)
-    return hosts.ssh(host, "env %s PYTHONPATH=%s %s %s" % (env, os.path.join(REPO, ".build", "collections"), PY,
-                                                        fh.name), timeout=900)
+    cmd = "env %s PYTHONPATH=%s %s %s" % (env, os.path.join(REPO, ".build", "collections"), PY, fh.name)
+    return hosts.ssh(host, cmd, timeout=900)
 
 
 def plain_chain(hosts, args, base):
@@ -148,17 +147,18 @@ def main():
     try:
         down, size, stage1, res = ours(hosts, args, base)
         time.sleep(1)
-        subprocess.run("pkill -9 -f -- '[-]-dir %s/ours-w'" % base, shell=True)
+        subprocess.run("pkill -9 -f -- '[-]-dir %s/ours-w'" % base, shell=True, check=False)
         time.sleep(2)
         chain, chain_size, chain_steps = plain_chain(hosts, args, base)
         time.sleep(1)
-        subprocess.run("pkill -9 -f -- '[-]-dir %s/chain-w'" % base, shell=True)  # idle machine for the floors
+        subprocess.run("pkill -9 -f -- '[-]-dir %s/chain-w'" % base, shell=True, check=False)  # idle machine for the floors
         time.sleep(2)
         disk, link = bandwidths(hosts, base, size)
         floor = stage1 + size / disk + size / link
         out = {"kind": "migration_downtime", "workload": ("torch %g GiB" % args.torch_gib) if args.torch_gib else
                ("cpu 2x%d MiB" % args.mb), "image_bytes": size, "downtime_s": down, "floor_s": floor,
-               "stage1_s": stage1, "disk_GBps": disk / 1e9, "link_GBps": link / 1e9, "plain_chain_s": chain, "plain_chain_bytes": chain_size, "plain_chain_steps": chain_steps,
+               "stage1_s": stage1, "disk_GBps": disk / 1e9, "link_GBps": link / 1e9, "plain_chain_s": chain,
+               "plain_chain_bytes": chain_size, "plain_chain_steps": chain_steps,
                "ours_over_floor": down / floor, "chain_over_ours": chain / down,
                "ours_stages": {"checkpoint": res["ck"]["timings"], "transfer_s": res["sync"]["seconds"],
                                "restore": res["rs"]["timings"]},

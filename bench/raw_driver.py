@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """The floor for stage 1: the driver's checkpoint calls alone, timed with nothing around them.
 
 Deliberately independent of the engine (plain ctypes, no gpuckpt import), so that the engine's
@@ -34,7 +33,7 @@ def main():
             raise SystemExit("%s%r returned %d" % (fn.__name__, a[:1], rc))
         return time.perf_counter() - t
 
-    for _ in range(args.cycles):
+    for unused in range(args.cycles):
         out = {"lock": 0.0, "checkpoint": 0.0, "restore": 0.0, "unlock": 0.0}
         for p in args.pids:
             out["lock"] += timed(lib.cuCheckpointProcessLock, p, ctypes.byref(lock_args))

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Turn the JSON lines of GPU runs (tests/gpu, bench/gpu_bench.py) into the markdown tables of
 docs/benchmarks/: each stage's time and throughput, the floor beside it, and the ratios.
 
@@ -17,8 +16,9 @@ def main(paths):
     floors = next((r for r in rows if r["kind"] == "floors"), None)
     if floors:
         print("Floors (8 GiB): pinned device-to-host %.1f GB/s, host-to-device %.1f GB/s, into fresh pageable "
-              "memory %.2f GB/s, disk write (fsync) %.2f GB/s.\n" % (floors["pinned_d2h_GBps"], floors["pinned_h2d_GBps"],
-                                                                  floors["fresh_pageable_d2h_GBps"], floors["disk_write_GBps"]))
+              "memory %.2f GB/s, disk write (fsync) %.2f GB/s.\n"
+              % (floors["pinned_d2h_GBps"], floors["pinned_h2d_GBps"], floors["fresh_pageable_d2h_GBps"],
+                 floors["disk_write_GBps"]))
     sizes = [r for r in rows if r["kind"] == "size"]
     if sizes:
         print("| GPU GiB | cycle | CUDA checkpoint s (GB/s) | raw driver checkpoint s | CRIU dump s (GB/s) | checksums s "

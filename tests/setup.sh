@@ -68,6 +68,15 @@ if [ ! -x "$venv/bin/ansible-playbook" ] || ! "$venv/bin/python" -m pip --disabl
   cp "$repo/tests/requirements.txt" "$venv/.requirements.txt"
 fi
 
+# ansible-test sanity bootstraps pip into its venvs with a script it downloads from a host this
+# machine cannot reach. Its cache takes a local stand-in: pip from the interpreter's own bundle.
+pipv=$(sed -n "s/.*pip='\([0-9.]*\)'.*/\1/p" "$venv"/lib/python3*/site-packages/ansible_test/_internal/python_requirements.py | head -n1)
+if [ -n "$pipv" ] && [ ! -f "$HOME/.ansible/test/cache/get_pip_${pipv//./_}.py" ]; then
+  mkdir -p "$HOME/.ansible/test/cache"
+  printf '# Offline stand-in for the get-pip bootstrap script (written by tests/setup.sh).\nimport ensurepip\nensurepip.bootstrap(upgrade=True)\n' \
+    >"$HOME/.ansible/test/cache/get_pip_${pipv//./_}.py"
+fi
+
 # The collection must sit at ansible_collections/gpuckpt/fleet for ansible and for imports.
 coll="$repo/.build/collections/ansible_collections/gpuckpt"
 mkdir -p "$coll"

@@ -20,7 +20,9 @@ options:
     description: Path of libcuda.so.1 when the dynamic loader cannot find it.
     type: path
   sign_key:
-    description: Key of the manifest's signature (HMAC-SHA256). A checkpoint signs the manifest with it; a restore refuses an image whose signature does not match.
+    description:
+      - Key of the manifest's signature (HMAC-SHA256).
+      - A checkpoint signs the manifest with it; a restore refuses an image whose signature does not match.
     type: str
   parallel:
     description:

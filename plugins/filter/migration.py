@@ -12,7 +12,9 @@ description:
   - Returns C(ok), C(rows) (check, source, target, ok) and C(table), a text table for people.
 options:
   _input:
-    description: The source's C(ansible_facts['gpuckpt']), gathered with O(gpuckpt.fleet.cuda_process_facts#module:tree_of) and O(gpuckpt.fleet.cuda_process_facts#module:paths).
+    description:
+      - The source's C(ansible_facts['gpuckpt']).
+      - Gathered with O(gpuckpt.fleet.cuda_process_facts#module:tree_of) and O(gpuckpt.fleet.cuda_process_facts#module:paths).
     type: dict
     required: true
   target:
@@ -101,8 +103,8 @@ def migration_preflight(src, tgt, source_path, target_path, allow_driver_mismatc
     width = max(len(r["check"]) for r in rows)
     lines = ["%-*s  %-22s  %-22s  %s" % (width, "check", "source", "target", "")]
     for r in rows:
-        lines.append("%-*s  %-22s  %-22s  %s" % (width, r["check"], r["source"][:22], r["target"][:22],
-                                                  "ok" if r["ok"] else "DIFFERS"))
+        lines.append("%-*s  %-22s  %-22s  %s"
+                     % (width, r["check"], r["source"][:22], r["target"][:22], "ok" if r["ok"] else "DIFFERS"))
     return {"ok": all(r["ok"] for r in rows), "rows": rows, "table": "\n".join(lines),
             "failed": [r["check"] for r in rows if not r["ok"]], "image_estimate_bytes": need}
 

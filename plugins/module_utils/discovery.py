@@ -141,7 +141,7 @@ def _environ(pid):
         return {}
     out = {}
     for it in items:
-        k, _, v = it.partition(b"=")
+        k, unused, v = it.partition(b"=")
         if k:
             out[k.decode("utf-8", "replace")] = v.decode("utf-8", "replace")
     return out

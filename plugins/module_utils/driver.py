@@ -65,7 +65,8 @@ class _RestoreArgs(ctypes.Structure):
                 ("reserved", ctypes.c_char * 44), ("reserved1", ctypes.c_uint64)]
 
 
-assert ctypes.sizeof(_LockArgs) == 64 and ctypes.sizeof(_RestoreArgs) == 64 and ctypes.sizeof(_GpuPair) == 32
+if not (ctypes.sizeof(_LockArgs) == 64 and ctypes.sizeof(_RestoreArgs) == 64 and ctypes.sizeof(_GpuPair) == 32):
+    raise AssertionError("the driver's checkpoint argument structs must be 64 bytes (pairs 32)")
 
 
 def format_uuid(raw):

@@ -262,7 +262,7 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
             locked.append(p)
         clock.stop("cuda_lock")
         try:
-            checkpointed.extend(_each(cuda_pids, lambda p: drv.checkpoint(p), parallel))
+            checkpointed.extend(_each(cuda_pids, drv.checkpoint if cuda_pids else None, parallel))
         except Exception as exc:
             checkpointed.extend(getattr(exc, "done", []))
             raise
@@ -337,8 +337,8 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
     result.update(changed=True, manifest_id=manifest["id"], timings=dict(clock.stages), frozen_at=frozen_at,
                   driver_call_seconds=manifest["driver_call_seconds"], image_bytes=manifest["sizes"]["image_bytes"],
                   msg="checkpointed %d process(es) (%d on the GPU) into %s%s"
-                  % (len(pids), len(cuda_pids), image_dir, {"running": "; workload left running",
-                                                             "stopped": "; workload left stopped"}.get(after, "")))
+                  % (len(pids), len(cuda_pids), image_dir,
+                     {"running": "; workload left running", "stopped": "; workload left stopped"}.get(after, "")))
     return result
 
 

@@ -192,4 +192,3 @@ def commit_target(journal, remove_image=False, image_dir=None):
         shutil.rmtree(image_dir)
     journal.write("committed")
     return True, "target committed"
-

@@ -57,7 +57,7 @@ def run(cmd, timeout=None, check=True, stage=None, pid=None, env=None, cwd=None,
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
                               env=env, cwd=cwd, input=input_text, universal_newlines=True,
                               start_new_session=new_session,
-                              stdin=None if input_text is not None else subprocess.DEVNULL)
+                              stdin=None if input_text is not None else subprocess.DEVNULL, check=False)
     except subprocess.TimeoutExpired as exc:
         raise CommandError("%s timed out after %ss" % (cmd[0], timeout), stage=stage, pid=pid, cmd=cmd,
                            rc=None, stdout=_tail(exc.stdout if isinstance(exc.stdout, str) else ""),

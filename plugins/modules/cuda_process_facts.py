@@ -15,7 +15,7 @@ description:
   - Reports the CUDA processes with their checkpoint state (running, locked, checkpointed, failed).
   - Reports CRIU's path and version and the output of C(criu check).
   - Sets C(ansible_facts['gpuckpt']); C(ready) is true when this host can checkpoint and restore.
-author: gpuckpt.fleet contributors
+author: gpuckpt.fleet maintainers (@gpuckpt)
 options:
   pids:
     description:
@@ -65,7 +65,9 @@ ansible_facts:
   type: complex
   contains:
     gpuckpt:
-      description: driver, gpus, cuda_device_uuids, cuda_processes, criu, host (with boot_id and pid_namespace), ready; disk, tree and pids_in_use when asked for.
+      description:
+        - driver, gpus, cuda_device_uuids, cuda_processes, criu, host (with boot_id and pid_namespace), ready.
+        - disk, tree and pids_in_use when asked for.
       type: dict
       returned: always
 """

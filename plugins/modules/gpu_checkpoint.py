@@ -24,7 +24,7 @@ description:
     stage timings and chunked SHA-256 checksums of every file. The manifest is written last.
   - Idempotent. If O(image_dir) already holds a complete image of the same O(pid), nothing is done
     and C(changed) is false. Any other non-empty O(image_dir) is refused.
-author: gpuckpt.fleet contributors
+author: gpuckpt.fleet maintainers (@gpuckpt)
 options:
   pid:
     description: Root pid of the process tree to checkpoint (the host's pid). Its descendants are included.

@@ -15,7 +15,7 @@ description:
   - Partial files are kept and resumed when a transfer is cut, and the transfer is retried.
   - With O(repair), only the blocks that differ are sent again. Use it after the target found a checksum mismatch.
   - The copy is proven by gpuckpt.fleet.gpu_restore, which verifies every checksum of the manifest on the target before it restores anything.
-author: gpuckpt.fleet contributors
+author: gpuckpt.fleet maintainers (@gpuckpt)
 options:
   src:
     description: The image directory on this host.

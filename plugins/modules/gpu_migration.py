@@ -14,7 +14,7 @@ description:
   - This module reads that journal and takes one idempotent step.
   - It is what migrate.yml and recover.yml use to make sure that exactly one copy of the workload
     ends up running.
-author: gpuckpt.fleet contributors
+author: gpuckpt.fleet maintainers (@gpuckpt)
 options:
   migration_id:
     description: The migration's id.
@@ -30,7 +30,8 @@ options:
       - C(status) reports the journal and which of its pids run now (stopped or running).
       - C(begin) starts this host's journal (target side, before the image arrives).
       - C(commit) on the source releases the stopped source (kills it); on the target it marks the restored workload as the one copy.
-      - C(rollback) on the source resumes it (or restores it from its own image when it exited); on the target it kills what was restored and removes the image copy.
+      - C(rollback) on the source resumes it (or restores it from its own image when it exited).
+      - C(rollback) on the target kills what was restored there and removes the image copy.
     type: str
     choices: [status, begin, commit, rollback]
     default: status

@@ -19,7 +19,7 @@ description:
     C(changed) is false. If a pid that the image needs is in use (for example, the original still
     runs after a checkpoint with leave_running), the restore is refused rather than starting a
     second copy.
-author: gpuckpt.fleet contributors
+author: gpuckpt.fleet maintainers (@gpuckpt)
 options:
   image_dir:
     description: The image directory written by gpuckpt.fleet.gpu_checkpoint.

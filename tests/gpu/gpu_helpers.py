@@ -25,7 +25,7 @@ def _clean_env():
 
 def gpu_count():
     try:
-        out = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE, universal_newlines=True).stdout
+        out = subprocess.run(["nvidia-smi", "-L"], stdout=subprocess.PIPE, universal_newlines=True, check=False).stdout
         return len([ln for ln in out.splitlines() if ln.startswith("GPU ")])
     except OSError:
         return 0
@@ -33,18 +33,19 @@ def gpu_count():
 
 def nvidia_smi_pids():
     out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                         stdout=subprocess.PIPE, universal_newlines=True).stdout
+                         stdout=subprocess.PIPE, universal_newlines=True, check=False).stdout
     return {int(a.split(",")[0]): int(a.split(",")[1]) for a in out.splitlines() if a.strip()}
 
 
 class TorchWorkload(CountingWorkload):
     count_timeout = 120
+
     def __init__(self, directory, gib, children=0, device=0, verify_every=1.0):
         self.dir = directory
         cmd = [WORKLOAD_PYTHON, TORCH_COUNTER, "--dir", directory, "--gib", str(gib), "--children", str(children),
                "--device", str(device), "--daemon", "--verify-every", str(verify_every)]
         t = time.monotonic()
-        out = subprocess.run(cmd, stdout=subprocess.PIPE, env=_clean_env(), universal_newlines=True, timeout=900)
+        out = subprocess.run(cmd, stdout=subprocess.PIPE, env=_clean_env(), universal_newlines=True, timeout=900, check=False)
         if not out.stdout.strip():
             log = open(os.path.join(directory, "workload.log")).read() if os.path.exists(
                 os.path.join(directory, "workload.log")) else ""
@@ -91,6 +92,6 @@ class TorchWorkload(CountingWorkload):
 
 def raw_driver(pids, cycles=1):
     out = subprocess.run([sys.executable, RAW_DRIVER] + [str(p) for p in pids] + ["--cycles", str(cycles)],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=900)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=900, check=False)
     assert out.returncode == 0, out.stdout
     return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]

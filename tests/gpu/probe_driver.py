@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """Facts about the real driver that the engine and the libcuda test double rely on: what
 GetState answers for a pid that is not a CUDA process, and what a scan of every pid costs."""
 import ctypes
@@ -15,7 +14,8 @@ lib.cuDriverGetVersion(ctypes.byref(v))
 def name(code):
     p = ctypes.c_char_p()
     lib.cuGetErrorName(code, ctypes.byref(p))
-    return p.value.decode() if p.value else str(code)
+    value = p.value
+    return value.decode() if value is not None else str(code)
 
 
 out = {"api_version": v.value}

@@ -23,13 +23,13 @@ PASS_ENV = {k: os.environ[k] for k in ("LD_LIBRARY_PATH", "PATH") if k in os.env
 
 def _uuids():
     out = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], stdout=subprocess.PIPE,
-                         universal_newlines=True).stdout
+                         universal_newlines=True, check=False).stdout
     return [u.strip() for u in out.splitlines() if u.strip()]
 
 
 def _apps():
     out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
-                         stdout=subprocess.PIPE, universal_newlines=True).stdout
+                         stdout=subprocess.PIPE, universal_newlines=True, check=False).stdout
     return [tuple(x.strip() for x in line.split(",")) for line in out.splitlines() if line.strip()]
 
 
@@ -50,10 +50,10 @@ class RemoteTorch(TorchWorkload):
         self.gib = gib
         self.roles = ["parent"]
         self.wait_counting()
-        self.pids = [p for p, _ in _processes(directory)]
+        self.pids = [p for p, unused in _processes(directory)]
 
     def kill(self):
-        for p, _ in _processes(self.dir):
+        for p, unused in _processes(self.dir):
             try:
                 os.kill(p, 9)
             except OSError:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """PID 1 of a test host's pid namespace: starts the host's sshd and reaps every orphan at once
 (a workload restored there is reparented to us; a slow reaper would hold its pids)."""
 import os
@@ -7,7 +6,14 @@ import subprocess
 import sys
 
 child = subprocess.Popen(sys.argv[1:])
-signal.signal(signal.SIGTERM, lambda *_: (child.terminate(), os._exit(0)))
+
+
+def _stop(signum, frame):
+    child.terminate()
+    os._exit(0)
+
+
+signal.signal(signal.SIGTERM, _stop)
 while True:
     try:
         pid, _status = os.waitpid(-1, 0)

@@ -51,7 +51,7 @@ def test_non_empty_image_dir_is_refused(tmp_path, playbook, workloads, fakecuda)
     res = _fail(run, "Checkpoint pid")
     assert "not empty" in res["msg"] and "notes.txt" in res["msg"]
     assert os.listdir(image_dir) == ["notes.txt"]
-    assert [c for c, _ in fakecuda.calls() if c != "attach"] == [], "nothing may be locked"
+    assert [c for c, unused in fakecuda.calls() if c != "attach"] == [], "nothing may be locked"
     assert w.is_counting()
 
 
@@ -73,7 +73,7 @@ def test_tampered_image_is_refused_and_names_the_file(tmp_path, playbook, worklo
     assert pages in res["msg"] and "checksum mismatch" in res["msg"]
     assert res["bad_files"] == [pages]
     assert not w.alive(), "nothing may be started from a corrupt image"
-    assert not [c for c, _ in fakecuda.calls() if c in ("restore", "unlock")]
+    assert not [c for c, unused in fakecuda.calls() if c in ("restore", "unlock")]
 
 
 def test_missing_criu_is_a_clear_error(tmp_path, playbook, workloads):

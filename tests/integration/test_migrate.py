@@ -60,7 +60,7 @@ class RemoteWorkload(CountingWorkload):
         deadline = time.monotonic() + 10
         while True:
             procs = processes(self.dir)
-            if len(procs) == len(self.roles) and all(s != "T" for _, s in procs):
+            if len(procs) == len(self.roles) and all(s != "T" for unused, s in procs):
                 break
             if time.monotonic() > deadline:
                 raise AssertionError("expected exactly one running copy, found %s" % procs)
@@ -72,7 +72,7 @@ class RemoteWorkload(CountingWorkload):
         return True
 
     def kill(self):
-        for p, _ in processes(self.dir):
+        for p, unused in processes(self.dir):
             try:
                 os.kill(p, signal.SIGKILL)
             except OSError:
@@ -223,7 +223,7 @@ def test_different_driver_on_target_is_refused_with_a_table(playbook, hosts, rem
 def test_pid_taken_on_target_is_refused(playbook, hosts, remote_workload):
     w = remote_workload()
     squatter = None
-    for _ in range(20):
+    for unused in range(20):
         out = hosts.ssh("hostb", "echo %d > /proc/sys/kernel/ns_last_pid; setsid sleep 300 >/dev/null 2>&1 </dev/null & "
                         "echo $!" % (w.pid - 1)).stdout.strip().splitlines()[-1]
         if int(out) == w.pid:
@@ -281,7 +281,7 @@ def test_controller_killed_mid_migration_then_recover(playbook, hosts, remote_wo
         raise AssertionError("transfer never started:\n" + open(str(tmp_path / "controller.log")).read())
     os.killpg(ctl.pid, signal.SIGKILL)
     ctl.wait()
-    assert [s for _, s in processes(w.dir)] == ["T", "T"], "the source should be frozen (stopped) here"
+    assert [s for unused, s in processes(w.dir)] == ["T", "T"], "the source should be frozen (stopped) here"
 
     run = playbook(RECOVER, {"source": "hosta", "target": "hostb", "migration_id": "t-kill"},
                    inventory=hosts.path("inventory.yml"))

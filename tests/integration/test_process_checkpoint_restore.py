@@ -43,7 +43,7 @@ def test_checkpoint_then_restore_resumes_counting_with_memory_intact(tmp_path, p
     stopped_at = w.counts()
     assert os.stat(image_dir).st_mode & 0o777 == 0o700
     # Every lock comes before any checkpoint (consistent freeze of the whole workload).
-    calls = [c for c, _ in fakecuda.calls() if c in ("lock", "checkpoint")]
+    calls = [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")]
     assert calls == ["lock"] * len(w.pids) + ["checkpoint"] * len(w.pids), calls
 
     again = _ckpt(playbook, fakecuda, w.pid, image_dir)
@@ -105,7 +105,7 @@ def test_check_mode_changes_nothing(tmp_path, playbook, workloads, fakecuda):
     assert run.rc == 0, run.stdout
     assert run.task("Checkpoint pid")["changed"] is True
     assert not os.path.exists(image_dir)
-    assert [c for c, _ in fakecuda.calls() if c != "attach"] == []
+    assert [c for c, unused in fakecuda.calls() if c != "attach"] == []
     assert w.is_counting()
 
 
@@ -259,7 +259,7 @@ def test_parallel_driver_calls_keep_the_consistent_freeze(tmp_path, workloads, f
     image_dir = str(tmp_path / "img")
     res = engine.checkpoint(w.pid, image_dir, parallel=True)
     assert sorted(res["cuda_pids"]) == sorted(w.pids)
-    calls = [c for c, _ in fakecuda.calls() if c in ("lock", "checkpoint")]
+    calls = [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")]
     assert calls == ["lock"] * 4 + ["checkpoint"] * 4
     stopped = w.counts()
     engine.restore(image_dir, parallel=True)

@@ -24,7 +24,7 @@ def test_criu_role_builds_from_a_local_tarball_then_changes_nothing(playbook, tm
     run = playbook(ROLE_CRIU, v)
     assert run.rc == 0, run.stdout
     built = prefix / "sbin" / "criu"
-    out = subprocess.run([str(built), "--version"], stdout=subprocess.PIPE, universal_newlines=True).stdout
+    out = subprocess.run([str(built), "--version"], stdout=subprocess.PIPE, universal_newlines=True, check=False).stdout
     assert "Version: 4.1.1" in out
     assert run.task("Check the kernel with criu check")["rc"] == 0
     assert _recap_changed(run) > 0

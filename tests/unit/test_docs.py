@@ -18,7 +18,7 @@ ANSIBLE_DOC = os.path.join(REPO, ".venv", "bin", "ansible-doc")
 def test_documentation_parses(kind, name):
     res = subprocess.run([ANSIBLE_DOC, "-t", kind, "--json", "gpuckpt.fleet." + name], stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, universal_newlines=True,
-                         env=dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS))
+                         env=dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS), check=False)
     assert res.returncode == 0, res.stdout
     assert '"options"' in res.stdout
     if kind == "module":  # EXAMPLES must be valid YAML: a list of tasks that call this module

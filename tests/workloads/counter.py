@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A CPU workload for the CI tests and the demo: a parent and N children that each hold a known
 memory pattern and count, once per tick, into <dir>/<role>.state (JSON: count, digest, pid).
 
@@ -32,7 +31,7 @@ def run(role, args):
         cuda.fakeCudaAttach()
     rng = random.Random(role)
     buf = bytearray()
-    for _ in range(args.mb):  # 1 MiB at a time: randbytes() of more than 256 MiB overflows
+    for unused in range(args.mb):  # 1 MiB at a time: randbytes() of more than 256 MiB overflows
         buf += rng.randbytes(2**20)
     digest0 = hashlib.sha256(buf).hexdigest()
     write_atomic(os.path.join(args.dir, role + ".digest"), digest0)

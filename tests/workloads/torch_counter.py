@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A PyTorch GPU workload for the GPU tests, the benchmarks and the demo.
 
 Each process (a parent and --children workers, each with its own CUDA context; no NCCL) fills

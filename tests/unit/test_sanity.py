@@ -1,0 +1,33 @@
+"""ansible-test sanity on the collection (all tests that run here: validate-modules, pylint, pep8,
+compile, import, ansible-doc, yamllint...). ansible-test wants the collection at
+ansible_collections/gpuckpt/fleet in a git tree, so the tracked files are copied into one."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+
+from helpers import REPO
+
+ANSIBLE_TEST = os.path.join(REPO, ".venv", "bin", "ansible-test")
+
+
+@pytest.mark.skipif(not os.path.exists(ANSIBLE_TEST), reason="needs the venv from tests/setup.sh")
+def test_ansible_test_sanity(tmp_path):
+    dest = tmp_path / "ansible_collections" / "gpuckpt" / "fleet"
+    files = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, stdout=subprocess.PIPE, check=True).stdout
+    for rel in filter(None, files.decode().split("\0")):
+        src = os.path.join(REPO, rel)
+        if os.path.isfile(src):
+            os.makedirs(os.path.dirname(str(dest / rel)), exist_ok=True)
+            shutil.copy2(src, str(dest / rel))
+    git = ["git", "-c", "user.email=ci@localhost", "-c", "user.name=ci"]
+    subprocess.run(git + ["init", "-q"], cwd=str(dest), check=True)
+    subprocess.run(git + ["add", "-A"], cwd=str(dest), check=True)
+    subprocess.run(git + ["commit", "-qm", "sanity"], cwd=str(dest), check=True)
+    res = subprocess.run([ANSIBLE_TEST, "sanity", "--python", "3.11"], cwd=str(dest), stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, universal_newlines=True, timeout=1800, check=False)
+    errors = [line for line in res.stdout.splitlines() if line.startswith(("ERROR", "FATAL"))]
+    assert res.returncode == 0, "\n".join(errors) or res.stdout[-4000:]
