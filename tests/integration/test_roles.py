@@ -153,3 +153,19 @@ def test_container_runtime_role_uses_containerd_2_section_names(playbook, tmp_pa
     assert conf["root"] == "/srv/containerd"
     nvidia = conf["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["nvidia"]
     assert nvidia["options"]["BinaryName"] == "nvidia-container-runtime"
+
+
+def test_roles_in_check_mode_change_nothing(playbook, tmp_path):
+    """--check on a node with nothing installed yet: no error, and not one file written."""
+    import json
+    (tmp_path / "daemon.json").write_text(json.dumps(USER_DAEMON_JSON))
+    before = (tmp_path / "daemon.json").read_text()
+    prefix = tmp_path / "prefix"
+    (prefix / "sbin").mkdir(parents=True)
+    run = playbook(ROLE_CRIU, {"criu_install_method": "source", "criu_source_file": TARBALL, "criu_prefix": str(prefix),
+                               "criu_build_dir": str(tmp_path / "build")}, check=True)
+    assert run.rc == 0, run.stdout
+    assert not (tmp_path / "build").exists() and not (prefix / "sbin" / "criu").exists()
+    run = playbook(ROLE_NCR, _ncr_vars(tmp_path, nvidia_container_runtime_configure=["docker"]), check=True)
+    assert run.rc == 0, run.stdout
+    assert (tmp_path / "daemon.json").read_text() == before
