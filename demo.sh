@@ -11,6 +11,7 @@ python3 "$repo/tests/hosts/loopback.py" stop "$demo/hosts" 2>/dev/null || true
 rm -rf "$demo" && mkdir -p "$demo"
 python3 "$repo/tests/hosts/loopback.py" start "$demo/hosts" >/dev/null
 trap 'python3 "$repo/tests/hosts/loopback.py" stop "$demo/hosts"' EXIT
-export ANSIBLE_COLLECTIONS_PATH="$repo/.build/collections" ANSIBLE_HOST_KEY_CHECKING=false ANSIBLE_PIPELINING=true
+export ANSIBLE_COLLECTIONS_PATH="$repo/.build/collections" ANSIBLE_HOST_KEY_CHECKING=false ANSIBLE_PIPELINING=true \
+  ANSIBLE_SSH_CONTROL_PATH_DIR="$demo/cp"
 "${GPUCKPT_ANSIBLE_PLAYBOOK:-$repo/.venv/bin/ansible-playbook}" -i "$demo/hosts/inventory.yml" \
   -e gpuckpt_demo_dir="$demo" "$repo/playbooks/demo.yml" "$@"

@@ -100,6 +100,7 @@ def ours(hosts, args, base):
     rec = os.path.join(base, "ours.jsonl")
     env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=os.path.join(REPO, ".build", "collections"),
                ANSIBLE_PIPELINING="true", ANSIBLE_HOST_KEY_CHECKING="false", GPUCKPT_RECORD=rec,
+               ANSIBLE_SSH_CONTROL_PATH_DIR=os.path.join(base, "cp"),
                ANSIBLE_CALLBACK_PLUGINS=os.path.join(REPO, "tests", "integration", "callback_plugins"),
                ANSIBLE_CALLBACKS_ENABLED="record_results")
     subprocess.run([PLAYBOOK, "gpuckpt.fleet.migrate", "-i", hosts.path("inventory.yml"), "-e",

@@ -148,6 +148,9 @@ def playbook(tmp_path):
             "ANSIBLE_NOCOLOR": "1",
             "ANSIBLE_HOST_KEY_CHECKING": "false",
             "ANSIBLE_PIPELINING": "true",
+            # Fresh ssh master connections for every run: a master left from an earlier test could
+            # still reach a stopped test host's old session (another pid namespace).
+            "ANSIBLE_SSH_CONTROL_PATH_DIR": str(tmp_path / "cp"),
             "GPUCKPT_RECORD": record,
         })
         e.update(env or {})
@@ -168,4 +171,7 @@ def playbook(tmp_path):
                 results = [json.loads(line) for line in fh if line.strip()]
         return PlaybookRun(proc, results)
 
-    return run
+    yield run
+    # End this test's ssh master connections: their sessions on a test host hold pids there, which a
+    # later test's workload may need (CRIU restores the same pids).
+    subprocess.run(["pkill", "-f", str(tmp_path / "cp")], check=False)

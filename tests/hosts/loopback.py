@@ -25,6 +25,24 @@ def _sh(cmd):
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def _descendants(root):
+    kids = {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                with open("/proc/%s/stat" % d) as fh:
+                    data = fh.read()
+                kids.setdefault(int(data[data.rindex(")") + 2:].split()[1]), []).append(int(d))
+            except (OSError, ValueError, IndexError):
+                pass
+    out, todo = [], list(kids.get(root, []))
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(kids.get(p, []))
+    return out
+
+
 def _wait_port(addr, port, timeout=15.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -119,6 +137,14 @@ class LoopbackHosts(object):
         if not pids and os.path.exists(self.path("pids.json")):
             with open(self.path("pids.json")) as fh:
                 pids = json.load(fh)
+        # The per-connection sshd processes start sessions of their own: kill every descendant of a
+        # host's listener too, or a client's master connection could keep reaching a stopped host.
+        for pid in list(pids.values()):
+            for p in _descendants(pid):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
         for pid in pids.values():
             try:
                 os.killpg(pid, signal.SIGKILL)  # the namespace's init and everything in its session
