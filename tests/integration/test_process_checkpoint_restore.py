@@ -170,18 +170,30 @@ def test_cpu_only_workload_skips_the_gpu_stage(tmp_path, playbook, workloads):
     assert all(alive(p) for p in w.pids)
 
 
+# What the CUDA child does with its second argument: map it as a shared-memory segment, or load it.
+MAP_SHM = "f=open(sys.argv[2],'w+b'); f.truncate(4096); m=mmap.mmap(f.fileno(), 4096)"
+LOAD_LIB = "ctypes.CDLL(sys.argv[2])"
+
+
+def _cuda_child(fakecuda, action, path, env=None):
+    """A process registered with the libcuda test double that maps or loads ``path``, then waits,
+    calling the double's blocking sync (so a lock would freeze it). Returns it once it is up."""
+    code = ("import ctypes,mmap,sys,time; l=ctypes.CDLL(sys.argv[1]); l.fakeCudaAttach(); %s; "
+            "print('up', flush=True); [time.sleep(0.05) or l.fakeCudaSync() for unused in range(6000)]" % action)
+    child = subprocess.Popen([sys.executable, "-c", code, fakecuda.lib, str(path)], stdout=subprocess.PIPE,
+                             env=dict(os.environ, **dict(fakecuda.env, **(env or {}))))
+    assert child.stdout.readline().strip() == b"up"
+    return child
+
+
 def test_nccl_job_is_refused_before_anything_is_frozen(tmp_path, playbook, workloads, fakecuda):
     """The driver checkpoints NCCL ranks but cannot restore them (seen on driver 580.159.04), so a
     process with live NCCL communicators is refused in preflight. Here the "communicator" is what the
     check reads: a mapped /dev/shm/nccl-* segment, as NCCL maps for its transports and proxy."""
     w = workloads(fakecuda=fakecuda)
     shm = "/dev/shm/nccl-gpuckpt-test-%d" % os.getpid()
-    child = subprocess.Popen([sys.executable, "-c", "import ctypes,mmap,os,sys,time; l=ctypes.CDLL(sys.argv[1]); "
-                              "l.fakeCudaAttach(); f=open(sys.argv[2],'w+b'); f.truncate(4096); "
-                              "m=mmap.mmap(f.fileno(), 4096); print('up', flush=True); time.sleep(300)",
-                              fakecuda.lib, shm], stdout=subprocess.PIPE, env=dict(os.environ, **fakecuda.env))
+    child = _cuda_child(fakecuda, MAP_SHM, shm)
     try:
-        assert child.stdout.readline().strip() == b"up"
         run = _ckpt(playbook, fakecuda, child.pid, str(tmp_path / "img"))
         assert run.rc != 0
         res = run.task("Checkpoint pid")
@@ -199,12 +211,8 @@ def test_a_launched_distributed_rank_with_nccl_is_refused(tmp_path, playbook, fa
     """A rank started by a launcher (WORLD_SIZE > 1) that has libnccl loaded is refused in preflight."""
     nccl = tmp_path / "libnccl.so.2"
     shutil.copy(fakecuda.lib, nccl)
-    child = subprocess.Popen([sys.executable, "-c", "import ctypes,sys,time; l=ctypes.CDLL(sys.argv[1]); "
-                              "l.fakeCudaAttach(); ctypes.CDLL(sys.argv[2]); print('up', flush=True); time.sleep(300)",
-                              fakecuda.lib, str(nccl)], stdout=subprocess.PIPE,
-                             env=dict(os.environ, WORLD_SIZE="2", RANK="0", **fakecuda.env))
+    child = _cuda_child(fakecuda, LOAD_LIB, nccl, env={"WORLD_SIZE": "2", "RANK": "0"})
     try:
-        assert child.stdout.readline().strip() == b"up"
         run = _ckpt(playbook, fakecuda, child.pid, str(tmp_path / "img"))
         res = run.task("Checkpoint pid")
         assert run.rc != 0 and res["stage"] == "preflight" and "NCCL" in res["msg"]
@@ -217,12 +225,8 @@ def test_a_launched_distributed_rank_with_nccl_is_refused(tmp_path, playbook, fa
 def test_cuda_ipc_memory_is_refused(tmp_path, playbook, fakecuda):
     """Producer and consumer of CUDA IPC memory map CUDA's /dev/shm/cuda.shm.* segment."""
     shm = "/dev/shm/cuda.shm.0.gpuckpt-test.%d" % os.getpid()
-    child = subprocess.Popen([sys.executable, "-c", "import ctypes,mmap,sys,time; l=ctypes.CDLL(sys.argv[1]); "
-                              "l.fakeCudaAttach(); f=open(sys.argv[2],'w+b'); f.truncate(4096); "
-                              "m=mmap.mmap(f.fileno(), 4096); print('up', flush=True); time.sleep(300)",
-                              fakecuda.lib, shm], stdout=subprocess.PIPE, env=dict(os.environ, **fakecuda.env))
+    child = _cuda_child(fakecuda, MAP_SHM, shm)
     try:
-        assert child.stdout.readline().strip() == b"up"
         run = _ckpt(playbook, fakecuda, child.pid, str(tmp_path / "img"))
         res = run.task("Checkpoint pid")
         assert run.rc != 0 and res["stage"] == "preflight" and "CUDA IPC memory" in res["msg"]
@@ -237,12 +241,8 @@ def test_a_loaded_but_unused_libnccl_is_fine(tmp_path, playbook, fakecuda):
     """Every PyTorch process maps libnccl; that alone must not refuse the checkpoint."""
     nccl = tmp_path / "libnccl.so.2"
     shutil.copy(fakecuda.lib, nccl)
-    child = subprocess.Popen([sys.executable, "-c", "import ctypes,sys,time; l=ctypes.CDLL(sys.argv[1]); "
-                              "l.fakeCudaAttach(); ctypes.CDLL(sys.argv[2]); print('up', flush=True); "
-                              "[time.sleep(0.05) or l.fakeCudaSync() for _ in range(6000)]",
-                              fakecuda.lib, str(nccl)], stdout=subprocess.PIPE, env=dict(os.environ, **fakecuda.env))
+    child = _cuda_child(fakecuda, LOAD_LIB, nccl)
     try:
-        assert child.stdout.readline().strip() == b"up"
         run = _ckpt(playbook, fakecuda, child.pid, str(tmp_path / "img"), gpuckpt_leave_running=True)
         assert run.rc == 0, run.stdout
         assert run.task("Checkpoint pid")["cuda_pids"] == [child.pid]
