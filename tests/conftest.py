@@ -135,7 +135,7 @@ class PlaybookRun(object):
 def playbook(tmp_path):
     counter = {"n": 0}
 
-    def run(name, extra_vars=None, check=False, env=None, inventory="localhost,", limit=None, args=()):
+    def run(name, extra_vars=None, check=False, env=None, inventory="localhost,", limit=None, args=(), wrap=()):
         counter["n"] += 1
         record = str(tmp_path / ("results-%d.jsonl" % counter["n"]))
         e = dict(os.environ)
@@ -162,7 +162,7 @@ def playbook(tmp_path):
             cmd.append("--check")
         if limit:
             cmd += ["--limit", limit]
-        cmd += list(args)
+        cmd = list(wrap) + cmd + list(args)
         proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=e, cwd=REPO,
                               universal_newlines=True, timeout=600, check=False)
         results = []

@@ -42,6 +42,24 @@ def test_bad_pid_is_refused(tmp_path, playbook, pid, words):
     assert not os.path.exists(image_dir)
 
 
+def test_a_process_whose_session_leader_is_outside_its_pid_namespace_is_refused(tmp_path, playbook):
+    """What `docker exec` or a CI runner makes: the session leader lives outside the process's pid
+    namespace, so its session id reads 0. CRIU cannot dump that, so it is refused before anything is
+    frozen, and the workload keeps running. Built with a real pid namespace: sh is its pid 1 and keeps
+    the outer session; the two sleeps get pids 2 and 3."""
+    image_dir = str(tmp_path / "img")
+    wrap = ["unshare", "--pid", "--fork", "--mount-proc", "sh", "-c",
+            'sleep 300 & sleep 300 & "$@"; rc=$?; echo "after: $(grep ^State: /proc/3/status)"; exit $rc',
+            "sh"]
+    run = playbook(CHECKPOINT, {"gpuckpt_pid": 3, "gpuckpt_image_dir": image_dir}, wrap=wrap)
+    res = _fail(run, "Checkpoint pid")
+    assert res["stage"] == "preflight", res
+    assert "outside this pid namespace" in res["msg"] and "nothing was frozen" in res["msg"]
+    assert "Next: start the workload in its own session (setsid" in res["msg"]
+    assert "after: State:\tS (sleeping)" in run.stdout, run.stdout
+    assert not os.path.exists(image_dir)
+
+
 def test_non_empty_image_dir_is_refused(tmp_path, playbook, workloads, fakecuda):
     w = workloads(fakecuda=fakecuda)
     image_dir = tmp_path / "img"

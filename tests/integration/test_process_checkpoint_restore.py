@@ -181,6 +181,7 @@ def _cuda_child(fakecuda, action, path, env=None):
     code = ("import ctypes,mmap,sys,time; l=ctypes.CDLL(sys.argv[1]); l.fakeCudaAttach(); %s; "
             "print('up', flush=True); [time.sleep(0.05) or l.fakeCudaSync() for unused in range(6000)]" % action)
     child = subprocess.Popen([sys.executable, "-c", code, fakecuda.lib, str(path)], stdout=subprocess.PIPE,
+                             start_new_session=True,  # CRIU needs the session leader in the dump
                              env=dict(os.environ, **dict(fakecuda.env, **(env or {}))))
     assert child.stdout.readline().strip() == b"up"
     return child

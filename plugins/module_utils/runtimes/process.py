@@ -9,7 +9,7 @@ import signal
 
 from .. import discovery
 from ..criu import Criu
-from ..errors import GpuCkptError
+from ..errors import GpuCkptError, InvalidTarget
 from .base import Backend
 
 
@@ -35,10 +35,26 @@ class ProcessBackend(Backend):
     def resolve(self, target):
         st = discovery.validate_target(int(target))
         tree = discovery.process_tree(int(target))
+        self._refuse_foreign_session(tree)
         # CRIU dumps a session or process group only when its leader is inside the tree; otherwise
         # (a terminal, or a daemon that is not a session leader) it must treat them as external.
         self._shell_job = (st["tty_nr"] != 0 or st["session"] not in tree or st["pgrp"] not in tree)
         return int(target), tree
+
+    @staticmethod
+    def _refuse_foreign_session(tree):
+        """A session or process group id of 0 means its leader lives outside this pid namespace (a
+        process started by `docker exec`, `kubectl exec` or a CI runner without setsid). CRIU refuses
+        to dump it even as a shell job, so refuse here, before anything is frozen."""
+        for pid in tree:
+            st = discovery.read_stat(pid)
+            if st is not None and (st["session"] == 0 or st["pgrp"] == 0):
+                raise InvalidTarget(
+                    "pid %d (%s) has its session or process-group leader outside this pid namespace "
+                    "(its session id reads 0 here); CRIU cannot dump such a process; nothing was frozen"
+                    % (pid, st["comm"]), stage="preflight", pid=pid,
+                    hint="start the workload in its own session (setsid, or start_new_session=True), "
+                         "or run the checkpoint from the pid namespace that holds its session leader")
 
     def dump(self, target, image_dir, work_dir, after):
         shell_job = getattr(self, "_shell_job", False)
