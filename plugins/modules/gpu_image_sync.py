@@ -61,6 +61,23 @@ options:
     description: Seconds without I/O after which rsync gives up (and the transfer is retried).
     type: int
     default: 120
+  streams:
+    description:
+      - Parallel ssh streams for files of at least O(stream_min_bytes) (the pages of GPU memory and RAM).
+      - One ssh stream is bound by one core's cipher; several add up to what the link and disks allow.
+      - Each stream writes its byte range in place on the target with C(dd). 1 sends everything through rsync.
+      - A O(bwlimit), or O(repair=true), sends everything through rsync.
+    type: int
+    default: 4
+  stream_min_bytes:
+    description: Files at least this large go over the parallel streams; smaller ones through rsync.
+    type: int
+    default: 268435456
+  progress_file:
+    description:
+      - A file on this host where the bytes sent so far are written as JSON about every second, for a
+        progress display that polls it.
+    type: path
 notes:
   - This host must reach the target over ssh non-interactively (a key, or agent forwarding).
   - Needs rsync 3.2.3 or newer (--mkpath) on both hosts.
@@ -92,6 +109,14 @@ attempts:
   description: rsync runs it took.
   returned: success
   type: int
+streams:
+  description: Parallel ssh streams used for the large files (1 when everything went through rsync).
+  returned: success
+  type: int
+bytes_streamed:
+  description: Bytes sent over the parallel streams.
+  returned: success
+  type: int
 """
 
 import os
@@ -115,8 +140,14 @@ def main():
         bwlimit=dict(type="int", default=0),
         retries=dict(type="int", default=3),
         io_timeout=dict(type="int", default=120),
+        streams=dict(type="int", default=4),
+        stream_min_bytes=dict(type="int", default=transfer.STREAM_MIN_BYTES),
+        progress_file=dict(type="path"),
     ), supports_check_mode=True)
     p = module.params
+    if p["streams"] < 1 or p["streams"] > 64:
+        module.fail_json(msg="streams must be between 1 and 64, got %d; nothing was sent" % p["streams"],
+                         stage="transfer")
     if not image.has_manifest(p["src"]):
         module.fail_json(msg="%s is not a complete gpuckpt image (no manifest.json); nothing was sent" % p["src"],
                          stage="transfer")
@@ -126,7 +157,9 @@ def main():
     try:
         res = transfer.push(p["src"], p["dest_host"], p["dest"], user=p["dest_user"], port=p["dest_port"],
                             ssh_args=p["ssh_args"], rsync_path=p["rsync_path"], repair=p["repair"],
-                            bwlimit=p["bwlimit"], io_timeout=p["io_timeout"], retries=p["retries"])
+                            bwlimit=p["bwlimit"], io_timeout=p["io_timeout"], retries=p["retries"],
+                            streams=p["streams"], stream_min_bytes=p["stream_min_bytes"],
+                            progress_file=p["progress_file"])
     except GpuCkptError as exc:
         module.fail_json(**exc.to_dict())
     rate = res["bytes_transferred"] / res["seconds"] if res["seconds"] else 0

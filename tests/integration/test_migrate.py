@@ -161,6 +161,19 @@ def test_transfer_cut_midway_is_resumed(playbook, hosts, remote_workload, tmp_pa
     assert w.one_copy_runs_intact()
 
 
+def test_large_files_move_over_parallel_ssh_streams(playbook, hosts, remote_workload):
+    """The pages files go as byte ranges over 4 real ssh streams to the other sshd host; the rest
+    through rsync. (The streams take files of 256 MiB and more by default; 1 MiB here.)"""
+    w = remote_workload(mb=24)
+    run = migrate(playbook, hosts, w, "t-streams", gpuckpt_transfer_stream_min_bytes=2**20)
+    assert run.rc == 0, run.stdout
+    sync = run.task("Stage 2/3")
+    assert sync["streams"] == 4
+    assert 2 * 24 * 2**20 < sync["bytes_streamed"] < sync["bytes_total"]
+    assert sync["bytes_transferred"] > sync["bytes_streamed"]  # rsync sent the small files
+    assert w.one_copy_runs_intact()
+
+
 def test_a_byte_changed_in_transit_is_found_and_repaired(playbook, hosts, remote_workload, tmp_path):
     w = remote_workload()
     marker = tmp_path / "flipped"

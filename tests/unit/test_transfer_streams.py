@@ -1,0 +1,122 @@
+"""The parallel range streams of module_utils/transfer.py, on this host's own files and dd.
+
+TEST DOUBLE: ``ssh`` is replaced by a script that runs the remote command here with sh (no second
+host is needed for what these tests check: how the ranges are cut, written in place, retried and
+skipped). It can be told to break the first stream after some bytes, as a cut link does. The real
+ssh path runs in tests/integration/test_migrate.py between two loopback sshd hosts.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import sys
+
+import pytest
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
+
+FAKE_SSH = r'''#!%(py)s
+import os, subprocess, sys
+cmd = sys.argv[-1]
+log = os.environ["FAKE_SSH_LOG"]
+with open(log, "a") as fh:
+    fh.write(cmd + "\n")
+cut = os.environ.get("FAKE_SSH_CUT")
+if cut and "dd of=" in cmd and not os.path.exists(cut):
+    open(cut, "w").close()
+    sys.stdin.buffer.read(3 * 2**20)  # some bytes get through, then the link dies
+    sys.exit(255)
+sys.exit(subprocess.call(["sh", "-c", cmd]))
+'''
+
+
+@pytest.fixture
+def fake_ssh(tmp_path, monkeypatch):
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    ssh = bindir / "ssh"
+    ssh.write_text(FAKE_SSH % {"py": sys.executable})
+    ssh.chmod(ssh.stat().st_mode | stat.S_IEXEC)
+    monkeypatch.setenv("PATH", "%s:%s" % (bindir, os.environ["PATH"]))
+    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
+    return tmp_path / "ssh.log"
+
+
+def _image(tmp_path, sizes):
+    src = tmp_path / "src"
+    src.mkdir()
+    for name, size in sizes.items():
+        with open(src / name, "wb") as fh:
+            fh.write(os.urandom(size))
+    return src
+
+
+def _digest(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+def _dd_calls(log):
+    return [line for line in open(log) if "dd of=" in line]
+
+
+def test_large_files_arrive_whole_over_several_streams(tmp_path, fake_ssh):
+    src = _image(tmp_path, {"pages-1.img": 9 * 2**20 + 123, "pages-2.img": 5 * 2**20, "core-1.img": 1000})
+    dest = tmp_path / "dest"
+    sent = transfer.stream_files(str(src), "hostb", str(dest), ["pages-1.img", "pages-2.img"], streams=4,
+                                 progress=transfer.Progress(0))
+    assert sent == 14 * 2**20 + 123
+    for name in ("pages-1.img", "pages-2.img"):
+        assert _digest(dest / name) == _digest(src / name)
+        assert int(os.stat(dest / name).st_mtime) == int(os.stat(src / name).st_mtime)
+    calls = _dd_calls(fake_ssh)
+    for name in ("pages-1.img", "pages-2.img"):  # ranges of whole MiB, at most one per stream
+        assert 2 <= len([c for c in calls if name in c]) <= 4
+    assert not (dest / "core-1.img").exists()  # small files are rsync's
+
+
+def test_a_rerun_sends_nothing(tmp_path, fake_ssh):
+    src = _image(tmp_path, {"pages-1.img": 4 * 2**20})
+    dest = str(tmp_path / "dest")
+    transfer.stream_files(str(src), "hostb", dest, ["pages-1.img"], streams=2, progress=transfer.Progress(0))
+    calls = len(_dd_calls(fake_ssh))
+    assert transfer.stream_files(str(src), "hostb", dest, ["pages-1.img"], streams=2,
+                                 progress=transfer.Progress(0)) == 0
+    assert len(_dd_calls(fake_ssh)) == calls
+
+
+def test_a_cut_stream_is_sent_again_and_the_file_is_whole(tmp_path, fake_ssh, monkeypatch):
+    monkeypatch.setenv("FAKE_SSH_CUT", str(tmp_path / "cut-once"))
+    src = _image(tmp_path, {"pages-1.img": 16 * 2**20})
+    dest = tmp_path / "dest"
+    progress = transfer.Progress(16 * 2**20, str(tmp_path / "progress.json"))
+    transfer.stream_files(str(src), "hostb", str(dest), ["pages-1.img"], streams=4, retry_delay=0,
+                          progress=progress)
+    assert (tmp_path / "cut-once").exists(), "the test double never cut a stream"
+    assert _digest(dest / "pages-1.img") == _digest(src / "pages-1.img")
+    assert len(_dd_calls(fake_ssh)) == 5  # 4 ranges, one of them twice
+    assert progress.done == 16 * 2**20  # the cut range's bytes are not counted twice
+
+
+def test_a_stream_that_keeps_failing_gives_up_with_the_command(tmp_path, fake_ssh, monkeypatch):
+    src = _image(tmp_path, {"pages-1.img": 2 * 2**20})
+    dest = tmp_path / "dest"
+    dest.mkdir()
+    (dest / "pages-1.img").mkdir()  # dd cannot open a directory for writing: every attempt fails
+    with pytest.raises(GpuCkptError) as err:
+        transfer.stream_files(str(src), "hostb", str(dest), ["pages-1.img"], streams=1, retries=2,
+                              retry_delay=0, progress=transfer.Progress(0))
+    assert "failed after 3 attempts" in err.value.msg and "pages-1.img" in err.value.msg
+    assert "dd of=" in err.value.cmd[-1] and "Is a directory" in err.value.stderr
+
+
+def test_pieces_cover_each_file_exactly_once():
+    pieces = transfer._pieces([("a", 10 * 2**20 + 7), ("b", 1)], 3)
+    for name, size in (("a", 10 * 2**20 + 7), ("b", 1)):
+        ranges = sorted((off, n) for f, off, n in pieces if f == name)
+        pos = 0
+        for off, n in ranges:
+            assert off == pos and n > 0
+            pos += n
+        assert pos == size
