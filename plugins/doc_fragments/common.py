@@ -42,3 +42,15 @@ options:
     type: path
     default: /var/lib/gpuckpt/journal
 """
+
+    PROGRESS = r"""
+options:
+  progress_file:
+    description:
+      - A file on the managed host where the module writes its progress as JSON about every second
+        (removed when it ends).
+      - The collection's action plugin sets it and prints a line on the controller whenever the
+        progress changes, every C(gpuckpt_progress_interval) seconds (a task or play variable,
+        default 5; 0 turns the display off). Set it yourself only to poll the file another way.
+    type: path
+"""

@@ -24,6 +24,7 @@ import uuid
 from . import discovery, image
 from . import driver as cuda
 from .errors import DriverUnavailable, GpuCkptError, InvalidTarget, TransactionError
+from .progress import StageProgress
 from .runtimes.process import ProcessBackend
 
 COLLECTION_VERSION = "0.1.0"
@@ -33,19 +34,29 @@ def _now():
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-class _Clock(object):
-    """Per-stage wall time, in seconds."""
+CHECKPOINT_STAGES = ("cuda_lock", "cuda_checkpoint", "runtime_dump", "checksum", "manifest")
+RESTORE_STAGES = ("wait_pids_free", "verify", "preflight", "runtime_restore", "cuda_restore", "cuda_unlock",
+                  "validate")
 
-    def __init__(self):
+
+class _Clock(object):
+    """Per-stage wall time, in seconds; tells ``progress`` (a StageProgress, or None) as stages end."""
+
+    def __init__(self, progress=None):
         self.stages = {}
         self._t = None
+        self.progress = progress
 
     def start(self):
         self._t = time.monotonic()
+        if self.progress:
+            self.progress.start()
 
     def stop(self, stage):
         self.stages[stage] = round(self.stages.get(stage, 0.0) + time.monotonic() - self._t, 6)
         self._t = time.monotonic()
+        if self.progress:
+            self.progress.stage_done(stage, self.stages[stage])
 
 
 def _driver_seconds(drv, since):
@@ -185,20 +196,25 @@ def _each(pids, fn, parallel):
 
 
 def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=None, libcuda_path=None,
-               check_mode=False, sign_key=None, leave_stopped=False, journal=None, parallel=True):
+               check_mode=False, sign_key=None, leave_stopped=False, journal=None, parallel=True,
+               progress_file=None):
     """Checkpoint the process tree of ``pid`` into ``image_dir``. Returns a result dict.
 
     Afterwards the tree exits (default), runs on (``leave_running``), or stays stopped with its GPU
     memory in host RAM (``leave_stopped``: a migration's source, released or resumed later)."""
     if leave_running and leave_stopped:
         raise InvalidTarget("leave_running and leave_stopped exclude each other", stage="preflight")
-    with _NoHangup():
-        return _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_path, check_mode,
-                           sign_key, leave_stopped, journal or _NullJournal(), parallel)
+    progress = StageProgress(progress_file, CHECKPOINT_STAGES, os.path.abspath(image_dir))
+    try:
+        with _NoHangup():
+            return _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_path, check_mode,
+                               sign_key, leave_stopped, journal or _NullJournal(), parallel, progress)
+    finally:
+        progress.close()
 
 
 def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_path, check_mode, sign_key,
-                leave_stopped, journal, parallel):
+                leave_stopped, journal, parallel, progress=None):
     image_dir = os.path.abspath(image_dir)
     backend = backend or ProcessBackend()
     after = "running" if leave_running else "stopped" if leave_stopped else "exit"
@@ -250,7 +266,7 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
     identities = _identities(pids)
     journal.write("freezing", pids=pids, cuda_pids=cuda_pids, identities=identities, image_dir=image_dir,
                   after=after, frozen_at=time.time())
-    clock = _Clock()
+    clock = _Clock(progress)
     calls0 = len(drv.calls) if drv else 0
     locked, checkpointed = [], []
     lock_ms = int(lock_timeout * 1000)
@@ -403,14 +419,19 @@ def gpu_pairs_for(gpu_map, visible):
 
 
 def restore(image_dir, gpu_map=None, force=False, backend=None, libcuda_path=None, check_mode=False,
-            sign_key=None, verify=True, validate_wait=0.5, pid_wait=10.0, journal=None, parallel=True):
-    with _NoHangup():
-        return _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_key, verify,
-                        validate_wait, pid_wait, journal or _NullJournal(), parallel)
+            sign_key=None, verify=True, validate_wait=0.5, pid_wait=10.0, journal=None, parallel=True,
+            progress_file=None):
+    progress = StageProgress(progress_file, RESTORE_STAGES)
+    try:
+        with _NoHangup():
+            return _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_key, verify,
+                            validate_wait, pid_wait, journal or _NullJournal(), parallel, progress)
+    finally:
+        progress.close()
 
 
 def _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_key, verify, validate_wait,
-             pid_wait, journal, parallel):
+             pid_wait, journal, parallel, progress=None):
     image_dir = os.path.abspath(image_dir)
     backend = backend or ProcessBackend()
     manifest = image.load_manifest(image_dir)
@@ -429,7 +450,7 @@ def _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_
                                 "again would resume from the old state" % mark.get("restored"), stage="preflight",
                                 hint="set force=true to restore it again")
 
-    clock = _Clock()
+    clock = _Clock(progress)
     clock.start()
     left = discovery.wait_gone(target["pids"], pid_wait)  # zombies of a just-dumped tree
     if left and backend.name == "process":

@@ -12,6 +12,10 @@ TOOL_ARGS = dict(
     libcuda_path=dict(type="path"),
 )
 
+PROGRESS_ARGS = dict(
+    progress_file=dict(type="path"),  # set by the action plugin of the same name (plugins/action)
+)
+
 
 MIGRATION_ARGS = dict(
     migration_id=dict(type="str"),

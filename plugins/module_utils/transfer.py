@@ -17,7 +17,6 @@ restored, are what prove the copy; ssh's MAC protects each stream in transit.
 """
 from __future__ import annotations
 
-import json
 import os
 import re
 import shlex
@@ -27,7 +26,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import CommandError, GpuCkptError
-from .run import find_binary, run
+from .progress import BytesProgress
+from .run import Result, find_binary, run
 
 STATE_EXCLUDE = "/.gpuckpt/"  # logs and the restore marker of the source stay there
 FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
@@ -42,26 +42,7 @@ STREAM_MIN_BYTES = 256 * 2**20  # smaller files are not worth a stream of their 
 PIECE_ALIGN = 2**20
 
 
-class Progress(object):
-    """Bytes moved so far, shared by the streams; written as JSON to ``path`` (for the controller's
-    progress display) at most every ``every`` seconds."""
-
-    def __init__(self, total, path=None, every=1.0):
-        self.total, self.path, self.every = total, path, every
-        self.done, self.started, self._last = 0, time.time(), 0.0
-        self._lock = threading.Lock()
-
-    def add(self, n, force=False):
-        with self._lock:
-            self.done += n
-            now = time.time()
-            if self.path and (force or now - self._last >= self.every):
-                self._last = now
-                tmp = self.path + ".tmp"
-                with open(tmp, "w") as fh:
-                    json.dump({"bytes_done": self.done, "bytes_total": self.total, "started": self.started,
-                               "updated": now}, fh)
-                os.replace(tmp, self.path)
+Progress = BytesProgress  # the name the streams and tests use
 
 
 def ssh_command(ssh_args=(), port=22, io_timeout=120):
@@ -176,6 +157,44 @@ def stream_files(src, dest_host, dest, files, user="root", port=22, ssh_args=(),
     return sent
 
 
+_PROGRESS2 = re.compile(r"^\s*([\d,]+)\s+\d+%")
+
+
+def _rsync(cmd, progress, hint):
+    """Run rsync with --info=progress2 and feed its running byte count to ``progress`` (rsync's own
+    count of this run, added to what the streams sent before). Raises CommandError like run()."""
+    cmd = list(cmd[:1]) + ["--info=progress2"] + list(cmd[1:])
+    base = progress.done
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
+    err = []
+    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()))
+    reader.daemon = True
+    reader.start()
+    out, pending = [], b""
+    while True:
+        chunk = os.read(proc.stdout.fileno(), 65536)
+        if not chunk:
+            break
+        out.append(chunk)
+        pending += chunk
+        parts = re.split(rb"[\r\n]", pending)
+        pending = parts.pop()
+        for part in reversed(parts):
+            m = _PROGRESS2.match(part.decode("utf-8", "replace"))
+            if m:
+                progress.set(base + int(m.group(1).replace(",", "")))
+                break
+    proc.wait()
+    reader.join()
+    stdout = b"".join(out).decode("utf-8", "replace")
+    stderr = (err[0] if err else b"").decode("utf-8", "replace")
+    if proc.returncode != 0:
+        raise CommandError("rsync exited with rc=%d" % proc.returncode, stage="transfer", cmd=cmd,
+                           rc=proc.returncode, stdout=stdout[-4000:], stderr=stderr[-4000:], hint=hint)
+    progress.set(base + _stat(stdout, "Total transferred file size"), force=True)
+    return Result(cmd, proc.returncode, stdout, stderr, 0.0)
+
+
 def _disk_full(exc, dest_host, dest):
     exc.msg = "transfer to %s:%s failed: the target's disk is full" % (dest_host, dest)
     exc.hint = "free space on the target (the image needs what the manifest's sizes say)"
@@ -198,6 +217,16 @@ def push(src, dest_host, dest, user="root", port=22, ssh_args=(), rsync_path=Non
             rel = os.path.normpath(os.path.relpath(os.path.join(root, n), src))
             sizes[rel] = os.path.getsize(os.path.join(src, rel))
     progress = Progress(sum(sizes.values()), progress_file)
+    progress.start()
+    try:
+        return _push(src, dest_host, dest, user, port, ssh_args, rsync_path, repair, bwlimit, io_timeout, retries,
+                     retry_delay, streams, stream_min_bytes, rsync, start, sizes, progress)
+    finally:
+        progress.close()
+
+
+def _push(src, dest_host, dest, user, port, ssh_args, rsync_path, repair, bwlimit, io_timeout, retries,
+          retry_delay, streams, stream_min_bytes, rsync, start, sizes, progress):
     big = []
     if streams > 1 and not repair and not bwlimit:
         big = sorted(rel for rel, size in sizes.items() if size >= stream_min_bytes)
@@ -224,10 +253,9 @@ def push(src, dest_host, dest, user="root", port=22, ssh_args=(), rsync_path=Non
     while attempts <= retries:
         attempts += 1
         try:
-            res = run(cmd, stage="transfer", check=True,
-                      hint="check that this host reaches %s over ssh and that the target has free disk" % dest_host)
+            res = _rsync(cmd, progress, "check that this host reaches %s over ssh and that the target has free disk"
+                         % dest_host)
             moved += _stat(res.stdout, "Total transferred file size")
-            progress.add(_stat(res.stdout, "Total transferred file size"), force=True)
             return {"attempts": attempts, "bytes_transferred": moved, "seconds": round(time.monotonic() - start, 3),
                     "bytes_total": sum(sizes.values()), "streams": streams if big else 1,
                     "bytes_streamed": streamed, "cmd": cmd}

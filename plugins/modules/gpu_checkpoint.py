@@ -54,6 +54,7 @@ options:
 extends_documentation_fragment:
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
+  - gpuckpt.fleet.common.progress
 notes:
   - Needs root (CRIU and the driver's checkpoint API act on other processes).
   - NCCL jobs, CUDA IPC memory, MPS clients and MIG instances are not supported by the driver's checkpoint API.
@@ -133,7 +134,7 @@ from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    MIGRATION_ARGS, TOOL_ARGS, journal_for, run_engine)
+    MIGRATION_ARGS, PROGRESS_ARGS, TOOL_ARGS, journal_for, run_engine)
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend
 
 
@@ -148,6 +149,7 @@ def main():
         parallel=dict(type="bool", default=True),
     )
     spec.update(TOOL_ARGS)
+    spec.update(PROGRESS_ARGS)
     spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
                            mutually_exclusive=[("leave_running", "leave_stopped")])
@@ -158,7 +160,8 @@ def main():
         p["pid"], p["image_dir"], leave_running=p["leave_running"], lock_timeout=p["lock_timeout"],
         backend=ProcessBackend(p["criu_path"], p["criu_options"]),
         libcuda_path=p["libcuda_path"], check_mode=module.check_mode, sign_key=p["sign_key"],
-        leave_stopped=p["leave_stopped"], journal=journal_for(p, "source"), parallel=p["parallel"]))
+        leave_stopped=p["leave_stopped"], journal=journal_for(p, "source"), parallel=p["parallel"],
+        progress_file=p["progress_file"]))
 
 
 if __name__ == "__main__":

@@ -73,11 +73,8 @@ options:
     description: Files at least this large go over the parallel streams; smaller ones through rsync.
     type: int
     default: 268435456
-  progress_file:
-    description:
-      - A file on this host where the bytes sent so far are written as JSON about every second, for a
-        progress display that polls it.
-    type: path
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.progress
 notes:
   - This host must reach the target over ssh non-interactively (a key, or agent forwarding).
   - Needs rsync 3.2.3 or newer (--mkpath) on both hosts.

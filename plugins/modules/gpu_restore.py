@@ -46,6 +46,7 @@ options:
 extends_documentation_fragment:
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
+  - gpuckpt.fleet.common.progress
 notes:
   - Needs root. The pids recorded in the image must be free on this host (CRIU restores the same pids).
   - Supports check mode. It verifies the image and the host and reports what it would do.
@@ -102,7 +103,7 @@ from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    MIGRATION_ARGS, TOOL_ARGS, journal_for, run_engine)
+    MIGRATION_ARGS, PROGRESS_ARGS, TOOL_ARGS, journal_for, run_engine)
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend
 
 
@@ -117,6 +118,7 @@ def main():
         parallel=dict(type="bool", default=True),
     )
     spec.update(TOOL_ARGS)
+    spec.update(PROGRESS_ARGS)
     spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
     p = module.params
@@ -124,7 +126,8 @@ def main():
         p["image_dir"], gpu_map=p["gpu_map"], force=p["force"], verify=p["verify"],
         backend=ProcessBackend(p["criu_path"], p["criu_options"]), libcuda_path=p["libcuda_path"],
         check_mode=module.check_mode, sign_key=p["sign_key"], validate_wait=p["validate_wait"],
-        journal=journal_for(p, "target"), parallel=p["parallel"]))
+        journal=journal_for(p, "target"), parallel=p["parallel"],
+        progress_file=p["progress_file"]))
 
 
 if __name__ == "__main__":

@@ -174,6 +174,21 @@ def test_large_files_move_over_parallel_ssh_streams(playbook, hosts, remote_work
     assert w.one_copy_runs_intact()
 
 
+def test_progress_is_printed_while_the_stages_run(playbook, hosts, remote_workload):
+    """A user watching a long migration in AWX sees it move: the action plugins poll the progress file
+    each module writes on its host and print a line per change while the module still runs."""
+    w = remote_workload(mb=24)
+    run = migrate(playbook, hosts, w, "t-progress", gpuckpt_transfer_bwlimit=10000, gpuckpt_progress_interval=0.3)
+    assert run.rc == 0, run.stdout
+    lines = [line for line in run.stdout.splitlines() if line.startswith("  [hosta] Stage 2/3: sent ")]
+    assert len(lines) >= 2, run.stdout
+    assert "%)" in lines[-1] and "/s" in lines[0]
+    done = [int(line.split("(")[1].split("%")[0]) for line in lines if "%)" in line]
+    assert done == sorted(done) and done[-1] > done[0], lines  # it moves forward
+    assert w.one_copy_runs_intact()
+    assert not [f for f in os.listdir("/tmp") if f.startswith(".gpuckpt-progress-")], "progress files left behind"
+
+
 def test_a_byte_changed_in_transit_is_found_and_repaired(playbook, hosts, remote_workload, tmp_path):
     w = remote_workload()
     marker = tmp_path / "flipped"

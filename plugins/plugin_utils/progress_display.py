@@ -1,0 +1,134 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Controller side of the long modules' progress: run the module, and meanwhile poll the progress
+file it writes on the managed host and print a line whenever it changes.
+
+A module cannot print while it runs. Without this, a user watching a 70 GB checkpoint or transfer in
+AWX sees one task line for minutes. The module runs as it always does (same connection, become and
+environment) in a thread; the poll is a plain `cat` of a world-readable JSON file over the same
+connection, without become, so it never touches the become plugin's per-command state.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import uuid
+
+from ansible.module_utils.common.text.converters import to_text
+from ansible.plugins.action import ActionBase
+from ansible.utils.display import Display
+
+display = Display()
+
+STAGE_LABELS = {
+    "cuda_lock": "locking the CUDA processes",
+    "cuda_checkpoint": "GPU memory to host RAM",
+    "runtime_dump": "CRIU dump to disk",
+    "checksum": "checksums",
+    "manifest": "manifest",
+    "wait_pids_free": "waiting for the pids",
+    "verify": "verifying checksums",
+    "preflight": "preflight",
+    "runtime_restore": "CRIU restore",
+    "cuda_restore": "host RAM to GPU memory",
+    "cuda_unlock": "unlocking",
+    "validate": "validating",
+}
+
+
+def _size(n):
+    n = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return ("%.0f %s" if unit == "B" else "%.1f %s") % (n, unit)
+        n /= 1000.0
+    return "%d B" % n
+
+
+def format_progress(data, now=None):
+    """One human line from a progress file's JSON (see module_utils/progress.py), or None."""
+    now = now or data.get("updated") or time.time()
+    if data.get("kind") == "bytes":
+        done, total = data.get("bytes_done", 0), data.get("bytes_total", 0)
+        elapsed = max(1e-3, now - data.get("started", now))
+        rate = done / elapsed
+        line = "sent %s of %s" % (_size(done), _size(total))
+        if total:
+            line += " (%d%%)" % (100 * done // total)
+        line += ", %s/s" % _size(rate)
+        if rate > 0 and total > done:
+            line += ", about %d s left" % ((total - done) / rate)
+        return line
+    if data.get("kind") == "stages":
+        running = data.get("running")
+        if not running:
+            return None
+        line = "%s for %d s" % (STAGE_LABELS.get(running, running), now - data.get("since", now))
+        if running == "runtime_dump" and data.get("image_bytes"):
+            line += ", %s written" % _size(data["image_bytes"])
+        done = data.get("done") or {}
+        if done:
+            line += " (done: %s)" % ", ".join("%s %.1f s" % (STAGE_LABELS.get(k, k), v) for k, v in done.items())
+        return line
+    return None
+
+
+class ProgressActionBase(ActionBase):
+    """Runs the task's module; while it runs, prints its progress every ``gpuckpt_progress_interval``
+    seconds (a variable; default 5, 0 turns it off)."""
+
+    TRANSFERS_FILES = False
+    _supports_check_mode = True
+    _supports_async = True
+
+    def run(self, tmp=None, task_vars=None):
+        task_vars = task_vars or {}
+        result = super(ProgressActionBase, self).run(tmp, task_vars)
+        del tmp
+        args = dict(self._task.args)
+        try:
+            interval = float(task_vars.get("gpuckpt_progress_interval", 5))
+        except (TypeError, ValueError):
+            interval = 5.0
+        if self._task.check_mode or self._task.async_val or interval <= 0 or args.get("progress_file"):
+            result.update(self._execute_module(module_args=args, task_vars=task_vars))
+            return result
+        path = "/tmp/.gpuckpt-progress-%s.json" % uuid.uuid4().hex
+        args["progress_file"] = path
+        box = {}
+
+        def work():
+            try:
+                box["result"] = self._execute_module(module_args=args, task_vars=task_vars)
+            except BaseException as exc:  # noqa: BLE001 - handed to the main thread
+                box["error"] = exc
+
+        worker = threading.Thread(target=work, name="gpuckpt-module")
+        worker.daemon = True
+        worker.start()
+        host = task_vars.get("inventory_hostname", "?")
+        delegated = (self._task.delegate_to or "") if self._task.delegate_to else ""
+        who = "%s -> %s" % (host, delegated) if delegated and delegated != host else host
+        last = None
+        while True:
+            worker.join(interval)
+            if not worker.is_alive():
+                break
+            line = self._poll(path)
+            if line and line != last:
+                display.display("  [%s] %s: %s" % (who, self._task.get_name().split(":")[0], line))
+                last = line
+        if "error" in box:
+            raise box["error"]
+        result.update(box["result"])
+        return result
+
+    def _poll(self, path):
+        try:
+            res = self._low_level_execute_command("cat %s 2>/dev/null || true" % path, sudoable=False)
+            text = to_text(res.get("stdout", "")).strip()
+            return format_progress(json.loads(text)) if text else None
+        except Exception:  # noqa: BLE001 - a missed progress line never fails the task
+            return None
