@@ -4,7 +4,8 @@ Two loopback "hosts" (tests/hosts/loopback.py: sshd on 127.0.0.2/.3, real ssh an
 workload of the given size it measures:
   floor   = stage 1 (driver checkpoint + restore, from the engine's own timings)
             + image bytes / disk write bandwidth (dd with fsync, same size)
-            + image bytes / link bandwidth (one ssh stream, the fastest cipher, into /dev/null)
+            + image bytes / link bandwidth (the better of one ssh stream and --streams parallel ssh
+              streams, the fastest cipher, into /dev/null: what the link carries at best)
   chain   = the plain chain by hand on a fresh workload: criu dump, rsync to the target, criu restore
             there (plus the driver's checkpoint/restore when on the GPU)
   ours    = migrate.yml on a fresh workload: downtime = resumed on the target - frozen on the source
@@ -94,18 +95,19 @@ def plain_chain(hosts, args, base):
     return total, size, steps
 
 
-def ours(hosts, args, base):
-    wdir = os.path.join(base, "ours-w")
+def ours(hosts, args, base, streams, tag="ours"):
+    wdir = os.path.join(base, tag + "-w")
     pid = start(hosts, args, wdir)
-    rec = os.path.join(base, "ours.jsonl")
+    rec = os.path.join(base, tag + ".jsonl")
     env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=os.path.join(REPO, ".build", "collections"),
                ANSIBLE_PIPELINING="true", ANSIBLE_HOST_KEY_CHECKING="false", GPUCKPT_RECORD=rec,
-               ANSIBLE_SSH_CONTROL_PATH_DIR=os.path.join(base, "cp"),
+               ANSIBLE_SSH_CONTROL_PATH_DIR=os.path.join(base, "cp-" + tag),
                ANSIBLE_CALLBACK_PLUGINS=os.path.join(REPO, "tests", "integration", "callback_plugins"),
                ANSIBLE_CALLBACKS_ENABLED="record_results")
     subprocess.run([PLAYBOOK, "gpuckpt.fleet.migrate", "-i", hosts.path("inventory.yml"), "-e",
-                    json.dumps({"source": "hosta", "target": "hostb", "pid": pid, "migration_id": "bench"})],
-                   check=True, env=env, stdout=open(os.path.join(base, "ours.log"), "w"))
+                    json.dumps({"source": "hosta", "target": "hostb", "pid": pid, "migration_id": "bench-" + tag,
+                                "gpuckpt_transfer_streams": streams})],
+                   check=True, env=env, stdout=open(os.path.join(base, tag + ".log"), "w"))
     res = {}
     for line in open(rec):
         r = json.loads(line)
@@ -121,18 +123,28 @@ def ours(hosts, args, base):
     return downtime, res["ck"]["image_bytes"], stage1, res
 
 
-def bandwidths(hosts, base, size):
+def bandwidths(hosts, base, size, streams):
     f = os.path.join(base, "bw.bin")
-    n = max(1, size // (64 * 2**20))
+    n = max(streams, size // (64 * 2**20))
+    n -= n % streams
     disk = n * 64 * 2**20 / timed(lambda: subprocess.run(
         ["dd", "if=/dev/zero", "of=%s" % f, "bs=64M", "count=%d" % n, "conv=fsync"], check=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-    link = n * 64 * 2**20 / timed(lambda: subprocess.run(
-        "ssh -F %s hosta 'ssh -F %s -o Ciphers=%s hostb \"cat > /dev/null\" < %s'"
-        % (hosts.path("ssh_config"), hosts.path("ssh_config"), FAST_CIPHERS, f),
-        shell=True, check=True))
+
+    def send(k):  # k parallel ssh streams from hosta to hostb, each 1/k of the file
+        per = n // k
+        cfg = hosts.path("ssh_config")
+        cmd = ("ssh -F %s hosta 'dd if=%s bs=64M skip=%%d count=%d status=none | ssh -F %s -o Ciphers=%s hostb "
+               "\"cat > /dev/null\"'" % (cfg, f, per, cfg, FAST_CIPHERS))
+        procs = [subprocess.Popen(cmd % (i * per), shell=True) for i in range(k)]
+        for p in procs:
+            if p.wait() != 0:
+                raise RuntimeError("link measurement failed")
+
+    link1 = n * 64 * 2**20 / timed(lambda: send(1))
+    link_n = n * 64 * 2**20 / timed(lambda: send(streams))
     os.unlink(f)
-    return disk, link
+    return disk, link1, link_n
 
 
 def main():
@@ -141,27 +153,40 @@ def main():
     ap.add_argument("--torch-gib", type=float, default=0)
     ap.add_argument("--base", default=None)
     ap.add_argument("--pid-namespaces", type=int, default=1)
+    ap.add_argument("--streams", type=int, default=4, help="gpuckpt_transfer_streams for our migration")
+    ap.add_argument("--also-single-stream", action="store_true",
+                    help="also time our migration with one stream (rsync only), to show what the streams bring")
     args = ap.parse_args()
     base = args.base or tempfile.mkdtemp(prefix="gpuckpt-mbench-")
     hv = {n: {"gpuckpt_environment": PASS_ENV} for n in ("hosta", "hostb")}
     hosts = LoopbackHosts(os.path.join(base, "hosts"), pid_namespaces=bool(args.pid_namespaces), python=PY).start(hv)
     try:
-        down, size, stage1, res = ours(hosts, args, base)
+        down, size, stage1, res = ours(hosts, args, base, args.streams)
         time.sleep(1)
         subprocess.run("pkill -9 -f -- '[-]-dir %s/ours-w'" % base, shell=True, check=False)
         time.sleep(2)
+        single = None
+        if args.also_single_stream:
+            single, _s, _st, _r = ours(hosts, args, base, 1, tag="single")
+            time.sleep(1)
+            subprocess.run("pkill -9 -f -- '[-]-dir %s/single-w'" % base, shell=True, check=False)
+            time.sleep(2)
         chain, chain_size, chain_steps = plain_chain(hosts, args, base)
         time.sleep(1)
         subprocess.run("pkill -9 -f -- '[-]-dir %s/chain-w'" % base, shell=True, check=False)  # idle machine for the floors
         time.sleep(2)
-        disk, link = bandwidths(hosts, base, size)
+        disk, link1, link_n = bandwidths(hosts, base, size, args.streams)
+        link = max(link1, link_n)
         floor = stage1 + size / disk + size / link
         out = {"kind": "migration_downtime", "workload": ("torch %g GiB" % args.torch_gib) if args.torch_gib else
                ("cpu 2x%d MiB" % args.mb), "image_bytes": size, "downtime_s": down, "floor_s": floor,
-               "stage1_s": stage1, "disk_GBps": disk / 1e9, "link_GBps": link / 1e9, "plain_chain_s": chain,
+               "stage1_s": stage1, "disk_GBps": disk / 1e9, "link_GBps": link / 1e9,
+               "link_1_stream_GBps": link1 / 1e9, "link_%d_streams_GBps" % args.streams: link_n / 1e9,
+               "streams": args.streams, "ours_single_stream_s": single, "plain_chain_s": chain,
                "plain_chain_bytes": chain_size, "plain_chain_steps": chain_steps,
                "ours_over_floor": down / floor, "chain_over_ours": chain / down,
                "ours_stages": {"checkpoint": res["ck"]["timings"], "transfer_s": res["sync"]["seconds"],
+                               "transfer_streams": res["sync"].get("streams"),
                                "restore": res["rs"]["timings"]},
                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
         print("RESULT", json.dumps(out))

@@ -97,8 +97,9 @@ def _send_piece(ssh, target, src, dest, piece, progress, io_timeout):
         stdout, stderr = proc.communicate()
     if proc.returncode != 0 or err is not None or sent != length:
         progress.add(-sent)
-        raise CommandError("sending %s bytes %d-%d to %s failed (rc=%s)%s" % (rel, off, off + length - 1, target,
-                                                                             proc.returncode, ": %s" % err if err else ""),
+        why = ": %s" % err if err else ""
+        raise CommandError("sending %s bytes %d-%d to %s failed (rc=%s)%s"
+                           % (rel, off, off + length - 1, target, proc.returncode, why),
                            stage="transfer", cmd=cmd, rc=proc.returncode,
                            stdout=stdout.decode("utf-8", "replace"), stderr=stderr.decode("utf-8", "replace"))
     return length

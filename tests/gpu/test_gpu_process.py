@@ -108,3 +108,23 @@ def test_three_cuda_processes_frozen_together(playbook, torch_workloads, tmp_pat
     record("multi_process", processes=3, gib_each=2, checkpoint_timings=ck["timings"],
            checkpoint_driver_calls=ck["driver_call_seconds"], restore_timings=rs["timings"],
            image_bytes=ck["image_bytes"])
+
+
+ROLE_CUDA_CHECKPOINT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "integration",
+                                    "playbooks", "role_cuda_checkpoint.yml")
+
+
+def test_cuda_checkpoint_role_checks_the_real_driver(playbook, record):
+    """The role's driver checks against a real driver: 570+ for the API, 580+ for restoring onto other
+    GPUs. (Installing the cuda-checkpoint binary needs NVIDIA's download; it is tested in CI from a
+    local file.)"""
+    run = playbook(ROLE_CUDA_CHECKPOINT, {"cuda_checkpoint_install": False})
+    assert run.rc == 0, run.stdout
+    report = run.task("Report what this node can do")["msg"]
+    assert "checkpoint API True" in report and "restore onto other GPUs True" in report, report
+    persistence = run.task("Read persistence mode")
+    assert persistence["rc"] == 0 and persistence["stdout_lines"], persistence
+    too_new = playbook(ROLE_CUDA_CHECKPOINT, {"cuda_checkpoint_install": False, "cuda_checkpoint_min_driver": "999"})
+    assert too_new.rc != 0
+    assert "needs driver 999 or newer" in too_new.task("Require the checkpoint API")["msg"]
+    record("cuda_checkpoint_role", report=report, persistence=persistence["stdout_lines"])
