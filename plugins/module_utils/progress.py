@@ -14,6 +14,9 @@ import threading
 import time
 
 
+STALE_PREFIX = ".gpuckpt-progress-"  # the action plugins' names, in /tmp
+
+
 def _dir_bytes(path):
     total = 0
     try:
@@ -58,6 +61,7 @@ class ProgressFile(object):
     def start(self):
         if not self.path or self._thread:
             return
+        self._remove_stale()
         self.write()
 
         def tick():
@@ -66,6 +70,21 @@ class ProgressFile(object):
         self._thread = threading.Thread(target=tick, name="gpuckpt-progress")
         self._thread.daemon = True
         self._thread.start()
+
+    def _remove_stale(self, age=3600):
+        """Progress files of runs that were killed (a controller gone mid-transfer) are left behind;
+        the next run removes those not updated for an hour."""
+        folder, name = os.path.split(self.path)
+        if not name.startswith(STALE_PREFIX):
+            return
+        try:
+            for other in os.listdir(folder or "."):
+                full = os.path.join(folder, other)
+                if other.startswith(STALE_PREFIX) and full != self.path and \
+                        time.time() - os.lstat(full).st_mtime > age:
+                    os.unlink(full)
+        except OSError:
+            pass
 
     def close(self):
         self._stop.set()

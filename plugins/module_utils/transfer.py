@@ -38,6 +38,13 @@ def _stat(text, label):
     return int(m.group(1).replace(",", "")) if m else 0
 
 
+def auto_streams(cpus=None):
+    """A quarter of this host's cores, 1 to 8. Each stream costs a core for its cipher on each end
+    (and on one machine both ends share its cores): on the 2-core CI kind of machine 4 streams were
+    slower than 1 (docs/benchmarks)."""
+    return min(8, max(1, (cpus or os.cpu_count() or 1) // 4))
+
+
 STREAM_MIN_BYTES = 256 * 2**20  # smaller files are not worth a stream of their own
 PIECE_ALIGN = 2**20
 
@@ -203,13 +210,14 @@ def _disk_full(exc, dest_host, dest):
 
 
 def push(src, dest_host, dest, user="root", port=22, ssh_args=(), rsync_path=None, repair=False,
-         bwlimit=0, io_timeout=120, retries=3, retry_delay=1.0, progress_file=None, streams=4,
+         bwlimit=0, io_timeout=120, retries=3, retry_delay=1.0, progress_file=None, streams=0,
          stream_min_bytes=STREAM_MIN_BYTES):
     """Send ``src``/ to ``user@dest_host:dest``/: large files over ``streams`` parallel ssh streams,
     the rest (and everything, in repair mode or with a bandwidth limit) through rsync; retried (and
     resumed) up to ``retries`` times."""
     rsync = find_binary("rsync", what="install rsync on both hosts")
     start = time.monotonic()
+    streams = streams if streams and streams > 0 else auto_streams()
     sizes = {}
     for root, dirs, names in os.walk(src):
         if os.path.relpath(root, src) == ".":

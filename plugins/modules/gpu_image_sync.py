@@ -67,8 +67,9 @@ options:
       - One ssh stream is bound by one core's cipher; several add up to what the link and disks allow.
       - Each stream writes its byte range in place on the target with C(dd). 1 sends everything through rsync.
       - A O(bwlimit), or O(repair=true), sends everything through rsync.
+      - 0 picks a quarter of this host's cores, 1 to 8 (each stream costs a core for its cipher on each end).
     type: int
-    default: 4
+    default: 0
   stream_min_bytes:
     description: Files at least this large go over the parallel streams; smaller ones through rsync.
     type: int
@@ -137,13 +138,13 @@ def main():
         bwlimit=dict(type="int", default=0),
         retries=dict(type="int", default=3),
         io_timeout=dict(type="int", default=120),
-        streams=dict(type="int", default=4),
+        streams=dict(type="int", default=0),
         stream_min_bytes=dict(type="int", default=transfer.STREAM_MIN_BYTES),
         progress_file=dict(type="path"),
     ), supports_check_mode=True)
     p = module.params
-    if p["streams"] < 1 or p["streams"] > 64:
-        module.fail_json(msg="streams must be between 1 and 64, got %d; nothing was sent" % p["streams"],
+    if p["streams"] < 0 or p["streams"] > 64:
+        module.fail_json(msg="streams must be between 0 (automatic) and 64, got %d; nothing was sent" % p["streams"],
                          stage="transfer")
     if not image.has_manifest(p["src"]):
         module.fail_json(msg="%s is not a complete gpuckpt image (no manifest.json); nothing was sent" % p["src"],

@@ -163,9 +163,10 @@ def test_transfer_cut_midway_is_resumed(playbook, hosts, remote_workload, tmp_pa
 
 def test_large_files_move_over_parallel_ssh_streams(playbook, hosts, remote_workload):
     """The pages files go as byte ranges over 4 real ssh streams to the other sshd host; the rest
-    through rsync. (The streams take files of 256 MiB and more by default; 1 MiB here.)"""
+    through rsync. (By default the streams take files of 256 MiB and more, as many streams as a quarter
+    of the cores; 1 MiB and 4 streams here.)"""
     w = remote_workload(mb=24)
-    run = migrate(playbook, hosts, w, "t-streams", gpuckpt_transfer_stream_min_bytes=2**20)
+    run = migrate(playbook, hosts, w, "t-streams", gpuckpt_transfer_stream_min_bytes=2**20, gpuckpt_transfer_streams=4)
     assert run.rc == 0, run.stdout
     sync = run.task("Stage 2/3")
     assert sync["streams"] == 4
@@ -178,6 +179,9 @@ def test_progress_is_printed_while_the_stages_run(playbook, hosts, remote_worklo
     """A user watching a long migration in AWX sees it move: the action plugins poll the progress file
     each module writes on its host and print a line per change while the module still runs."""
     w = remote_workload(mb=24)
+    for f in os.listdir("/tmp"):  # earlier tests kill modules mid-run, which leaves theirs
+        if f.startswith(".gpuckpt-progress-"):
+            os.unlink(os.path.join("/tmp", f))
     run = migrate(playbook, hosts, w, "t-progress", gpuckpt_transfer_bwlimit=10000, gpuckpt_progress_interval=0.3)
     assert run.rc == 0, run.stdout
     lines = [line for line in run.stdout.splitlines() if line.startswith("  [hosta] Stage 2/3: sent ")]

@@ -120,3 +120,22 @@ def test_pieces_cover_each_file_exactly_once():
             assert off == pos and n > 0
             pos += n
         assert pos == size
+
+
+@pytest.mark.parametrize("cpus,streams", [(1, 1), (2, 1), (7, 1), (16, 4), (128, 8)])
+def test_automatic_streams_are_a_quarter_of_the_cores(cpus, streams):
+    assert transfer.auto_streams(cpus) == streams
+
+
+def test_a_killed_runs_progress_file_is_removed_by_the_next_run(tmp_path):
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.progress import BytesProgress
+    old, fresh = tmp_path / ".gpuckpt-progress-old.json", tmp_path / ".gpuckpt-progress-fresh.json"
+    old.write_text("{}")
+    fresh.write_text("{}")
+    os.utime(old, (1, 1))
+    p = BytesProgress(10, str(tmp_path / ".gpuckpt-progress-new.json"))
+    p.start()
+    p.add(10, force=True)
+    assert '"bytes_done": 10' in (tmp_path / ".gpuckpt-progress-new.json").read_text()
+    p.close()
+    assert sorted(f.name for f in tmp_path.iterdir()) == [".gpuckpt-progress-fresh.json"]
