@@ -37,7 +37,7 @@ if [ -n "${GPUCKPT_BENCH_SIZES:-}" ]; then
 fi
 # Migration downtime against its floor and the plain chain (issue 3): GPUCKPT_MIGRATE_BENCH_GIB=4
 if [ -n "${GPUCKPT_MIGRATE_BENCH_GIB:-}" ]; then
-  python3 bench/migrate_bench.py --torch-gib "$GPUCKPT_MIGRATE_BENCH_GIB" --pid-namespaces 0 2>&1 \
+  python3 bench/migrate_bench.py --torch-gib "$GPUCKPT_MIGRATE_BENCH_GIB" --pid-namespaces 0 ${GPUCKPT_MIGRATE_BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/migrate_bench.log" | grep -E "RESULT|Error|error|\|" || rc=1
 fi
 # Three CUDA processes: driver calls one after another vs in parallel (issue 4): GPUCKPT_MULTI_GIB=4
