@@ -54,3 +54,13 @@ options:
         default 5; 0 turns the display off). Set it yourself only to poll the file another way.
     type: path
 """
+
+    RUNTIME = r"""
+options:
+  runc_path:
+    description: Path of runc (searched in PATH when not given). Used with the runc runtime.
+    type: path
+  runc_root:
+    description: runc's state directory (C(runc --root)); runc's default when not given.
+    type: path
+"""

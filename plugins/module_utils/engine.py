@@ -224,7 +224,7 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
     # Idempotence: a complete image of this same target is already there.
     if os.path.isdir(image_dir) and image.has_manifest(image_dir):
         m = image.load_manifest(image_dir)
-        if str(m.get("target", {}).get("root_pid")) == str(pid):
+        if str(m.get("target", {}).get("workload", m.get("target", {}).get("root_pid"))) == str(pid):
             result.update(msg="image of pid %s already exists in %s (taken %s); nothing to do"
                           % (pid, image_dir, m.get("created")), pids=m["target"]["pids"],
                           cuda_pids=m["target"]["cuda_pids"], manifest_id=m.get("id"))
@@ -316,7 +316,7 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
         manifest = {
             "id": str(uuid.uuid4()), "created": _now(), "tool": "gpuckpt.fleet", "tool_version": COLLECTION_VERSION,
             "host": host, "runtime": runtime_info,
-            "target": {"root_pid": root, "pids": pids, "cuda_pids": cuda_pids, "identities": identities,
+            "target": {"workload": str(pid), "root_pid": root, "pids": pids, "cuda_pids": cuda_pids, "identities": identities,
                        "after": after,
                        "processes": [discovery.process_info(p) for p in pids] if leave_running else
                        [{"pid": p} for p in pids]},
@@ -365,7 +365,9 @@ def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_
     try:
         new_pids = backend.restore(image_dir, work, manifest)
         clock.stop("runtime_restore")
-        cuda_pids = _map_pids(manifest, new_pids)
+        cuda_pids = backend.map_pids(manifest, new_pids)
+        if cuda_pids is None:
+            cuda_pids = _map_pids(manifest, new_pids)
         _each(cuda_pids, lambda p: drv.restore(p, gpu_pairs), parallel)
         clock.stop("cuda_restore")
         for p in cuda_pids:
@@ -507,13 +509,14 @@ def resume_stopped(manifest, backend=None, drv=None, libcuda_path=None):
     """Roll a stopped source back to running: SIGCONT (the driver's restore thread must run), then CUDA
     restore and unlock. Idempotent; returns (changed, pids that run)."""
     backend = backend or ProcessBackend()
+    backend.bind(manifest)
     target = manifest["target"]
     idents = target.get("identities") or {}
     mine = [p for p in target["pids"] if _same_process(p, idents.get(str(p)))]
     if not mine:
         raise TransactionError("none of the source's processes %s exists any more; restore from the image instead"
                                % target["pids"], stage="resume-source")
-    changed = any((discovery.read_stat(p) or {}).get("state") in ("T", "t") for p in mine)
+    changed = backend.is_held(mine)
     backend.resume(mine)
     cuda_pids = [p for p in target["cuda_pids"] if p in mine]
     if cuda_pids:
@@ -539,10 +542,12 @@ def resume_stopped(manifest, backend=None, drv=None, libcuda_path=None):
 def release_stopped(manifest, backend=None):
     """Commit: kill the source's stopped processes (only those that are still the same processes)."""
     backend = backend or ProcessBackend()
+    backend.bind(manifest)
     target = manifest["target"]
     idents = target.get("identities") or {}
     mine = [p for p in target["pids"] if _same_process(p, idents.get(str(p)))]
-    running = [p for p in mine if (discovery.read_stat(p) or {}).get("state") not in ("T", "t", "Z")]
+    running = [] if backend.is_held(mine) else \
+        [p for p in mine if (discovery.read_stat(p) or {}).get("state") not in ("T", "t", "Z")] or mine
     if running:
         raise TransactionError("source pid %d runs again (it is not stopped): refusing to kill it; the migration "
                                "was rolled back or resumed by hand" % running[0], stage="release-source",

@@ -12,6 +12,31 @@ TOOL_ARGS = dict(
     libcuda_path=dict(type="path"),
 )
 
+RUNTIME_ARGS = dict(
+    runc_path=dict(type="path"),
+    runc_root=dict(type="path"),
+)
+
+
+def make_backend(name, params, bundle=None):
+    """The runtime backend ``name`` built from a module's parameters."""
+    if name == "runc":
+        from .runtimes.runc import RuncBackend
+        return RuncBackend(params.get("runc_path"), params.get("runc_root"), bundle, params.get("criu_path"),
+                           params.get("criu_options"))
+    from .runtimes.process import ProcessBackend
+    return ProcessBackend(params.get("criu_path"), params.get("criu_options"))
+
+
+def backend_of_image(image_dir):
+    """The backend an image was taken with (its manifest's runtime.backend); process by default."""
+    from . import image
+    try:
+        return (image.load_manifest(image_dir).get("runtime") or {}).get("backend") or "process"
+    except Exception:  # noqa: BLE001 - the engine reports a bad image itself, with its reason
+        return "process"
+
+
 PROGRESS_ARGS = dict(
     progress_file=dict(type="path"),  # set by the action plugin of the same name (plugins/action)
 )

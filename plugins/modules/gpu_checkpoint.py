@@ -27,9 +27,22 @@ description:
 author: gpuckpt.fleet maintainers (@gpuckpt)
 options:
   pid:
-    description: Root pid of the process tree to checkpoint (the host's pid). Its descendants are included.
+    description:
+      - Root pid of the process tree to checkpoint (the host's pid). Its descendants are included.
+      - Required with O(runtime=process).
     type: int
-    required: true
+  runtime:
+    description:
+      - What the workload runs in. V(process) is a bare process tree, dumped by CRIU. V(runc) is a runc
+        container named by O(container), dumped by runc (which drives CRIU); the CUDA stage works on
+        its host pids.
+      - With O(runtime=runc) and O(leave_stopped=true), the container is paused (cgroup freezer).
+    type: str
+    choices: [process, runc]
+    default: process
+  container:
+    description: The container id. Required with O(runtime=runc).
+    type: str
   image_dir:
     description: Directory to write the image to. Created with mode 0700; must be new or empty.
     type: path
@@ -55,6 +68,7 @@ extends_documentation_fragment:
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
   - gpuckpt.fleet.common.progress
+  - gpuckpt.fleet.common.runtime
 notes:
   - Needs root (CRIU and the driver's checkpoint API act on other processes).
   - NCCL jobs, CUDA IPC memory, MPS clients and MIG instances are not supported by the driver's checkpoint API.
@@ -134,13 +148,14 @@ from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    MIGRATION_ARGS, PROGRESS_ARGS, TOOL_ARGS, journal_for, run_engine)
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend
+    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, TOOL_ARGS, journal_for, make_backend, run_engine)
 
 
 def main():
     spec = dict(
-        pid=dict(type="int", required=True),
+        pid=dict(type="int"),
+        runtime=dict(type="str", choices=["process", "runc"], default="process"),
+        container=dict(type="str"),
         image_dir=dict(type="path", required=True),
         leave_running=dict(type="bool", default=False),
         leave_stopped=dict(type="bool", default=False),
@@ -150,15 +165,17 @@ def main():
     )
     spec.update(TOOL_ARGS)
     spec.update(PROGRESS_ARGS)
+    spec.update(RUNTIME_ARGS)
     spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
-                           mutually_exclusive=[("leave_running", "leave_stopped")])
+                           mutually_exclusive=[("leave_running", "leave_stopped"), ("pid", "container")],
+                           required_if=[("runtime", "process", ["pid"]), ("runtime", "runc", ["container"])])
     p = module.params
     if p["lock_timeout"] <= 0:
         module.fail_json(msg="lock_timeout must be positive, got %s" % p["lock_timeout"])
     run_engine(module, lambda: engine.checkpoint(
-        p["pid"], p["image_dir"], leave_running=p["leave_running"], lock_timeout=p["lock_timeout"],
-        backend=ProcessBackend(p["criu_path"], p["criu_options"]),
+        p["pid"] if p["runtime"] == "process" else p["container"], p["image_dir"],
+        leave_running=p["leave_running"], lock_timeout=p["lock_timeout"], backend=make_backend(p["runtime"], p),
         libcuda_path=p["libcuda_path"], check_mode=module.check_mode, sign_key=p["sign_key"],
         leave_stopped=p["leave_stopped"], journal=journal_for(p, "source"), parallel=p["parallel"],
         progress_file=p["progress_file"]))

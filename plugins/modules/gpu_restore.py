@@ -39,6 +39,11 @@ options:
     description: Verify every file's checksums before restoring. Turn it off only for an image that was just verified.
     type: bool
     default: true
+  bundle:
+    description:
+      - For an image of a runc container, the container's bundle (config.json and rootfs) on this host.
+      - By default, the bundle path recorded in the image.
+    type: path
   validate_wait:
     description: Seconds to wait after unlocking before checking that every process is still alive and running.
     type: float
@@ -47,6 +52,7 @@ extends_documentation_fragment:
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
   - gpuckpt.fleet.common.progress
+  - gpuckpt.fleet.common.runtime
 notes:
   - Needs root. The pids recorded in the image must be free on this host (CRIU restores the same pids).
   - Supports check mode. It verifies the image and the host and reports what it would do.
@@ -103,8 +109,7 @@ from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    MIGRATION_ARGS, PROGRESS_ARGS, TOOL_ARGS, journal_for, run_engine)
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend
+    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, TOOL_ARGS, backend_of_image, journal_for, make_backend, run_engine)
 
 
 def main():
@@ -116,15 +121,17 @@ def main():
         validate_wait=dict(type="float", default=0.5),
         sign_key=dict(type="str", no_log=True),
         parallel=dict(type="bool", default=True),
+        bundle=dict(type="path"),
     )
     spec.update(TOOL_ARGS)
     spec.update(PROGRESS_ARGS)
+    spec.update(RUNTIME_ARGS)
     spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
     p = module.params
     run_engine(module, lambda: engine.restore(
         p["image_dir"], gpu_map=p["gpu_map"], force=p["force"], verify=p["verify"],
-        backend=ProcessBackend(p["criu_path"], p["criu_options"]), libcuda_path=p["libcuda_path"],
+        backend=make_backend(backend_of_image(p["image_dir"]), p, bundle=p["bundle"]), libcuda_path=p["libcuda_path"],
         check_mode=module.check_mode, sign_key=p["sign_key"], validate_wait=p["validate_wait"],
         journal=journal_for(p, "target"), parallel=p["parallel"],
         progress_file=p["progress_file"]))

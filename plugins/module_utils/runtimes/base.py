@@ -9,8 +9,29 @@ which host pids make up the workload, how to write RAM+CPU state to an image dir
 from __future__ import annotations
 
 
+def _state(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            data = fh.read()
+        return data[data.rindex(")") + 2:].split()[0]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class Backend(object):
     name = "base"
+
+    def bind(self, manifest):
+        """Take what the backend needs to act on a workload (its container id...) from a manifest."""
+
+    def is_held(self, pids):
+        """True when the workload left by dump(after='stopped') is still held (not running)."""
+        states = [(_state(p) or "Z") for p in pids]
+        return all(s in ("T", "t", "Z") for s in states)
+
+    def map_pids(self, manifest, new_pids):
+        """Host pids of the restored CUDA processes; None lets the engine match them by tree order."""
+        return None
 
     def preflight(self, full=True):
         """Check the runtime is present and usable; return facts for the manifest (versions...).
