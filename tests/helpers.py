@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 
@@ -102,3 +103,35 @@ def workload_processes(script, workdir):
             if state not in "ZX":
                 out.append((int(d), state))
     return out
+
+
+def write_runc_bundle(bundle, args, env=(), rw=(), cgroup=None):
+    """A runc bundle whose rootfs binds this machine's /usr and /etc read-only (merged /usr links
+    as on the host), the repo read-only, and each of ``rw`` read-write, all at their host paths, so
+    the libcuda test double finds its library at the same path inside. No terminal: CRIU dumps a
+    container whose stdio are pipes."""
+    import shutil
+    runc = shutil.which("runc")
+    rootfs = os.path.join(bundle, "rootfs")
+    for d in ("usr", "etc", "proc", "dev", "sys", "tmp", "run"):
+        os.makedirs(os.path.join(rootfs, d), exist_ok=True)
+    for link in ("bin", "lib", "lib64", "sbin"):
+        if os.path.islink("/" + link) and not os.path.lexists(os.path.join(rootfs, link)):
+            os.symlink(os.readlink("/" + link), os.path.join(rootfs, link))
+    if os.path.exists(os.path.join(bundle, "config.json")):
+        os.unlink(os.path.join(bundle, "config.json"))
+    subprocess.run([runc, "spec", "--bundle", bundle], check=True)
+    with open(os.path.join(bundle, "config.json")) as fh:
+        cfg = json.load(fh)
+    cfg["process"]["terminal"] = False
+    cfg["process"]["args"] = list(args)
+    cfg["process"]["env"] += list(env)
+    cfg["root"] = {"path": "rootfs", "readonly": True}
+    for src, opt in [("/usr", "ro"), ("/etc", "ro"), (REPO, "ro")] + [(d, "rw") for d in rw]:
+        os.makedirs(os.path.join(rootfs, src.lstrip("/")), exist_ok=True)
+        cfg["mounts"].append({"destination": src, "type": "bind", "source": src, "options": ["rbind", opt]})
+    if cgroup:
+        cfg["linux"]["cgroupsPath"] = cgroup
+    with open(os.path.join(bundle, "config.json"), "w") as fh:
+        json.dump(cfg, fh)
+    return bundle

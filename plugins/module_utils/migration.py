@@ -162,11 +162,13 @@ def rollback_target(journal, image_dir=None, backend=None):
         raise TransactionError("migration %s is committed on the target; refusing to kill the only copy" % journal.id,
                                stage="rollback-target")
     changed = False
+    image_dir = image_dir or doc.get("image_dir")
+    if image_dir and image.has_manifest(image_dir):
+        backend.bind(image.load_manifest(image_dir))  # a container runtime needs the container's id
     alive = _alive_same(doc.get("pids") or [])
     if alive:
         backend.kill(alive)
         changed = True
-    image_dir = image_dir or doc.get("image_dir")
     if image_dir and os.path.isdir(image_dir):
         shutil.rmtree(image_dir)
         changed = True

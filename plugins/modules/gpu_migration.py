@@ -53,6 +53,8 @@ options:
   libcuda_path:
     description: Path of libcuda.so.1 when the dynamic loader cannot find it.
     type: path
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.runtime
 notes:
   - C(status) supports check mode; the other actions report what they would do in check mode without doing it.
 """
@@ -86,6 +88,8 @@ from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import migration
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
+    RUNTIME_ARGS, backend_of_image, make_backend)
 
 
 def main():
@@ -98,6 +102,7 @@ def main():
         remove_image=dict(type="bool", default=False),
         wait=dict(type="float", default=0),
         libcuda_path=dict(type="path"),
+        **RUNTIME_ARGS
     ), supports_check_mode=True)
     p = module.params
     try:
@@ -112,14 +117,17 @@ def main():
                 module.exit_json(changed=False, journal=doc, msg="journal exists (phase %s)" % doc["phase"])
             doc = journal.write("receiving", image_dir=p["image_dir"])
             module.exit_json(changed=True, journal=doc, msg="journal started")
+        # The runtime the workload was taken with is in its image's manifest.
+        image_dir = (journal.read() or {}).get("image_dir") or p["image_dir"]
+        backend = make_backend(backend_of_image(image_dir) if image_dir else "process", p)
         if role == "source" and action == "commit":
-            changed, msg = migration.commit_source(journal, remove_image=p["remove_image"])
+            changed, msg = migration.commit_source(journal, backend=backend, remove_image=p["remove_image"])
         elif role == "source":
-            changed, msg = migration.rollback_source(journal, libcuda_path=p["libcuda_path"])
+            changed, msg = migration.rollback_source(journal, backend=backend, libcuda_path=p["libcuda_path"])
         elif action == "commit":
             changed, msg = migration.commit_target(journal, remove_image=p["remove_image"], image_dir=p["image_dir"])
         else:
-            changed, msg = migration.rollback_target(journal, image_dir=p["image_dir"])
+            changed, msg = migration.rollback_target(journal, image_dir=p["image_dir"], backend=backend)
         module.exit_json(changed=changed, msg=msg, journal=migration.status(journal))
     except GpuCkptError as exc:
         module.fail_json(**exc.to_dict())

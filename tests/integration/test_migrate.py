@@ -17,7 +17,8 @@ import time
 
 import pytest
 
-from helpers import ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, workload_processes
+from helpers import (ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload,
+                     workload_processes, write_runc_bundle)
 
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 from loopback import LoopbackHosts  # noqa: E402
@@ -33,7 +34,10 @@ def hosts(tmp_path_factory):
     for name in ("hosta", "hostb"):
         fc = os.path.join(base, name, "fakecuda")
         os.makedirs(fc, exist_ok=True)
-        host_vars[name] = {"gpuckpt_environment": {"GPUCKPT_LIBCUDA": FAKE_LIBCUDA, "FAKECUDA_STATE_DIR": fc}}
+        host_vars[name] = {"gpuckpt_environment": {"GPUCKPT_LIBCUDA": FAKE_LIBCUDA, "FAKECUDA_STATE_DIR": fc},
+                           # each host its own runc state and bundle (with its own cgroup), as on two machines
+                           "gpuckpt_runc_root": os.path.join(base, name, "runc-root"),
+                           "gpuckpt_runc_bundle": os.path.join(base, name, "bundle")}
     h = LoopbackHosts(base).start(host_vars)
     yield h
     h.stop()
@@ -326,3 +330,83 @@ def test_controller_killed_mid_migration_then_recover(playbook, hosts, remote_wo
                      inventory=hosts.path("inventory.yml"))
     assert again.rc == 0 and changed_tasks(again) == []
     subprocess.run(["pkill", "-f", str(tmp_path / "cp")], check=False)  # the killed controller's masters
+
+
+class RemoteRuncWorkload(CountingWorkload):
+    """A runc container started on a loopback host (in its pid namespace), running counter.py with
+    the libcuda test double; hostb gets the same bundle under its own path and cgroup."""
+
+    roles = ("parent", "child1")
+
+    def __init__(self, hosts, workdir):
+        import uuid
+        self.hosts, self.dir = hosts, workdir
+        self.id = "gpuckpt-m-" + uuid.uuid4().hex[:8]
+        os.makedirs(workdir, exist_ok=True)
+        fc = hosts.path("hosta", "fakecuda")
+        args = ["/usr/bin/python3", COUNTER, "--dir", workdir, "--mb", "8", "--fakecuda", FAKE_LIBCUDA]
+        env = ["GPUCKPT_LIBCUDA=%s" % FAKE_LIBCUDA, "FAKECUDA_STATE_DIR=%s" % fc]
+        for name in ("hosta", "hostb"):
+            write_runc_bundle(hosts.path(name, "bundle"), args, env, rw=[workdir, hosts.path()],
+                              cgroup="/gpuckpt-test-%s-%s" % (name, self.id))
+        self.runc("hosta", "run --detach --bundle %s %s" % (hosts.path("hosta", "bundle"), self.id), relay=True)
+        self.wait_counting()
+
+    def runc(self, host, args, relay=False, check=True):
+        cmd = "runc --root %s %s" % (self.hosts.path(host, "runc-root"), args)
+        if relay:  # stdio through a pipe to a relay (CRIU cannot dump host files as a container's stdio)
+            cmd = "setsid sh -c '%s 2>&1 | cat >> %s/container.log' </dev/null >/dev/null 2>&1 &" % (cmd, self.dir)
+        return self.hosts.ssh(host, cmd, check=check)
+
+    def state(self, host):
+        res = self.runc(host, "state %s" % self.id, check=False)
+        return json.loads(res.stdout) if res.returncode == 0 else None
+
+    def cleanup(self):
+        for host in ("hosta", "hostb"):
+            self.runc(host, "delete --force %s" % self.id, check=False)
+
+
+def test_runc_container_migrates_and_counts_on(playbook, hosts, tmp_path):
+    """A runc container moves from hosta to hostb: paused (not killed) on hosta until it runs on
+    hostb, the CUDA stage on its host pids, then hosta's copy is deleted. A re-run changes nothing."""
+    w = RemoteRuncWorkload(hosts, str(tmp_path / "rw"))
+    try:
+        before = w.counts()
+        run = playbook(MIGRATE, {"source": "hosta", "target": "hostb", "container": w.id, "migration_id": "t-runc"},
+                       inventory=hosts.path("inventory.yml"))
+        assert run.rc == 0, run.stdout
+        ck = run.task("Stage 1/3")
+        assert ck["leave_stopped"] is True and len(ck["cuda_pids"]) == 2
+        assert "container %s moved from hosta to hostb" % w.id in "\n".join(run.task("Summary")["msg"])
+        assert w.state("hostb")["status"] == "running"
+        assert w.state("hosta") is None, "the source's paused container is deleted on commit"
+        after = w.wait_counting(beyond=before)
+        for r in w.roles:
+            assert after[r] > before[r] and w.read(r)["digest"] == w.digest0(r)
+        again = playbook(MIGRATE, {"source": "hosta", "target": "hostb", "container": w.id,
+                                   "migration_id": "t-runc"}, inventory=hosts.path("inventory.yml"))
+        assert again.rc == 0 and changed_tasks(again) == [], changed_tasks(again)
+        assert w.is_counting()
+    finally:
+        w.cleanup()
+
+
+def test_runc_container_restore_failing_on_target_resumes_the_paused_source(playbook, hosts, tmp_path):
+    """hostb's bundle is missing: the restore fails, the target is cleaned and the paused container on
+    hosta is resumed, its CUDA processes restored and unlocked: one copy runs."""
+    w = RemoteRuncWorkload(hosts, str(tmp_path / "rw"))
+    try:
+        os.rename(hosts.path("hostb", "bundle", "config.json"), hosts.path("hostb", "bundle", "config.off"))
+        run = playbook(MIGRATE, {"source": "hosta", "target": "hostb", "container": w.id,
+                                 "migration_id": "t-runc-fail"}, inventory=hosts.path("inventory.yml"))
+        assert run.rc != 0
+        assert "rolled back; the workload runs on hosta" in run.stdout
+        assert "has no config.json on this host" in run.stdout
+        assert w.state("hosta")["status"] == "running" and w.state("hostb") is None
+        assert w.is_counting()
+        for r in w.roles:
+            assert w.read(r)["digest"] == w.digest0(r)
+    finally:
+        w.cleanup()
+

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, alive, tree
+from helpers import COUNTER, FAKE_LIBCUDA, CountingWorkload, alive, tree, write_runc_bundle
 
 CHECKPOINT = "gpuckpt.fleet.checkpoint"
 RESTORE = "gpuckpt.fleet.restore"
@@ -30,27 +30,10 @@ class RuncWorkload(CountingWorkload):
         self.base, self.dir = base, os.path.join(base, "w")
         self.root, self.bundle = os.path.join(base, "runc-root"), os.path.join(base, "bundle")
         self.id = "gpuckpt-t-" + uuid.uuid4().hex[:8]
-        rootfs = os.path.join(self.bundle, "rootfs")
-        for d in ("usr", "etc", "proc", "dev", "sys", "tmp", "run"):
-            os.makedirs(os.path.join(rootfs, d), exist_ok=True)
-        for link in ("bin", "lib", "lib64", "sbin"):  # merged /usr, as on the host
-            if os.path.islink("/" + link):
-                os.symlink(os.readlink("/" + link), os.path.join(rootfs, link))
         os.makedirs(self.dir, exist_ok=True)
-        subprocess.run([RUNC, "spec", "--bundle", self.bundle], check=True)
-        with open(os.path.join(self.bundle, "config.json")) as fh:
-            cfg = json.load(fh)
-        cfg["process"]["terminal"] = False
-        cfg["process"]["args"] = ["/usr/bin/python3", COUNTER, "--dir", self.dir, "--mb", "8",
-                                  "--fakecuda", FAKE_LIBCUDA]
-        cfg["process"]["env"] += ["%s=%s" % kv for kv in fakecuda.env.items()]
-        cfg["root"] = {"path": "rootfs", "readonly": True}
-        for src, opts in (("/usr", "ro"), ("/etc", "ro"), (REPO, "ro"), (self.dir, "rw"),
-                          (fakecuda.state_dir, "rw")):
-            os.makedirs(os.path.join(rootfs, src.lstrip("/")), exist_ok=True)
-            cfg["mounts"].append({"destination": src, "type": "bind", "source": src, "options": ["rbind", opts]})
-        with open(os.path.join(self.bundle, "config.json"), "w") as fh:
-            json.dump(cfg, fh)
+        write_runc_bundle(self.bundle, ["/usr/bin/python3", COUNTER, "--dir", self.dir, "--mb", "8",
+                                        "--fakecuda", FAKE_LIBCUDA],
+                          env=["%s=%s" % kv for kv in fakecuda.env.items()], rw=[self.dir, fakecuda.state_dir])
         self.start()
 
     def runc(self, *args, check=True):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 
 from .. import discovery
@@ -199,3 +200,9 @@ class RuncBackend(Backend):
     def kill(self, pids):
         if self.container:
             run(self._cmd("delete", "--force", self.container), stage="cleanup", check=False)
+            return
+        for p in pids:  # the container's id is unknown here: end its processes
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
