@@ -409,4 +409,3 @@ def test_runc_container_restore_failing_on_target_resumes_the_paused_source(play
             assert w.read(r)["digest"] == w.digest0(r)
     finally:
         w.cleanup()
-

@@ -117,8 +117,8 @@ def test_container_checkpoint_then_restore_counts_on_with_memory_intact(tmp_path
     assert second.rc == 0 and second.task("Restore from")["changed"] is False
 
 
-def test_container_leave_running_never_stops_and_a_restore_beside_it_is_refused(tmp_path, playbook, runc_workload,
-                                                                                 fakecuda):
+def test_container_leave_running_never_stops_and_a_restore_beside_it_is_refused(
+        tmp_path, playbook, runc_workload, fakecuda):
     w = runc_workload()
     image_dir = str(tmp_path / "img")
     run = _ckpt(playbook, fakecuda, w, image_dir, gpuckpt_leave_running=True)

@@ -66,8 +66,8 @@ class RuncBackend(Backend):
         if res.rc != 0:
             if not required:
                 return None
-            raise InvalidTarget("no runc container %r%s: %s" % (container, " under root %s" % self.root if self.root
-                                                                 else "", (res.stderr or res.stdout).strip()[:300]),
+            where = " under root %s" % self.root if self.root else ""
+            raise InvalidTarget("no runc container %r%s: %s" % (container, where, (res.stderr or res.stdout).strip()[:300]),
                                 stage="preflight", hint="check the id (runc list) and runc_root")
         return json.loads(res.stdout)
 
