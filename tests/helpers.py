@@ -135,3 +135,41 @@ def write_runc_bundle(bundle, args, env=(), rw=(), cgroup=None):
     with open(os.path.join(bundle, "config.json"), "w") as fh:
         json.dump(cfg, fh)
     return bundle
+
+
+def podman_skeleton(podman_args, tag="localhost/gpuckpt-skel:1", tmpdir="/tmp"):
+    """Import a skeleton image (empty dirs and the merged-/usr links; /usr and /etc come in as volumes)
+    into the Podman storage that ``podman_args`` (--root/--runroot) name. No registry is needed."""
+    import shutil
+    import tarfile
+    import tempfile
+    podman = shutil.which("podman")
+    if subprocess.run([podman] + list(podman_args) + ["image", "exists", tag], check=False).returncode == 0:
+        return tag
+    work = tempfile.mkdtemp(dir=tmpdir)
+    tar = os.path.join(work, "skel.tar")
+    with tarfile.open(tar, "w") as tf:
+        for d in ("usr", "etc", "proc", "dev", "sys", "tmp", "run", "var"):
+            info = tarfile.TarInfo(d)
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            tf.addfile(info)
+        for link in ("bin", "lib", "lib64", "sbin"):
+            if os.path.islink("/" + link):
+                info = tarfile.TarInfo(link)
+                info.type, info.linkname = tarfile.SYMTYPE, os.readlink("/" + link)
+                tf.addfile(info)
+    subprocess.run([podman] + list(podman_args) + ["import", tar, tag], check=True, stdout=subprocess.DEVNULL)
+    shutil.rmtree(work, ignore_errors=True)
+    return tag
+
+
+def podman_run_args(name, image, args, env=(), rw=()):
+    """`podman run` arguments for a test container: no network, the rlimits this machine allows, this
+    machine's /usr and /etc and the repo read-only, each of ``rw`` read-write, at their host paths."""
+    out = ["run", "--detach", "--name", name, "--network", "none",
+           "--ulimit", "nofile=20000:20000", "--ulimit", "nproc=32768:32768"]
+    for src, opt in [("/usr", "ro"), ("/etc", "ro"), (REPO, "ro")] + [(d, "rw") for d in rw]:
+        out += ["--volume", "%s:%s:%s" % (src, src, opt)]
+    for e in env:
+        out += ["--env", e]
+    return out + [image] + list(args)

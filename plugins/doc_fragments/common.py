@@ -63,4 +63,13 @@ options:
   runc_root:
     description: runc's state directory (C(runc --root)); runc's default when not given.
     type: path
+  podman_path:
+    description: Path of podman (searched in PATH when not given). Used with the podman runtime.
+    type: path
+  podman_root:
+    description: Podman's storage root (C(podman --root)); Podman's default when not given.
+    type: path
+  podman_runroot:
+    description: Podman's run root (C(podman --runroot)); Podman's default when not given.
+    type: path
 """

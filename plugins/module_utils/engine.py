@@ -231,6 +231,10 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
             return result
 
     root, pids = backend.resolve(pid)
+    if leave_stopped and not getattr(backend, "can_hold_stopped", True):
+        raise InvalidTarget("the %s runtime cannot hold a workload stopped after its checkpoint; nothing was frozen"
+                            % backend.name, stage="preflight",
+                            hint="checkpoint it without leave_stopped; its image is the way back")
     runtime_facts = backend.preflight()
     if os.path.isdir(image_dir) and os.listdir(image_dir):
         image.prepare_dir(image_dir)  # raises the not-empty error, touching nothing

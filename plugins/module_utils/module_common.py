@@ -15,11 +15,19 @@ TOOL_ARGS = dict(
 RUNTIME_ARGS = dict(
     runc_path=dict(type="path"),
     runc_root=dict(type="path"),
+    podman_path=dict(type="path"),
+    podman_root=dict(type="path"),
+    podman_runroot=dict(type="path"),
 )
+RUNTIMES = ["process", "runc", "podman"]
 
 
 def make_backend(name, params, bundle=None):
     """The runtime backend ``name`` built from a module's parameters."""
+    if name == "podman":
+        from .runtimes.podman import PodmanBackend
+        return PodmanBackend(params.get("podman_path"), params.get("podman_root"), params.get("podman_runroot"),
+                             params.get("criu_path"), params.get("criu_options"))
     if name == "runc":
         from .runtimes.runc import RuncBackend
         return RuncBackend(params.get("runc_path"), params.get("runc_root"), bundle, params.get("criu_path"),

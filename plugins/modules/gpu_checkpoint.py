@@ -34,14 +34,16 @@ options:
   runtime:
     description:
       - What the workload runs in. V(process) is a bare process tree, dumped by CRIU. V(runc) is a runc
-        container named by O(container), dumped by runc (which drives CRIU); the CUDA stage works on
-        its host pids.
+        container named by O(container), dumped by runc (which drives CRIU). V(podman) is a Podman
+        container, exported by C(podman container checkpoint --export) into O(image_dir). For a
+        container the CUDA stage works on its host pids.
       - With O(runtime=runc) and O(leave_stopped=true), the container is paused (cgroup freezer).
+      - V(podman) does not support O(leave_stopped=true): Podman checkpoints only running containers.
     type: str
-    choices: [process, runc]
+    choices: [process, runc, podman]
     default: process
   container:
-    description: The container id. Required with O(runtime=runc).
+    description: The container's id or name. Required with O(runtime=runc) or O(runtime=podman).
     type: str
   image_dir:
     description: Directory to write the image to. Created with mode 0700; must be new or empty.
@@ -154,7 +156,7 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import
 def main():
     spec = dict(
         pid=dict(type="int"),
-        runtime=dict(type="str", choices=["process", "runc"], default="process"),
+        runtime=dict(type="str", choices=["process", "runc", "podman"], default="process"),
         container=dict(type="str"),
         image_dir=dict(type="path", required=True),
         leave_running=dict(type="bool", default=False),
@@ -169,7 +171,8 @@ def main():
     spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
                            mutually_exclusive=[("leave_running", "leave_stopped"), ("pid", "container")],
-                           required_if=[("runtime", "process", ["pid"]), ("runtime", "runc", ["container"])])
+                           required_if=[("runtime", "process", ["pid"]), ("runtime", "runc", ["container"]),
+                                        ("runtime", "podman", ["container"])])
     p = module.params
     if p["lock_timeout"] <= 0:
         module.fail_json(msg="lock_timeout must be positive, got %s" % p["lock_timeout"])

@@ -18,6 +18,34 @@ def _state(pid):
         return None
 
 
+def ns_pid(pid):
+    """The pid inside the innermost pid namespace (the last NSpid field), or None."""
+    try:
+        with open("/proc/%d/status" % pid) as fh:
+            for line in fh:
+                if line.startswith("NSpid:"):
+                    return int(line.split()[-1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def map_by_ns_pid(manifest, new_pids):
+    """Host pids of a restored container's CUDA processes, matched by their pid inside the container
+    (recorded at dump as runtime.ns_pids): the container keeps those, its host pids change."""
+    from ..errors import GpuCkptError
+    old_ns = (manifest.get("runtime") or {}).get("ns_pids") or {}
+    by_ns = {ns_pid(p): p for p in new_pids}
+    out = []
+    for p in manifest["target"]["cuda_pids"]:
+        ns = old_ns.get(str(p))
+        if ns is None or ns not in by_ns:
+            raise GpuCkptError("the restored container has no process for CUDA pid %s (pid %s inside it)" % (p, ns),
+                               stage="runtime-restore")
+        out.append(by_ns[ns])
+    return out
+
+
 class Backend(object):
     name = "base"
 

@@ -24,19 +24,7 @@ from .. import discovery
 from ..criu import Criu
 from ..errors import CommandError, GpuCkptError, InvalidTarget
 from ..run import find_binary, run
-from .base import Backend
-
-
-def _ns_pid(pid):
-    """The pid inside the innermost pid namespace (the last NSpid field)."""
-    try:
-        with open("/proc/%d/status" % pid) as fh:
-            for line in fh:
-                if line.startswith("NSpid:"):
-                    return int(line.split()[-1])
-    except OSError:
-        pass
-    return None
+from .base import Backend, map_by_ns_pid, ns_pid
 
 
 class RuncBackend(Backend):
@@ -106,7 +94,7 @@ class RuncBackend(Backend):
         pid = int(st["pid"])
         self._bundle_seen = st.get("bundle")
         tree = discovery.process_tree(pid)
-        self._ns = {str(p): _ns_pid(p) for p in tree}
+        self._ns = {str(p): ns_pid(p) for p in tree}
         return pid, tree
 
     def dump(self, target, image_dir, work_dir, after):
@@ -168,17 +156,7 @@ class RuncBackend(Backend):
         return discovery.process_tree(int(st["pid"]))
 
     def map_pids(self, manifest, new_pids):
-        """Host pids of the restored CUDA processes, matched by their pid inside the container."""
-        old_ns = (manifest.get("runtime") or {}).get("ns_pids") or {}
-        by_ns = {_ns_pid(p): p for p in new_pids}
-        out = []
-        for p in manifest["target"]["cuda_pids"]:
-            ns = old_ns.get(str(p))
-            if ns is None or ns not in by_ns:
-                raise GpuCkptError("restored container has no process for CUDA pid %s (pid %s inside)" % (p, ns),
-                                   stage="runtime-restore")
-            out.append(by_ns[ns])
-        return out
+        return map_by_ns_pid(manifest, new_pids)
 
     def bind(self, manifest):
         rt = manifest.get("runtime") or {}

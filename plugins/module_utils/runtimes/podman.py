@@ -1,0 +1,156 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""A Podman container, checkpointed to ``<image dir>/container.tar`` by ``podman container checkpoint
+--export`` and brought back by ``podman container restore --import`` (Podman drives CRIU).
+
+As with runc, the CUDA stage stays the engine's, on the container's host pids (``podman inspect``);
+after a restore the CUDA processes are found again by their pid inside the container.
+
+- after=exit:    checkpoint, then the stopped container is removed: the image is the container now
+- after=running: checkpoint --leave-running
+- after=stopped: refused. Podman checkpoints only a running container: not a paused one, and a
+  SIGSTOPped one hangs CRIU on the cgroup freezer (tried with Podman 4.3.1). A migration of a Podman
+  container therefore lets the source exit, and rolls back by restoring the source's own image.
+The export is uncompressed: GPU memory does not compress, and gzip would cost downtime.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+
+from .. import discovery
+from ..criu import Criu
+from ..errors import CommandError, GpuCkptError, InvalidTarget
+from ..run import find_binary, run
+from .base import Backend, map_by_ns_pid, ns_pid
+
+EXPORT = "container.tar"
+
+
+class PodmanBackend(Backend):
+    name = "podman"
+    can_hold_stopped = False
+
+    def __init__(self, podman_path=None, root=None, runroot=None, criu_path=None, criu_options=(), timeout=None):
+        self.podman_path, self.root, self.runroot = podman_path, root, runroot
+        self.criu = Criu(criu_path)
+        self.extra = list(criu_options or ())
+        self.timeout = timeout
+        self.container = None
+
+    def _cmd(self, *args):
+        cmd = [find_binary("podman", self.podman_path, what="install podman, or pass podman_path")]
+        if self.root:
+            cmd += ["--root", self.root]
+        if self.runroot:
+            cmd += ["--runroot", self.runroot]
+        return cmd + list(args)
+
+    def inspect(self, container, required=True):
+        res = run(self._cmd("container", "inspect", "--format", "json", container), stage="preflight", check=False)
+        if res.rc != 0 or not res.stdout.strip().startswith("["):
+            if not required:
+                return None
+            raise InvalidTarget("no podman container %r: %s" % (container, (res.stderr or res.stdout).strip()[:300]),
+                                stage="preflight", hint="check the name (podman ps) and podman_root")
+        return json.loads(res.stdout)[0]
+
+    def _criu_flags(self):
+        out = []
+        for opt in self.extra:
+            if opt in ("--tcp-established", "--file-locks"):
+                out.append(opt)
+            else:
+                raise InvalidTarget("criu option %s cannot be passed through podman (podman accepts "
+                                    "--tcp-established, --file-locks)" % opt, stage="preflight")
+        return out
+
+    def preflight(self, full=True):
+        version = self.criu.require_version()
+        res = run(self._cmd("--version"), stage="preflight")
+        facts = {"criu_version": version, "criu_path": self.criu.path,
+                 "podman_version": res.stdout.split()[-1] if res.stdout else None}
+        if full:
+            ok, out = self.criu.check()
+            if not ok:
+                raise GpuCkptError("`criu check` failed on this host: the kernel lacks what CRIU needs",
+                                   stage="preflight", cmd=[self.criu.path, "check"], stdout=out)
+        return facts
+
+    def resolve(self, target):
+        info = self.inspect(str(target))
+        state = info.get("State") or {}
+        if state.get("Status") != "running":
+            raise InvalidTarget("podman container %s is %s, not running; nothing was frozen"
+                                % (target, state.get("Status")), stage="preflight")
+        self.container = info.get("Name") or str(target)
+        self._id = info.get("Id")
+        pid = int(state["Pid"])
+        tree = discovery.process_tree(pid)
+        self._ns = {str(p): ns_pid(p) for p in tree}
+        return pid, tree
+
+    def dump(self, target, image_dir, work_dir, after):
+        if after == "stopped":
+            raise InvalidTarget("podman cannot hold a container stopped after its checkpoint (it checkpoints only a "
+                                "running container); checkpoint it with exit, and restore its image to roll back",
+                                stage="preflight")
+        args = ["container", "checkpoint", "--export", os.path.join(image_dir, EXPORT), "--compress", "none"]
+        if after == "running":
+            args.append("--leave-running")
+        args += self._criu_flags() + [self.container]
+        res = run(self._cmd(*args), stage="runtime-dump", timeout=self.timeout, check=False)
+        if res.rc != 0:
+            try:
+                os.unlink(os.path.join(image_dir, EXPORT))
+            except OSError:
+                pass
+            raise CommandError("podman container checkpoint exited with rc=%d" % res.rc, stage="runtime-dump",
+                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:], stderr=res.stderr[-4000:])
+        if after == "exit":  # the exported image is the container now; its name is free for the restore
+            run(self._cmd("container", "rm", "--force", self.container), stage="runtime-dump", check=False)
+        return {"backend": self.name, "container": self.container, "container_id": self._id,
+                "root_pid": int(target), "podman_root": self.root, "ns_pids": self._ns, "export": EXPORT,
+                "criu_options": self.extra, "criu_seconds": round(res.seconds, 6)}
+
+    def restore(self, image_dir, work_dir, manifest):
+        self.bind(manifest)
+        existing = self.inspect(self.container, required=False)
+        if existing:
+            raise InvalidTarget("a podman container %s already exists on this host (%s); refusing to start a second "
+                                "copy" % (self.container, (existing.get("State") or {}).get("Status")),
+                                stage="preflight", hint="remove it (podman rm) if it is a leftover, or restore elsewhere")
+        args = ["container", "restore", "--import", os.path.join(image_dir, EXPORT)] + self._criu_flags()
+        res = run(self._cmd(*args), stage="runtime-restore", timeout=self.timeout, check=False)
+        if res.rc != 0:
+            raise CommandError("podman container restore exited with rc=%d" % res.rc, stage="runtime-restore",
+                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:], stderr=res.stderr[-4000:])
+        info = self.inspect(self.container)
+        return discovery.process_tree(int(info["State"]["Pid"]))
+
+    def map_pids(self, manifest, new_pids):
+        return map_by_ns_pid(manifest, new_pids)
+
+    def bind(self, manifest):
+        rt = manifest.get("runtime") or {}
+        self.container = rt.get("container") or self.container
+        if self.root is None:
+            self.root = rt.get("podman_root")
+
+    def is_held(self, pids):
+        return False
+
+    def resume(self, pids):
+        pass
+
+    def kill(self, pids):
+        if self.container:
+            run(self._cmd("container", "rm", "--force", self.container), stage="cleanup", check=False)
+            return
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
