@@ -137,18 +137,14 @@ def write_runc_bundle(bundle, args, env=(), rw=(), cgroup=None):
     return bundle
 
 
-def podman_skeleton(podman_args, tag="localhost/gpuckpt-skel:1", tmpdir="/tmp"):
-    """Import a skeleton image (empty dirs and the merged-/usr links; /usr and /etc come in as volumes)
-    into the Podman storage that ``podman_args`` (--root/--runroot) name. No registry is needed."""
-    import shutil
+SKELETON_IMAGE = "localhost/gpuckpt-skel:1"
+
+
+def skeleton_tar(path):
+    """A tar of a skeleton rootfs: empty dirs and the merged-/usr links (/usr and /etc come in as
+    volumes). Imported, it is a container image made without any registry."""
     import tarfile
-    import tempfile
-    podman = shutil.which("podman")
-    if subprocess.run([podman] + list(podman_args) + ["image", "exists", tag], check=False).returncode == 0:
-        return tag
-    work = tempfile.mkdtemp(dir=tmpdir)
-    tar = os.path.join(work, "skel.tar")
-    with tarfile.open(tar, "w") as tf:
+    with tarfile.open(path, "w") as tf:
         for d in ("usr", "etc", "proc", "dev", "sys", "tmp", "run", "var"):
             info = tarfile.TarInfo(d)
             info.type, info.mode = tarfile.DIRTYPE, 0o755
@@ -158,7 +154,19 @@ def podman_skeleton(podman_args, tag="localhost/gpuckpt-skel:1", tmpdir="/tmp"):
                 info = tarfile.TarInfo(link)
                 info.type, info.linkname = tarfile.SYMTYPE, os.readlink("/" + link)
                 tf.addfile(info)
-    subprocess.run([podman] + list(podman_args) + ["import", tar, tag], check=True, stdout=subprocess.DEVNULL)
+    return path
+
+
+def podman_skeleton(podman_args, tag=SKELETON_IMAGE, tmpdir="/tmp"):
+    """Import the skeleton image into the Podman storage that ``podman_args`` (--root/--runroot) name."""
+    import shutil
+    import tempfile
+    podman = shutil.which("podman")
+    if subprocess.run([podman] + list(podman_args) + ["image", "exists", tag], check=False).returncode == 0:
+        return tag
+    work = tempfile.mkdtemp(dir=tmpdir)
+    subprocess.run([podman] + list(podman_args) + ["import", skeleton_tar(os.path.join(work, "skel.tar")), tag],
+                   check=True, stdout=subprocess.DEVNULL)
     shutil.rmtree(work, ignore_errors=True)
     return tag
 

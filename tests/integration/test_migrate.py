@@ -17,13 +17,14 @@ import time
 
 import pytest
 
-from helpers import (ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload,
-                     workload_processes, write_runc_bundle)
+from helpers import (ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, REPO, SKELETON_IMAGE, CountingWorkload,
+                     podman_run_args, skeleton_tar, workload_processes, write_runc_bundle)
 
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 from loopback import LoopbackHosts  # noqa: E402
 
 MIGRATE = "gpuckpt.fleet.migrate"
+PODMAN_ROOT, PODMAN_RUNROOT = "/var/lib/gpuckpt-test-podman", "/run/gpuckpt-test-podman"
 RECOVER = "gpuckpt.fleet.recover"
 
 
@@ -37,8 +38,12 @@ def hosts(tmp_path_factory):
         host_vars[name] = {"gpuckpt_environment": {"GPUCKPT_LIBCUDA": FAKE_LIBCUDA, "FAKECUDA_STATE_DIR": fc},
                            # each host its own runc state and bundle (with its own cgroup), as on two machines
                            "gpuckpt_runc_root": os.path.join(base, name, "runc-root"),
-                           "gpuckpt_runc_bundle": os.path.join(base, name, "bundle")}
+                           "gpuckpt_runc_bundle": os.path.join(base, name, "bundle"),
+                           # The same Podman paths on both hosts, as on two machines (Podman's export records
+                           # them): each host binds its own storage there in its mount namespace.
+                           "gpuckpt_podman_root": PODMAN_ROOT, "gpuckpt_podman_runroot": PODMAN_RUNROOT}
     h = LoopbackHosts(base).start(host_vars)
+    h.host_vars = host_vars
     yield h
     h.stop()
 
@@ -409,3 +414,92 @@ def test_runc_container_restore_failing_on_target_resumes_the_paused_source(play
             assert w.read(r)["digest"] == w.digest0(r)
     finally:
         w.cleanup()
+
+
+class RemotePodmanWorkload(CountingWorkload):
+    """A Podman container started on hosta (in its pid namespace), each host with its own Podman
+    storage holding the skeleton image, running counter.py with the libcuda test double."""
+
+    roles = ("parent", "child1")
+
+    def __init__(self, hosts, workdir):
+        import uuid
+        self.hosts, self.dir = hosts, workdir
+        self.name = "gpuckpt-pm-" + uuid.uuid4().hex[:8]
+        os.makedirs(workdir, exist_ok=True)
+        for host in ("hosta", "hostb"):  # each host's own storage, bound at the same paths in its mount namespace
+            store = hosts.path(host, "podman-store")
+            self.hosts.ssh(host, "mkdir -p {s}/root {s}/run {r} {rr} && (mountpoint -q {r} || mount --bind {s}/root {r})"
+                           " && (mountpoint -q {rr} || mount --bind {s}/run {rr})".format(s=store, r=PODMAN_ROOT,
+                                                                                        rr=PODMAN_RUNROOT))
+        # One image, the same id on both hosts (as a registry pull gives): imported on hosta, copied to hostb.
+        image = SKELETON_IMAGE
+        if self.podman("hosta", ["image", "exists", image], check=False).returncode != 0:
+            self.podman("hosta", ["import", skeleton_tar(hosts.path("skel.tar")), image])
+        if self.podman("hostb", ["image", "exists", image], check=False).returncode != 0:
+            self.podman("hosta", ["save", "--output", hosts.path("skel-image.tar"), image])
+            self.podman("hostb", ["load", "--input", hosts.path("skel-image.tar")])
+        args = ["/usr/bin/python3", COUNTER, "--dir", workdir, "--mb", "8", "--fakecuda", FAKE_LIBCUDA]
+        env = ["GPUCKPT_LIBCUDA=%s" % FAKE_LIBCUDA, "FAKECUDA_STATE_DIR=%s" % hosts.path("hosta", "fakecuda")]
+        self.podman("hosta", podman_run_args(self.name, image, args, env, rw=[workdir, hosts.path()]))
+        self.wait_counting()
+
+    def storage(self, host):
+        hv = self.hosts.host_vars[host]
+        return ["--root", hv["gpuckpt_podman_root"], "--runroot", hv["gpuckpt_podman_runroot"]]
+
+    def podman(self, host, args, check=True):
+        import shlex
+        return self.hosts.ssh(host, " ".join(shlex.quote(a) for a in ["podman"] + self.storage(host) + list(args)),
+                              check=check)
+
+    def status(self, host):
+        res = self.podman(host, ["container", "inspect", "--format", "json", self.name], check=False)
+        return json.loads(res.stdout)[0]["State"]["Status"] if res.returncode == 0 else None
+
+    def cleanup(self):
+        for host in ("hosta", "hostb"):
+            self.podman(host, ["container", "rm", "--force", self.name], check=False)
+
+
+def test_podman_container_migrates_and_counts_on(playbook, hosts, tmp_path):
+    """A Podman container moves from hosta to hostb. Podman cannot hold it stopped, so the source exits
+    after its checkpoint (export) and its image is the way back. A re-run changes nothing."""
+    w = RemotePodmanWorkload(hosts, str(tmp_path / "pw"))
+    try:
+        before = w.counts()
+        v = {"source": "hosta", "target": "hostb", "container": w.name, "runtime": "podman", "migration_id": "t-pm"}
+        run = playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
+        assert run.rc == 0, run.stdout
+        ck = run.task("Stage 1/3")
+        assert ck["leave_stopped"] is False and len(ck["cuda_pids"]) == 2
+        assert "Podman cannot hold a container stopped" in "\n".join(run.task("Show the preflight")["msg"])
+        assert w.status("hostb") == "running" and w.status("hosta") is None
+        after = w.wait_counting(beyond=before)
+        for r in w.roles:
+            assert after[r] > before[r] and w.read(r)["digest"] == w.digest0(r)
+        again = playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
+        assert again.rc == 0 and changed_tasks(again) == [], changed_tasks(again)
+    finally:
+        w.cleanup()
+
+
+def test_podman_restore_failing_on_target_restores_the_source_from_its_image(playbook, hosts, tmp_path):
+    """The target's storage already holds a container of that name: the restore is refused there, the
+    target is cleaned, and the source is restored from its own exported image. One copy runs."""
+    w = RemotePodmanWorkload(hosts, str(tmp_path / "pw"))
+    try:
+        w.podman("hostb", ["create", "--name", w.name, SKELETON_IMAGE, "/usr/bin/true"])
+        v = {"source": "hosta", "target": "hostb", "container": w.name, "runtime": "podman",
+             "migration_id": "t-pm-fail"}
+        run = playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
+        assert run.rc != 0
+        assert "rolled back; the workload runs on hosta" in run.stdout
+        assert "already exists on this host" in run.stdout
+        assert w.status("hosta") == "running"
+        assert w.is_counting()
+        for r in w.roles:
+            assert w.read(r)["digest"] == w.digest0(r)
+    finally:
+        w.cleanup()
+

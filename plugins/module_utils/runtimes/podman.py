@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 
 from .. import discovery
@@ -27,6 +28,17 @@ from ..run import find_binary, run
 from .base import Backend, map_by_ns_pid, ns_pid
 
 EXPORT = "container.tar"
+
+
+def _with_criu_log(stderr):
+    """Podman names CRIU's log file in its error, and may remove it with the failed container: keep
+    its error lines in the error we give."""
+    m = re.search(r"log file: (\S+)", stderr or "")
+    if m and os.path.exists(m.group(1)):
+        with open(m.group(1), errors="replace") as fh:
+            lines = [ln for ln in fh if "Error" in ln or "Warn" in ln][-15:]
+        return (stderr or "") + "--- %s ---\n%s" % (m.group(1), "".join(lines))
+    return stderr or ""
 
 
 class PodmanBackend(Backend):
@@ -108,7 +120,8 @@ class PodmanBackend(Backend):
             except OSError:
                 pass
             raise CommandError("podman container checkpoint exited with rc=%d" % res.rc, stage="runtime-dump",
-                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:], stderr=res.stderr[-4000:])
+                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:],
+                               stderr=_with_criu_log(res.stderr)[-6000:])
         if after == "exit":  # the exported image is the container now; its name is free for the restore
             run(self._cmd("container", "rm", "--force", self.container), stage="runtime-dump", check=False)
         return {"backend": self.name, "container": self.container, "container_id": self._id,
@@ -126,7 +139,8 @@ class PodmanBackend(Backend):
         res = run(self._cmd(*args), stage="runtime-restore", timeout=self.timeout, check=False)
         if res.rc != 0:
             raise CommandError("podman container restore exited with rc=%d" % res.rc, stage="runtime-restore",
-                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:], stderr=res.stderr[-4000:])
+                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:],
+                               stderr=_with_criu_log(res.stderr)[-6000:])
         info = self.inspect(self.container)
         return discovery.process_tree(int(info["State"]["Pid"]))
 
