@@ -38,7 +38,7 @@ options:
         container, exported by C(podman container checkpoint --export) into O(image_dir). For a
         container the CUDA stage works on its host pids.
       - With O(runtime=runc) and O(leave_stopped=true), the container is paused (cgroup freezer).
-      - V(podman) does not support O(leave_stopped=true): Podman checkpoints only running containers.
+      - V(podman) does not support O(leave_stopped=true), because Podman checkpoints only running containers.
     type: str
     choices: [process, runc, podman]
     default: process

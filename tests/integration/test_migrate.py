@@ -429,9 +429,9 @@ class RemotePodmanWorkload(CountingWorkload):
         os.makedirs(workdir, exist_ok=True)
         for host in ("hosta", "hostb"):  # each host's own storage, bound at the same paths in its mount namespace
             store = hosts.path(host, "podman-store")
-            self.hosts.ssh(host, "mkdir -p {s}/root {s}/run {r} {rr} && (mountpoint -q {r} || mount --bind {s}/root {r})"
-                           " && (mountpoint -q {rr} || mount --bind {s}/run {rr})".format(s=store, r=PODMAN_ROOT,
-                                                                                        rr=PODMAN_RUNROOT))
+            cmd = ("mkdir -p {s}/root {s}/run {r} {rr} && (mountpoint -q {r} || mount --bind {s}/root {r})"
+                   " && (mountpoint -q {rr} || mount --bind {s}/run {rr})")
+            self.hosts.ssh(host, cmd.format(s=store, r=PODMAN_ROOT, rr=PODMAN_RUNROOT))
         # One image, the same id on both hosts (as a registry pull gives): imported on hosta, copied to hostb.
         image = SKELETON_IMAGE
         if self.podman("hosta", ["image", "exists", image], check=False).returncode != 0:
@@ -502,4 +502,3 @@ def test_podman_restore_failing_on_target_restores_the_source_from_its_image(pla
             assert w.read(r)["digest"] == w.digest0(r)
     finally:
         w.cleanup()
-
