@@ -18,7 +18,7 @@ need_apt=()
 apt_pkgs=(build-essential pkgconf libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
   python3-protobuf iproute2 rsync openssh-server openssh-client xz-utils procps
-  runc iptables podman)  # runc 1.1.5 and Podman 4.3.1 (bookworm) for their backends; CRIU needs iptables for a netns
+  runc iptables podman docker.io)  # runc 1.1.5, Podman 4.3.1, Docker 20.10 (bookworm); CRIU needs iptables for a netns
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$p")
 done

@@ -72,4 +72,10 @@ options:
   podman_runroot:
     description: Podman's run root (C(podman --runroot)); Podman's default when not given.
     type: path
+  docker_path:
+    description: Path of the docker client (searched in PATH when not given). Used with the docker runtime.
+    type: path
+  docker_host:
+    description: The dockerd socket, as C(unix:///path); C(DOCKER_HOST) or Docker's default when not given.
+    type: str
 """

@@ -18,12 +18,18 @@ RUNTIME_ARGS = dict(
     podman_path=dict(type="path"),
     podman_root=dict(type="path"),
     podman_runroot=dict(type="path"),
+    docker_path=dict(type="path"),
+    docker_host=dict(type="str"),
 )
-RUNTIMES = ["process", "runc", "podman"]
+RUNTIMES = ["process", "runc", "podman", "docker"]
 
 
 def make_backend(name, params, bundle=None):
     """The runtime backend ``name`` built from a module's parameters."""
+    if name == "docker":
+        from .runtimes.docker import DockerBackend
+        return DockerBackend(params.get("docker_path"), params.get("docker_host"), params.get("criu_path"),
+                             params.get("criu_options"))
     if name == "podman":
         from .runtimes.podman import PodmanBackend
         return PodmanBackend(params.get("podman_path"), params.get("podman_root"), params.get("podman_runroot"),

@@ -36,14 +36,15 @@ options:
       - What the workload runs in. V(process) is a bare process tree, dumped by CRIU. V(runc) is a runc
         container named by O(container), dumped by runc (which drives CRIU). V(podman) is a Podman
         container, exported by C(podman container checkpoint --export) into O(image_dir). For a
-        container the CUDA stage works on its host pids.
+        container the CUDA stage works on its host pids. V(docker) is a Docker container, checkpointed by
+        C(docker checkpoint create --checkpoint-dir) into O(image_dir) (dockerd needs experimental features).
       - With O(runtime=runc) and O(leave_stopped=true), the container is paused (cgroup freezer).
-      - V(podman) does not support O(leave_stopped=true), because Podman checkpoints only running containers.
+      - V(podman) and V(docker) do not support O(leave_stopped=true), because they checkpoint only running containers.
     type: str
-    choices: [process, runc, podman]
+    choices: [process, runc, podman, docker]
     default: process
   container:
-    description: The container's id or name. Required with O(runtime=runc) or O(runtime=podman).
+    description: The container's id or name. Required with a container O(runtime).
     type: str
   image_dir:
     description: Directory to write the image to. Created with mode 0700; must be new or empty.
@@ -156,7 +157,7 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import
 def main():
     spec = dict(
         pid=dict(type="int"),
-        runtime=dict(type="str", choices=["process", "runc", "podman"], default="process"),
+        runtime=dict(type="str", choices=["process", "runc", "podman", "docker"], default="process"),
         container=dict(type="str"),
         image_dir=dict(type="path", required=True),
         leave_running=dict(type="bool", default=False),
@@ -172,7 +173,7 @@ def main():
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
                            mutually_exclusive=[("leave_running", "leave_stopped"), ("pid", "container")],
                            required_if=[("runtime", "process", ["pid"]), ("runtime", "runc", ["container"]),
-                                        ("runtime", "podman", ["container"])])
+                                        ("runtime", "podman", ["container"]), ("runtime", "docker", ["container"])])
     p = module.params
     if p["lock_timeout"] <= 0:
         module.fail_json(msg="lock_timeout must be positive, got %s" % p["lock_timeout"])

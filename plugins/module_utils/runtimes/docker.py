@@ -1,0 +1,213 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""A Docker container (dockerd with experimental features on, as checkpoints need), checkpointed by
+``docker checkpoint create --checkpoint-dir <image dir>`` (Docker drives runc, which drives CRIU).
+
+Docker restores only from a container's own checkpoint folder ("custom checkpointdir is not
+supported"), so the restore copies the image's checkpoint there (hard links when it can) and runs
+``docker start --checkpoint``. On a host that does not have the container (a migration's target),
+it is first created again, under the same name, from the Config and HostConfig that
+``docker inspect`` gave at checkpoint time, through the Engine API's /containers/create.
+
+As with the other containers, the CUDA stage stays the engine's, on the container's host pids.
+Docker, like Podman, checkpoints only a running container, so leave_stopped is refused.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+
+from .. import discovery
+from ..criu import Criu
+from ..errors import CommandError, GpuCkptError, InvalidTarget
+from ..run import find_binary, run
+from .base import Backend, map_by_ns_pid, ns_pid
+
+CHECKPOINT = "gpuckpt"
+
+
+def _api(sock_path, method, path, body=None, timeout=60):
+    """One HTTP/1.0 request to the Docker Engine API over its unix socket; (status, parsed JSON)."""
+    data = json.dumps(body).encode() if body is not None else b""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    try:
+        s.connect(sock_path)
+        head = "%s %s HTTP/1.0\r\nHost: docker\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
+            method, path, len(data))
+        s.sendall(head.encode() + data)
+        chunks = []
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    finally:
+        s.close()
+    raw = b"".join(chunks)
+    header, _sep, payload = raw.partition(b"\r\n\r\n")
+    status = int(header.split()[1])
+    try:
+        return status, json.loads(payload.decode("utf-8", "replace") or "null")
+    except ValueError:
+        return status, payload.decode("utf-8", "replace")
+
+
+class DockerBackend(Backend):
+    name = "docker"
+    can_hold_stopped = False
+
+    def __init__(self, docker_path=None, docker_host=None, criu_path=None, criu_options=(), timeout=None):
+        self.docker_path, self.docker_host = docker_path, docker_host
+        self.criu = Criu(criu_path)
+        self.extra = list(criu_options or ())
+        self.timeout = timeout
+        self.container = None
+
+    def _cmd(self, *args):
+        cmd = [find_binary("docker", self.docker_path, what="install docker, or pass docker_path")]
+        if self.docker_host:
+            cmd += ["--host", self.docker_host]
+        return cmd + list(args)
+
+    def _socket(self):
+        host = self.docker_host or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
+        if not host.startswith("unix://"):
+            raise InvalidTarget("docker_host %s: only a local unix socket is supported" % host, stage="preflight")
+        return host[len("unix://"):]
+
+    def inspect(self, container, required=True):
+        res = run(self._cmd("container", "inspect", container), stage="preflight", check=False)
+        if res.rc != 0 or not res.stdout.strip().startswith("["):
+            if not required:
+                return None
+            raise InvalidTarget("no docker container %r: %s" % (container, (res.stderr or res.stdout).strip()[:300]),
+                                stage="preflight", hint="check the name (docker ps) and docker_host")
+        return json.loads(res.stdout)[0]
+
+    def preflight(self, full=True):
+        version = self.criu.require_version()
+        res = run(self._cmd("version", "--format", "{{.Server.Version}} {{.Server.Experimental}}"),
+                  stage="preflight", hint="is dockerd running, and is docker_host right?")
+        server, experimental = (res.stdout.split() + ["", ""])[:2]
+        if experimental != "true":
+            raise InvalidTarget("dockerd %s runs without experimental features, which `docker checkpoint` needs"
+                                % server, stage="preflight",
+                                hint='set "experimental": true in daemon.json and restart dockerd')
+        facts = {"criu_version": version, "criu_path": self.criu.path, "docker_version": server}
+        if full:
+            ok, out = self.criu.check()
+            if not ok:
+                raise GpuCkptError("`criu check` failed on this host: the kernel lacks what CRIU needs",
+                                   stage="preflight", cmd=[self.criu.path, "check"], stdout=out)
+        return facts
+
+    def resolve(self, target):
+        info = self.inspect(str(target))
+        state = info.get("State") or {}
+        if not state.get("Running") or state.get("Paused"):
+            raise InvalidTarget("docker container %s is %s, not running; nothing was frozen"
+                                % (target, state.get("Status")), stage="preflight")
+        self.container = info["Name"].lstrip("/")
+        self._info = info
+        pid = int(state["Pid"])
+        tree = discovery.process_tree(pid)
+        self._ns = {str(p): ns_pid(p) for p in tree}
+        return pid, tree
+
+    def dump(self, target, image_dir, work_dir, after):
+        if after == "stopped":
+            raise InvalidTarget("docker cannot hold a container stopped after its checkpoint", stage="preflight")
+        if self.extra:
+            raise InvalidTarget("criu options cannot be passed through docker checkpoint", stage="preflight")
+        args = ["checkpoint", "create", "--checkpoint-dir", image_dir]
+        if after == "running":
+            args.append("--leave-running")
+        args += [self.container, CHECKPOINT]
+        res = run(self._cmd(*args), stage="runtime-dump", timeout=self.timeout, check=False)
+        if res.rc != 0:
+            shutil.rmtree(os.path.join(image_dir, CHECKPOINT), ignore_errors=True)
+            raise CommandError("docker checkpoint create exited with rc=%d" % res.rc, stage="runtime-dump",
+                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:], stderr=res.stderr[-4000:])
+        info = self._info
+        return {"backend": self.name, "container": self.container, "container_id": info["Id"],
+                "root_pid": int(target), "ns_pids": self._ns, "checkpoint": CHECKPOINT,
+                "create": {"Config": info.get("Config"), "HostConfig": info.get("HostConfig")},
+                "criu_seconds": round(res.seconds, 6)}
+
+    def _create(self, manifest):
+        spec = dict((manifest.get("runtime") or {}).get("create", {}).get("Config") or {})
+        spec["HostConfig"] = (manifest.get("runtime") or {}).get("create", {}).get("HostConfig") or {}
+        status, body = _api(self._socket(), "POST", "/containers/create?name=%s" % self.container, spec)
+        if status != 201:
+            raise CommandError("creating container %s from its saved configuration failed (HTTP %d): %s"
+                               % (self.container, status, body), stage="runtime-restore",
+                               hint="the container's image must be on this host")
+        return body["Id"]
+
+    def restore(self, image_dir, work_dir, manifest):
+        self.bind(manifest)
+        info = self.inspect(self.container, required=False)
+        rt = manifest.get("runtime") or {}
+        if info and (info.get("State") or {}).get("Running"):
+            raise InvalidTarget("a docker container %s already runs on this host; refusing to start a second copy"
+                                % self.container, stage="preflight")
+        if info and info["Id"] != rt.get("container_id"):
+            raise InvalidTarget("a different docker container named %s exists on this host" % self.container,
+                                stage="preflight", hint="remove or rename it, or restore elsewhere")
+        created = False
+        if not info:
+            cid = self._create(manifest)
+            created = True
+        else:
+            cid = info["Id"]
+        root = run(self._cmd("info", "--format", "{{.DockerRootDir}}"), stage="runtime-restore").stdout.strip()
+        dest = os.path.join(root, "containers", cid, "checkpoints", CHECKPOINT)
+        shutil.rmtree(dest, ignore_errors=True)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        try:
+            shutil.copytree(os.path.join(image_dir, rt.get("checkpoint", CHECKPOINT)), dest, copy_function=_link_or_copy)
+            res = run(self._cmd("start", "--checkpoint", CHECKPOINT, cid), stage="runtime-restore",
+                      timeout=self.timeout, check=False)
+        finally:
+            shutil.rmtree(dest, ignore_errors=True)
+        if res.rc != 0:
+            if created:
+                run(self._cmd("rm", "--force", cid), stage="cleanup", check=False)
+            raise CommandError("docker start --checkpoint exited with rc=%d" % res.rc, stage="runtime-restore",
+                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:], stderr=res.stderr[-4000:])
+        info = self.inspect(cid)
+        return discovery.process_tree(int(info["State"]["Pid"]))
+
+    def map_pids(self, manifest, new_pids):
+        return map_by_ns_pid(manifest, new_pids)
+
+    def bind(self, manifest):
+        self.container = (manifest.get("runtime") or {}).get("container") or self.container
+
+    def is_held(self, pids):
+        return False
+
+    def resume(self, pids):
+        pass
+
+    def kill(self, pids):
+        if self.container:
+            run(self._cmd("rm", "--force", self.container), stage="cleanup", check=False)
+            return
+        for p in pids:
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def _link_or_copy(src, dst):
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
