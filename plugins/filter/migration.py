@@ -41,6 +41,10 @@ options:
     description: Source and target share one pid space, so the workload's own pids are expected in use on the target.
     type: bool
     default: false
+  container:
+    description: The workload is a container, which keeps its pids in its own pid namespace, so no pid check applies.
+    type: bool
+    default: false
 """
 
 
@@ -53,7 +57,7 @@ def _row(check, src, tgt, ok):
 
 
 def migration_preflight(src, tgt, source_path, target_path, allow_driver_mismatch=False, check_gpus=True,
-                        same_pid_space=False, margin=1.10):
+                        same_pid_space=False, margin=1.10, container=False):
     rows = []
     tree = src.get("tree") or {}
     rows.append(_row("workload pid %s on source" % tree.get("root"), "%d process(es)" % len(tree.get("pids") or []),
@@ -91,7 +95,9 @@ def migration_preflight(src, tgt, source_path, target_path, allow_driver_mismatc
     rows.append(_row("free disk for the image (~%s)" % _gib(need), _gib(sfree), _gib(tfree),
                      sfree is not None and tfree is not None and sfree >= need and tfree >= need))
     taken = tgt.get("pids_in_use") or []
-    if same_pid_space:
+    if container:
+        rows.append(_row("workload pids free on target", "in its own pid namespace", "not needed", True))
+    elif same_pid_space:
         # One pid space (one kernel seen as two hosts): the pids in use are the workload's own, and the
         # checkpoint frees them. Anything else holding them would be a real conflict.
         others = [p for p in taken if p not in (tree.get("pids") or [])]

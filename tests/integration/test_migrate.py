@@ -41,11 +41,24 @@ def hosts(tmp_path_factory):
                            "gpuckpt_runc_bundle": os.path.join(base, name, "bundle"),
                            # The same Podman paths on both hosts, as on two machines (Podman's export records
                            # them): each host binds its own storage there in its mount namespace.
-                           "gpuckpt_podman_root": PODMAN_ROOT, "gpuckpt_podman_runroot": PODMAN_RUNROOT}
+                           "gpuckpt_podman_root": PODMAN_ROOT, "gpuckpt_podman_runroot": PODMAN_RUNROOT,
+                           # a dockerd per host (started by the Docker tests), under a short path
+                           "gpuckpt_docker_dir": "/tmp/gpk-%s-%d" % (name, os.getpid()),
+                           "gpuckpt_docker_host": "unix:///tmp/gpk-%s-%d/docker.sock" % (name, os.getpid())}
     h = LoopbackHosts(base).start(host_vars)
     h.host_vars = host_vars
     yield h
+    for name in host_vars:  # the Docker tests' dockerd, if they started one (its pid file is in the host's pid space)
+        d = host_vars[name]["gpuckpt_docker_dir"]
+        if os.path.exists(os.path.join(d, "docker.pid")):
+            h.ssh(name, "/usr/bin/docker --host unix://{d}/docker.sock ps -aq | xargs -r /usr/bin/docker --host "
+                        "unix://{d}/docker.sock rm -f; kill $(cat {d}/docker.pid)".format(d=d), check=False)
+    time.sleep(2)
     h.stop()
+    for name in host_vars:
+        subprocess.run(["umount", "-R", os.path.join(host_vars[name]["gpuckpt_docker_dir"], "exec")], check=False,
+                       stderr=subprocess.DEVNULL)
+        subprocess.run(["rm", "-rf", host_vars[name]["gpuckpt_docker_dir"]], check=False)
 
 
 def processes(workdir):
@@ -497,6 +510,107 @@ def test_podman_restore_failing_on_target_restores_the_source_from_its_image(pla
         assert "rolled back; the workload runs on hosta" in run.stdout
         assert "already exists on this host" in run.stdout
         assert w.status("hosta") == "running"
+        assert w.status("hostb") == "created", "hostb's own container of that name must be left alone"
+        assert w.is_counting()
+        for r in w.roles:
+            assert w.read(r)["digest"] == w.digest0(r)
+    finally:
+        w.cleanup()
+
+
+class RemoteDockerWorkload(CountingWorkload):
+    """A Docker container on hosta. Each loopback host runs its own dockerd (own data root, exec
+    root, socket and containerd namespace) inside its namespaces; the image is loaded into both
+    with the same id."""
+
+    roles = ("parent", "child1")
+
+    def __init__(self, hosts, workdir):
+        import uuid
+        self.hosts, self.dir = hosts, workdir
+        self.name = "gpuckpt-dm-" + uuid.uuid4().hex[:8]
+        os.makedirs(workdir, exist_ok=True)
+        for host in ("hosta", "hostb"):
+            self.start_dockerd(host)
+        if self.docker("hosta", ["image", "inspect", SKELETON_IMAGE], check=False).returncode != 0:
+            self.docker("hosta", ["import", skeleton_tar(hosts.path("skel.tar")), SKELETON_IMAGE])
+        if self.docker("hostb", ["image", "inspect", SKELETON_IMAGE], check=False).returncode != 0:
+            self.docker("hosta", ["save", "--output", hosts.path("skel-docker.tar"), SKELETON_IMAGE])
+            self.docker("hostb", ["load", "--input", hosts.path("skel-docker.tar")])
+        args = ["run", "--detach", "--name", self.name, "--network", "none"]
+        for src, opt in (("/usr", "ro"), ("/etc", "ro"), (REPO, "ro"), (workdir, "rw"), (hosts.path(), "rw")):
+            args += ["--volume", "%s:%s:%s" % (src, src, opt)]
+        args += ["--env", "GPUCKPT_LIBCUDA=%s" % FAKE_LIBCUDA,
+                 "--env", "FAKECUDA_STATE_DIR=%s" % hosts.path("hosta", "fakecuda")]
+        self.docker("hosta", args + [SKELETON_IMAGE, "/usr/bin/python3", COUNTER, "--dir", workdir, "--mb", "8",
+                                     "--fakecuda", FAKE_LIBCUDA])
+        self.wait_counting()
+
+    def start_dockerd(self, host):
+        d = self.hosts.host_vars[host]["gpuckpt_docker_dir"]
+        if self.docker(host, ["version"], check=False).returncode == 0:
+            return
+        cfg = {"experimental": True, "bridge": "none", "iptables": False, "ip6tables": False,
+               "data-root": d + "/data", "exec-root": d + "/exec", "pidfile": d + "/docker.pid",
+               "hosts": [self.hosts.host_vars[host]["gpuckpt_docker_host"]],
+               "containerd-namespace": "gpuckpt-" + host, "containerd-plugins-namespace": "gpuckpt-p-" + host}
+        os.makedirs(d, exist_ok=True)
+        with open(os.path.join(d, "daemon.json"), "w") as fh:
+            json.dump(cfg, fh)
+        self.hosts.ssh(host, "setsid dockerd --config-file %s/daemon.json > %s/dockerd.log 2>&1 < /dev/null &" % (d, d))
+        deadline = time.monotonic() + 60
+        while self.docker(host, ["version"], check=False).returncode != 0:
+            assert time.monotonic() < deadline, open(os.path.join(d, "dockerd.log")).read()[-3000:]
+            time.sleep(0.3)
+
+    def docker(self, host, args, check=True):
+        import shlex
+        cmd = ["/usr/bin/docker", "--host", self.hosts.host_vars[host]["gpuckpt_docker_host"]] + list(args)
+        return self.hosts.ssh(host, " ".join(shlex.quote(a) for a in cmd), check=check)
+
+    def state(self, host):
+        res = self.docker(host, ["container", "inspect", self.name], check=False)
+        return json.loads(res.stdout)[0]["State"]["Status"] if res.returncode == 0 else None
+
+    def cleanup(self):
+        for host in ("hosta", "hostb"):
+            self.docker(host, ["rm", "--force", self.name], check=False)
+
+
+def test_docker_container_migrates_and_counts_on(playbook, hosts, tmp_path):
+    """A Docker container moves from hosta to hostb, where it is created again from its saved
+    configuration and restored. Docker cannot hold it stopped: hosta's copy exits after its checkpoint
+    and its image is the way back. A re-run changes nothing."""
+    w = RemoteDockerWorkload(hosts, str(tmp_path / "dw"))
+    try:
+        before = w.counts()
+        v = {"source": "hosta", "target": "hostb", "container": w.name, "runtime": "docker", "migration_id": "t-dk"}
+        run = playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
+        assert run.rc == 0, run.stdout
+        assert len(run.task("Stage 1/3")["cuda_pids"]) == 2
+        assert w.state("hostb") == "running" and w.state("hosta") == "exited"
+        after = w.wait_counting(beyond=before)
+        for r in w.roles:
+            assert after[r] > before[r] and w.read(r)["digest"] == w.digest0(r)
+        again = playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
+        assert again.rc == 0 and changed_tasks(again) == [], changed_tasks(again)
+    finally:
+        w.cleanup()
+
+
+def test_docker_restore_refused_on_target_restores_the_source_from_its_image(playbook, hosts, tmp_path):
+    """hostb already has another container of that name: the restore is refused there and that
+    container is left alone; the source is restored from its own image. One copy runs, on hosta."""
+    w = RemoteDockerWorkload(hosts, str(tmp_path / "dw"))
+    try:
+        w.docker("hostb", ["create", "--name", w.name, SKELETON_IMAGE, "/usr/bin/true"])
+        v = {"source": "hosta", "target": "hostb", "container": w.name, "runtime": "docker",
+             "migration_id": "t-dk-fail"}
+        run = playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
+        assert run.rc != 0
+        assert "rolled back; the workload runs on hosta" in run.stdout
+        assert "a different docker container named" in run.stdout
+        assert w.state("hosta") == "running" and w.state("hostb") == "created"
         assert w.is_counting()
         for r in w.roles:
             assert w.read(r)["digest"] == w.digest0(r)

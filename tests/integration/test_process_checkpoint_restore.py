@@ -180,8 +180,10 @@ def _cuda_child(fakecuda, action, path, env=None):
     calling the double's blocking sync (so a lock would freeze it). Returns it once it is up."""
     code = ("import ctypes,mmap,sys,time; l=ctypes.CDLL(sys.argv[1]); l.fakeCudaAttach(); %s; "
             "print('up', flush=True); [time.sleep(0.05) or l.fakeCudaSync() for unused in range(6000)]" % action)
+    # Its own session (CRIU dumps a session only with its leader) and none of pytest's stdio: a CI
+    # runner's stdio can be files it holds locks on, which CRIU refuses to dump (seen in CI).
     child = subprocess.Popen([sys.executable, "-c", code, fakecuda.lib, str(path)], stdout=subprocess.PIPE,
-                             start_new_session=True,  # CRIU needs the session leader in the dump
+                             stdin=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
                              env=dict(os.environ, **dict(fakecuda.env, **(env or {}))))
     assert child.stdout.readline().strip() == b"up"
     return child
