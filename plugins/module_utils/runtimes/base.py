@@ -8,6 +8,12 @@ which host pids make up the workload, how to write RAM+CPU state to an image dir
 """
 from __future__ import annotations
 
+import os
+import signal
+
+from ..criu import Criu
+from ..errors import GpuCkptError
+
 
 def _state(pid):
     try:
@@ -33,7 +39,6 @@ def ns_pid(pid):
 def map_by_ns_pid(manifest, new_pids):
     """Host pids of a restored container's CUDA processes, matched by their pid inside the container
     (recorded at dump as runtime.ns_pids): the container keeps those, its host pids change."""
-    from ..errors import GpuCkptError
     old_ns = (manifest.get("runtime") or {}).get("ns_pids") or {}
     by_ns = {ns_pid(p): p for p in new_pids}
     out = []
@@ -87,3 +92,64 @@ class Backend(object):
     def kill(self, pids):
         """Stop what a failed restore brought up, so the target is left clean."""
         raise NotImplementedError
+
+
+def criu_preflight(criu, full=True):
+    """CRIU 4.x present, and (``full``) `criu check` passing; returns the CRIU facts for the manifest."""
+    version = criu.require_version()
+    if full:
+        ok, out = criu.check()
+        if not ok:
+            raise GpuCkptError("`criu check` failed on this host: the kernel lacks what CRIU needs",
+                               stage="preflight", cmd=[criu.path, "check"], stdout=out,
+                               hint="see CRIU's output; run the gpuckpt.fleet.criu role's checks")
+    return {"criu_version": version, "criu_path": criu.path}
+
+
+class ContainerBackend(Backend):
+    """What the container backends share: the CRIU checks, the container's name (from the manifest
+    when restoring or rolling back), CUDA pids matched by their pid inside the container, and
+    removing the container to kill it. By default a container cannot be held stopped."""
+
+    can_hold_stopped = False
+
+    def __init__(self, criu_path=None, criu_options=(), timeout=None):
+        self.criu = Criu(criu_path)
+        self.extra = list(criu_options or ())
+        self.timeout = timeout
+        self.container = None
+
+    def runtime_facts(self):
+        """The runtime's own version facts (and checks), merged into preflight()'s."""
+        raise NotImplementedError
+
+    def remove(self):
+        """Remove self.container (forcefully)."""
+        raise NotImplementedError
+
+    def preflight(self, full=True):
+        facts = criu_preflight(self.criu, full)
+        facts.update(self.runtime_facts())
+        return facts
+
+    def bind(self, manifest):
+        self.container = (manifest.get("runtime") or {}).get("container") or self.container
+
+    def map_pids(self, manifest, new_pids):
+        return map_by_ns_pid(manifest, new_pids)
+
+    def is_held(self, pids):
+        return False
+
+    def resume(self, pids):
+        pass
+
+    def kill(self, pids):
+        if self.container:
+            self.remove()
+            return
+        for p in pids:  # the container's name is unknown here: end its processes
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass

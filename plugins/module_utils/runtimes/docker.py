@@ -18,14 +18,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 
 from .. import discovery
-from ..criu import Criu
-from ..errors import CommandError, GpuCkptError, InvalidTarget
+from ..errors import CommandError, InvalidTarget
 from ..run import find_binary, run
-from .base import Backend, map_by_ns_pid, ns_pid
+from .base import ContainerBackend, ns_pid
 
 CHECKPOINT = "gpuckpt"
 
@@ -57,16 +55,12 @@ def _api(sock_path, method, path, body=None, timeout=60):
         return status, payload.decode("utf-8", "replace")
 
 
-class DockerBackend(Backend):
+class DockerBackend(ContainerBackend):
     name = "docker"
-    can_hold_stopped = False
 
     def __init__(self, docker_path=None, docker_host=None, criu_path=None, criu_options=(), timeout=None):
+        super(DockerBackend, self).__init__(criu_path, criu_options, timeout)
         self.docker_path, self.docker_host = docker_path, docker_host
-        self.criu = Criu(criu_path)
-        self.extra = list(criu_options or ())
-        self.timeout = timeout
-        self.container = None
 
     def _cmd(self, *args):
         cmd = [find_binary("docker", self.docker_path, what="install docker, or pass docker_path")]
@@ -89,8 +83,7 @@ class DockerBackend(Backend):
                                 stage="preflight", hint="check the name (docker ps) and docker_host")
         return json.loads(res.stdout)[0]
 
-    def preflight(self, full=True):
-        version = self.criu.require_version()
+    def runtime_facts(self):
         res = run(self._cmd("version", "--format", "{{.Server.Version}} {{.Server.Experimental}}"),
                   stage="preflight", hint="is dockerd running, and is docker_host right?")
         server, experimental = (res.stdout.split() + ["", ""])[:2]
@@ -98,13 +91,7 @@ class DockerBackend(Backend):
             raise InvalidTarget("dockerd %s runs without experimental features, which `docker checkpoint` needs"
                                 % server, stage="preflight",
                                 hint='set "experimental": true in daemon.json and restart dockerd')
-        facts = {"criu_version": version, "criu_path": self.criu.path, "docker_version": server}
-        if full:
-            ok, out = self.criu.check()
-            if not ok:
-                raise GpuCkptError("`criu check` failed on this host: the kernel lacks what CRIU needs",
-                                   stage="preflight", cmd=[self.criu.path, "check"], stdout=out)
-        return facts
+        return {"docker_version": server}
 
     def resolve(self, target):
         info = self.inspect(str(target))
@@ -183,27 +170,8 @@ class DockerBackend(Backend):
         info = self.inspect(cid)
         return discovery.process_tree(int(info["State"]["Pid"]))
 
-    def map_pids(self, manifest, new_pids):
-        return map_by_ns_pid(manifest, new_pids)
-
-    def bind(self, manifest):
-        self.container = (manifest.get("runtime") or {}).get("container") or self.container
-
-    def is_held(self, pids):
-        return False
-
-    def resume(self, pids):
-        pass
-
-    def kill(self, pids):
-        if self.container:
-            run(self._cmd("rm", "--force", self.container), stage="cleanup", check=False)
-            return
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
+    def remove(self):
+        run(self._cmd("rm", "--force", self.container), stage="cleanup", check=False)
 
 
 def _link_or_copy(src, dst):

@@ -19,13 +19,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
 
 from .. import discovery
-from ..criu import Criu
-from ..errors import CommandError, GpuCkptError, InvalidTarget
+from ..errors import CommandError, InvalidTarget
 from ..run import find_binary, run
-from .base import Backend, map_by_ns_pid, ns_pid
+from .base import ContainerBackend, ns_pid
 
 EXPORT = "container.tar"
 
@@ -41,16 +39,12 @@ def _with_criu_log(stderr):
     return stderr or ""
 
 
-class PodmanBackend(Backend):
+class PodmanBackend(ContainerBackend):
     name = "podman"
-    can_hold_stopped = False
 
     def __init__(self, podman_path=None, root=None, runroot=None, criu_path=None, criu_options=(), timeout=None):
+        super(PodmanBackend, self).__init__(criu_path, criu_options, timeout)
         self.podman_path, self.root, self.runroot = podman_path, root, runroot
-        self.criu = Criu(criu_path)
-        self.extra = list(criu_options or ())
-        self.timeout = timeout
-        self.container = None
 
     def _cmd(self, *args):
         cmd = [find_binary("podman", self.podman_path, what="install podman, or pass podman_path")]
@@ -79,17 +73,9 @@ class PodmanBackend(Backend):
                                     "--tcp-established, --file-locks)" % opt, stage="preflight")
         return out
 
-    def preflight(self, full=True):
-        version = self.criu.require_version()
+    def runtime_facts(self):
         res = run(self._cmd("--version"), stage="preflight")
-        facts = {"criu_version": version, "criu_path": self.criu.path,
-                 "podman_version": res.stdout.split()[-1] if res.stdout else None}
-        if full:
-            ok, out = self.criu.check()
-            if not ok:
-                raise GpuCkptError("`criu check` failed on this host: the kernel lacks what CRIU needs",
-                                   stage="preflight", cmd=[self.criu.path, "check"], stdout=out)
-        return facts
+        return {"podman_version": res.stdout.split()[-1] if res.stdout else None}
 
     def resolve(self, target):
         info = self.inspect(str(target))
@@ -144,27 +130,10 @@ class PodmanBackend(Backend):
         info = self.inspect(self.container)
         return discovery.process_tree(int(info["State"]["Pid"]))
 
-    def map_pids(self, manifest, new_pids):
-        return map_by_ns_pid(manifest, new_pids)
-
     def bind(self, manifest):
-        rt = manifest.get("runtime") or {}
-        self.container = rt.get("container") or self.container
+        super(PodmanBackend, self).bind(manifest)
         if self.root is None:
-            self.root = rt.get("podman_root")
+            self.root = (manifest.get("runtime") or {}).get("podman_root")
 
-    def is_held(self, pids):
-        return False
-
-    def resume(self, pids):
-        pass
-
-    def kill(self, pids):
-        if self.container:
-            run(self._cmd("container", "rm", "--force", self.container), stage="cleanup", check=False)
-            return
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
+    def remove(self):
+        run(self._cmd("container", "rm", "--force", self.container), stage="cleanup", check=False)

@@ -9,8 +9,8 @@ import signal
 
 from .. import discovery
 from ..criu import Criu
-from ..errors import GpuCkptError, InvalidTarget
-from .base import Backend
+from ..errors import InvalidTarget
+from .base import Backend, criu_preflight
 
 
 class ProcessBackend(Backend):
@@ -22,15 +22,7 @@ class ProcessBackend(Backend):
         self.timeout = timeout
 
     def preflight(self, full=True):
-        version = self.criu.require_version()
-        if not full:
-            return {"criu_version": version, "criu_path": self.criu.path}
-        ok, out = self.criu.check()
-        if not ok:
-            raise GpuCkptError("`criu check` failed on this host: the kernel lacks what CRIU needs",
-                               stage="preflight", cmd=[self.criu.path, "check"], stdout=out,
-                               hint="see CRIU's output; run the gpuckpt.fleet.criu role's checks")
-        return {"criu_version": version, "criu_path": self.criu.path}
+        return criu_preflight(self.criu, full)
 
     def resolve(self, target):
         st = discovery.validate_target(int(target))

@@ -17,27 +17,23 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 
 from .. import discovery
-from ..criu import Criu
-from ..errors import CommandError, GpuCkptError, InvalidTarget
+from ..errors import CommandError, InvalidTarget
 from ..run import find_binary, run
-from .base import Backend, map_by_ns_pid, ns_pid
+from .base import ContainerBackend, ns_pid
 
 
-class RuncBackend(Backend):
+class RuncBackend(ContainerBackend):
     name = "runc"
+    can_hold_stopped = True  # paused (cgroup freezer)
 
     def __init__(self, runc_path=None, root=None, bundle=None, criu_path=None, criu_options=(), timeout=None):
+        super(RuncBackend, self).__init__(criu_path, criu_options, timeout)
         self.runc_path = runc_path
         self.root = root
         self.bundle = bundle
-        self.criu = Criu(criu_path)
-        self.extra = list(criu_options or ())
-        self.timeout = timeout
-        self.container = None
 
     # -- helpers -------------------------------------------------------------------------------
     def _runc(self):
@@ -72,17 +68,9 @@ class RuncBackend(Backend):
         return out
 
     # -- Backend ---------------------------------------------------------------------------------
-    def preflight(self, full=True):
-        version = self.criu.require_version()
+    def runtime_facts(self):
         res = run(self._cmd("--version"), stage="preflight")
-        facts = {"criu_version": version, "criu_path": self.criu.path,
-                 "runc_version": res.stdout.splitlines()[0].split()[-1] if res.stdout else None}
-        if full:
-            ok, out = self.criu.check()
-            if not ok:
-                raise GpuCkptError("`criu check` failed on this host: the kernel lacks what CRIU needs",
-                                   stage="preflight", cmd=[self.criu.path, "check"], stdout=out)
-        return facts
+        return {"runc_version": res.stdout.splitlines()[0].split()[-1] if res.stdout else None}
 
     def resolve(self, target):
         self.container = str(target)
@@ -155,14 +143,10 @@ class RuncBackend(Backend):
         st = self.state(self.container)
         return discovery.process_tree(int(st["pid"]))
 
-    def map_pids(self, manifest, new_pids):
-        return map_by_ns_pid(manifest, new_pids)
-
     def bind(self, manifest):
-        rt = manifest.get("runtime") or {}
-        self.container = rt.get("container") or self.container
+        super(RuncBackend, self).bind(manifest)
         if self.root is None:
-            self.root = rt.get("runc_root")
+            self.root = (manifest.get("runtime") or {}).get("runc_root")
 
     def is_held(self, pids):
         st = self.state(self.container, required=False) if self.container else None
@@ -172,15 +156,5 @@ class RuncBackend(Backend):
         if self.container:
             run(self._cmd("resume", self.container), stage="resume-source", check=False)
 
-    def release(self, pids):
-        self.kill(pids)
-
-    def kill(self, pids):
-        if self.container:
-            run(self._cmd("delete", "--force", self.container), stage="cleanup", check=False)
-            return
-        for p in pids:  # the container's id is unknown here: end its processes
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
+    def remove(self):
+        run(self._cmd("delete", "--force", self.container), stage="cleanup", check=False)
