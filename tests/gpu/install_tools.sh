@@ -9,7 +9,13 @@ if [ -d "$repo/.carry/ssh" ]; then
     command -v "$b" >/dev/null 2>&1 || ln -sf "/opt/gpuckpt-ssh/bin/$b" "/usr/local/bin/$b"
   done
 fi
+if [ -x "$repo/.carry/runc/runc" ] && ! command -v runc >/dev/null 2>&1; then
+  install -m 0755 "$repo/.carry/runc/runc" /usr/local/sbin/runc
+  if ! ldconfig -p | grep -q 'libseccomp.so.2 '; then
+    cp "$repo"/.carry/runc/libseccomp.so.2* /usr/local/lib/ && ldconfig
+  fi
+fi
 id sshd >/dev/null 2>&1 || useradd -r -M -d /run/sshd -s /usr/sbin/nologin sshd 2>/dev/null || \
   echo 'sshd:x:995:65534::/run/sshd:/usr/sbin/nologin' >> /etc/passwd
 mkdir -p /run/sshd && chmod 0755 /run/sshd
-for b in criu sshd ssh rsync; do printf '%s=%s ' "$b" "$(command -v $b)"; done; echo
+for b in criu sshd ssh rsync runc; do printf '%s=%s ' "$b" "$(command -v $b)"; done; echo

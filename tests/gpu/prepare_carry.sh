@@ -41,4 +41,13 @@ SH
   chmod +x .carry/ssh/bin/"$(basename "$b")"
 done
 du -sh .carry/ssh
+
+# runc for the GPU container test (tests/gpu/test_gpu_runc.py): bookworm's runc 1.1.5 and the
+# libseccomp it links. runc re-executes itself as the container's init with a clean environment, so
+# the library goes where the loader looks (install_tools.sh), not behind LD_LIBRARY_PATH.
+rm -rf .carry/runc && mkdir -p .carry/runc
+if command -v runc >/dev/null 2>&1; then
+  cp "$(command -v runc)" .carry/runc/runc
+  cp -L "$(ldd "$(command -v runc)" | awk '$1 ~ /^libseccomp/ {print $3}')" .carry/runc/
+fi
 du -sh .carry .whl

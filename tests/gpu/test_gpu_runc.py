@@ -1,0 +1,128 @@
+"""On a real GPU: a PyTorch workload inside a runc container, moved by migrate.yml between the two
+loopback "hosts" of the GPU machine (sshd on 127.0.0.2 and 127.0.0.3, each with its own runc state
+and bundle). The container is paused on hosta, its CUDA processes are checkpointed by their host
+pids, and on hostb its restored processes (new host pids) are found again and restored onto the GPU.
+Its GPU memory is checked by checksum after the move, and a re-run changes nothing.
+
+runc is carried to the GPU machine (tests/gpu/prepare_carry.sh, bookworm's runc 1.1.5)."""
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import stat
+import time
+import uuid
+
+import pytest
+
+from gpu_helpers import REPO, WORKLOAD_PYTHON, TorchWorkload
+from helpers import write_runc_bundle
+
+import sys
+sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
+from loopback import LoopbackHosts  # noqa: E402
+
+GIB = float(os.environ.get("GPUCKPT_GPU_GIB", "4"))
+PASS_ENV = {k: os.environ[k] for k in ("LD_LIBRARY_PATH", "PATH") if k in os.environ}
+pytestmark = pytest.mark.skipif(shutil.which("runc") is None,
+                                reason="runc is not here (tests/gpu/install_tools.sh puts the carried one in place)")
+
+
+def gpu_bundle(bundle, args, workdir, cgroup):
+    """A runc bundle for a CUDA process: the host's /usr, /etc and /opt read-only, /dev/nvidia* as
+    devices (what CDI writes), no rlimits (these VMs refuse setrlimit above their own)."""
+    write_runc_bundle(bundle, args, env=["%s=%s" % kv for kv in PASS_ENV.items()], rw=[workdir], cgroup=cgroup)
+    path = os.path.join(bundle, "config.json")
+    with open(path) as fh:
+        cfg = json.load(fh)
+    cfg["process"].pop("rlimits", None)
+    if os.path.isdir("/opt"):
+        os.makedirs(os.path.join(bundle, "rootfs", "opt"), exist_ok=True)
+        cfg["mounts"].append({"destination": "/opt", "type": "bind", "source": "/opt", "options": ["rbind", "ro"]})
+    devices, allow = [], []
+    for dev in sorted(glob.glob("/dev/nvidia*")):
+        st = os.stat(dev)
+        if not stat.S_ISCHR(st.st_mode):
+            continue
+        major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        devices.append({"path": dev, "type": "c", "major": major, "minor": minor, "fileMode": 0o666, "uid": 0, "gid": 0})
+        allow.append({"allow": True, "type": "c", "major": major, "minor": minor, "access": "rwm"})
+    assert devices, "no /dev/nvidia* device nodes on this machine"
+    cfg["linux"]["devices"] = cfg["linux"].get("devices", []) + devices
+    cfg["linux"].setdefault("resources", {}).setdefault("devices", []).extend(allow)
+    with open(path, "w") as fh:
+        json.dump(cfg, fh)
+
+
+class RuncTorch(TorchWorkload):
+    """torch_counter.py as the init of a runc container on a loopback host; stdio through a relay
+    (CRIU cannot dump host files as a container's stdio)."""
+
+    def __init__(self, hosts, directory, gib):
+        self.hosts, self.dir, self.gib = hosts, directory, gib
+        self.id = "gpuckpt-g-" + uuid.uuid4().hex[:8]
+        self.roles = ["parent"]
+        os.makedirs(directory, exist_ok=True)
+        args = [WORKLOAD_PYTHON, os.path.join(REPO, "tests", "workloads", "torch_counter.py"), "--dir", directory,
+                "--gib", str(gib)]
+        for name in ("hosta", "hostb"):
+            gpu_bundle(hosts.path(name, "bundle"), args, directory, "/gpuckpt-gpu-%s-%s" % (name, self.id))
+        self.runc("hosta", "run --detach --bundle %s %s" % (hosts.path("hosta", "bundle"), self.id), relay=True)
+        deadline = time.monotonic() + 300
+        while not os.path.exists(os.path.join(directory, "parent.state")):
+            assert time.monotonic() < deadline, open(os.path.join(directory, "container.log")).read()[-3000:]
+            time.sleep(0.2)
+        self.wait_counting()
+        self.pids = []
+
+    def runc(self, host, args, relay=False, check=True):
+        cmd = "runc --root %s %s" % (self.hosts.path(host, "runc-root"), args)
+        if relay:
+            cmd = "setsid sh -c '%s 2>&1 | cat >> %s/container.log' </dev/null >/dev/null 2>&1 &" % (cmd, self.dir)
+        return self.hosts.ssh(host, cmd, check=check)
+
+    def state(self, host):
+        res = self.runc(host, "state %s" % self.id, check=False)
+        return json.loads(res.stdout) if res.returncode == 0 else None
+
+    def kill(self):
+        for host in ("hosta", "hostb"):
+            self.runc(host, "delete --force %s" % self.id, check=False)
+
+
+@pytest.fixture
+def runc_hosts(tmp_path):
+    base = str(tmp_path / "hosts")
+    hv = {n: {"gpuckpt_environment": dict(PASS_ENV),
+              "gpuckpt_runc_root": os.path.join(base, n, "runc-root"),
+              "gpuckpt_runc_bundle": os.path.join(base, n, "bundle")} for n in ("hosta", "hostb")}
+    h = LoopbackHosts(base, pid_namespaces=False, python=WORKLOAD_PYTHON).start(hv)
+    yield h
+    h.stop()
+    time.sleep(1)
+
+
+def test_runc_gpu_container_migrates_with_its_gpu_memory(playbook, runc_hosts, tmp_path, record):
+    w = RuncTorch(runc_hosts, str(tmp_path / "w"), GIB)
+    try:
+        before = w.counts()
+        v = {"source": "hosta", "target": "hostb", "container": w.id, "runtime": "runc", "migration_id": "gpu-runc"}
+        run = playbook("gpuckpt.fleet.migrate", v, inventory=runc_hosts.path("inventory.yml"))
+        record("gpu_runc_migrate_attempt", rc=run.rc, tail=run.stdout[-3000:] if run.rc else "")
+        assert run.rc == 0, run.stdout
+        ck, sy, rs = run.task("Stage 1/3"), run.task("Stage 2/3"), run.task("Restore on hostb")
+        assert ck["leave_stopped"] is True and len(ck["cuda_pids"]) == 1
+        assert w.state("hostb")["status"] == "running" and w.state("hosta") is None
+        w.wait_counting(beyond=before)
+        assert w.verified_after(w.counts())
+        record("gpu_runc_migrate", gib=GIB, image_bytes=ck["image_bytes"], checkpoint=ck["timings"],
+               transfer_seconds=sy["seconds"], transfer_streams=sy.get("streams"), restore=rs["timings"],
+               downtime=rs["resumed_at"] - ck["frozen_at"], summary=run.task("Summary")["msg"])
+        again = playbook("gpuckpt.fleet.migrate", v, inventory=runc_hosts.path("inventory.yml"))
+        assert again.rc == 0
+        assert [t for t in again.results if t.get("changed")] == [], "a re-run must change nothing"
+        assert w.state("hostb")["status"] == "running"
+    finally:
+        w.kill()
