@@ -25,6 +25,7 @@ from . import discovery, image
 from . import driver as cuda
 from .errors import DriverUnavailable, GpuCkptError, InvalidTarget, TransactionError
 from .progress import StageProgress
+from .runtimes.base import network_lock_problem
 from .runtimes.process import ProcessBackend
 
 COLLECTION_VERSION = "0.1.0"
@@ -236,6 +237,11 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
                             % backend.name, stage="preflight",
                             hint="checkpoint it without leave_stopped; its image is the way back")
     runtime_facts = backend.preflight()
+    net_problem = network_lock_problem(root, getattr(backend, "extra", ()))
+    if net_problem:
+        raise InvalidTarget(net_problem + "; nothing was frozen", stage="preflight", pid=root,
+                            hint="install iptables (the gpuckpt.fleet.criu role does), or run the workload "
+                                 "on the host's network")
     if os.path.isdir(image_dir) and os.listdir(image_dir):
         image.prepare_dir(image_dir)  # raises the not-empty error, touching nothing
     drv, driver_problem = cuda.load(libcuda_path)

@@ -32,12 +32,15 @@ pytestmark = pytest.mark.skipif(shutil.which("runc") is None,
 
 def gpu_bundle(bundle, args, workdir, cgroup):
     """A runc bundle for a CUDA process: the host's /usr, /etc and /opt read-only, /dev/nvidia* as
-    devices (what CDI writes), no rlimits (these VMs refuse setrlimit above their own)."""
+    devices (what CDI writes), no rlimits (these VMs refuse setrlimit above their own), and the host's
+    network (as GPU jobs often run): CRIU locks a container network of its own with iptables-restore,
+    which the GPU machine lacks (the engine refuses that case in preflight, tests/integration/test_runc.py)."""
     write_runc_bundle(bundle, args, env=["%s=%s" % kv for kv in PASS_ENV.items()], rw=[workdir], cgroup=cgroup)
     path = os.path.join(bundle, "config.json")
     with open(path) as fh:
         cfg = json.load(fh)
     cfg["process"].pop("rlimits", None)
+    cfg["linux"]["namespaces"] = [n for n in cfg["linux"]["namespaces"] if n["type"] != "network"]
     if os.path.isdir("/opt"):
         os.makedirs(os.path.join(bundle, "rootfs", "opt"), exist_ok=True)
         cfg["mounts"].append({"destination": "/opt", "type": "bind", "source": "/opt", "options": ["rbind", "ro"]})

@@ -160,3 +160,25 @@ def test_a_failed_container_dump_leaves_it_running_and_unlocked(tmp_path, playbo
         assert len(states) == 2 and set(states.values()) == {"running"}, (states, res)
     finally:
         subprocess.run(["umount", str(small)], check=False)
+
+
+def test_a_container_network_that_criu_cannot_lock_is_refused_before_anything_is_frozen(
+        tmp_path, playbook, runc_workload, fakecuda):
+    """The container has a network namespace of its own (runc's default spec), which CRIU locks with
+    iptables-restore during the dump. On a host without iptables-restore (here: a PATH without
+    /usr/sbin, where bookworm installs it) the dump would fail after the CUDA stage; the engine
+    refuses in preflight instead: nothing is locked, nothing is written, the container counts on."""
+    w = runc_workload()
+    image_dir = str(tmp_path / "img")
+    path = "/usr/local/sbin:/usr/local/bin:/usr/bin:/bin"
+    assert shutil.which("iptables-restore", path=path) is None
+    run = playbook(CHECKPOINT, {"gpuckpt_container": w.id, "gpuckpt_runc_root": w.root, "gpuckpt_runc_path": RUNC,
+                                "gpuckpt_image_dir": image_dir}, env=dict(fakecuda.env, PATH=path))
+    assert run.rc != 0
+    res = run.task("Checkpoint container")
+    assert res["stage"] == "preflight", res
+    assert "network namespace of its own" in res["msg"] and "iptables-restore" in res["msg"]
+    assert "nothing was frozen" in res["msg"] and "install iptables" in res["msg"]
+    assert not os.path.exists(image_dir)
+    assert [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")] == []
+    assert w.state()["status"] == "running" and w.is_counting()

@@ -106,6 +106,36 @@ def criu_preflight(criu, full=True):
     return {"criu_version": version, "criu_path": criu.path}
 
 
+def _netns(pid):
+    try:
+        return os.stat("/proc/%s/ns/net" % pid).st_ino
+    except OSError:
+        return None
+
+
+def network_lock_problem(root_pid, criu_options=(), which=None):
+    """Why CRIU could not lock the network of the workload, or None.
+
+    A workload in a network namespace of its own (any container not on the host's network) has its
+    network locked by CRIU during the dump, by default with iptables-restore (CRIU's --network-lock).
+    Without that tool the dump fails only after the GPU stage has run; found here, nothing is frozen."""
+    import shutil
+    own, theirs = _netns("self"), _netns(root_pid)
+    if own is None or theirs is None or own == theirs:
+        return None
+    opts = list(criu_options or ())
+    method = "iptables"
+    for i, opt in enumerate(opts):
+        if opt == "--network-lock" and i + 1 < len(opts):
+            method = opts[i + 1]
+        elif opt.startswith("--network-lock="):
+            method = opt.split("=", 1)[1]
+    if method != "iptables" or (which or shutil.which)("iptables-restore"):
+        return None
+    return ("pid %s has a network namespace of its own, which CRIU locks during the dump with "
+            "iptables-restore, and iptables-restore is not installed on this host" % root_pid)
+
+
 class ContainerBackend(Backend):
     """What the container backends share: the CRIU checks, the container's name (from the manifest
     when restoring or rolling back), CUDA pids matched by their pid inside the container, and
