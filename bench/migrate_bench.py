@@ -97,7 +97,7 @@ def plain_chain(hosts, args, base, fast_cipher=False, tag="chain"):
     return total, size, steps
 
 
-def ours(hosts, args, base, streams, tag="ours"):
+def ours(hosts, args, base, streams, tag="ours", during_dump=True):
     wdir = os.path.join(base, tag + "-w")
     pid = start(hosts, args, wdir)
     rec = os.path.join(base, tag + ".jsonl")
@@ -108,7 +108,7 @@ def ours(hosts, args, base, streams, tag="ours"):
                ANSIBLE_CALLBACKS_ENABLED="record_results")
     subprocess.run([PLAYBOOK, "gpuckpt.fleet.migrate", "-i", hosts.path("inventory.yml"), "-e",
                     json.dumps({"source": "hosta", "target": "hostb", "pid": pid, "migration_id": "bench-" + tag,
-                                "gpuckpt_transfer_streams": streams})],
+                                "gpuckpt_transfer_streams": streams, "gpuckpt_transfer_during_dump": during_dump})],
                    check=True, env=env, stdout=open(os.path.join(base, tag + ".log"), "w"))
     res = {}
     for line in open(rec):
@@ -158,6 +158,8 @@ def main():
     ap.add_argument("--streams", type=int, default=4, help="gpuckpt_transfer_streams for our migration")
     ap.add_argument("--also-fast-chain", action="store_true",
                     help="also time the plain chain with rsync's ssh on AES-GCM (a tuned chain)")
+    ap.add_argument("--also-after-dump", action="store_true",
+                    help="also time our migration with the transfer after the dump (no push during it)")
     ap.add_argument("--also-single-stream", action="store_true",
                     help="also time our migration with one stream (rsync only), to show what the streams bring")
     args = ap.parse_args()
@@ -174,6 +176,12 @@ def main():
             single, _s, _st, _r = ours(hosts, args, base, 1, tag="single")
             time.sleep(1)
             subprocess.run("pkill -9 -f -- '[-]-dir %s/single-w'" % base, shell=True, check=False)
+            time.sleep(2)
+        after_dump = None
+        if args.also_after_dump:
+            after_dump, _s, _st, _r = ours(hosts, args, base, args.streams, tag="after", during_dump=False)
+            time.sleep(1)
+            subprocess.run("pkill -9 -f -- '[-]-dir %s/after-w'" % base, shell=True, check=False)
             time.sleep(2)
         chain, chain_size, chain_steps = plain_chain(hosts, args, base)
         time.sleep(1)
@@ -192,12 +200,13 @@ def main():
                ("cpu 2x%d MiB" % args.mb), "image_bytes": size, "downtime_s": down, "floor_s": floor,
                "stage1_s": stage1, "disk_GBps": disk / 1e9, "link_GBps": link / 1e9,
                "link_1_stream_GBps": link1 / 1e9, "link_%d_streams_GBps" % args.streams: link_n / 1e9,
-               "streams": args.streams, "ours_single_stream_s": single, "plain_chain_s": chain,
+               "streams": args.streams, "ours_single_stream_s": single, "ours_after_dump_s": after_dump, "plain_chain_s": chain,
                "plain_chain_bytes": chain_size, "plain_chain_steps": chain_steps,
                "fast_chain_s": fast_chain, "fast_chain_steps": fast_chain_steps if fast_chain else None,
                "fast_chain_over_ours": fast_chain / down if fast_chain else None,
                "ours_over_floor": down / floor, "chain_over_ours": chain / down,
-               "ours_stages": {"checkpoint": res["ck"]["timings"], "transfer_s": res["sync"]["seconds"],
+               "ours_stages": {"checkpoint": res["ck"]["timings"], "push": res["ck"].get("push"),
+                               "transfer_s": res["sync"].get("seconds"),
                                "transfer_streams": res["sync"].get("streams"),
                                "restore": res["rs"]["timings"]},
                "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}

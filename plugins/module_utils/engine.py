@@ -36,7 +36,7 @@ def _now():
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-CHECKPOINT_STAGES = ("cuda_lock", "cuda_checkpoint", "runtime_dump", "checksum", "manifest")
+CHECKPOINT_STAGES = ("cuda_lock", "cuda_checkpoint", "runtime_dump", "checksum", "manifest", "push")
 RESTORE_STAGES = ("wait_pids_free", "verify", "preflight", "runtime_restore", "cuda_restore", "cuda_unlock",
                   "validate")
 
@@ -199,24 +199,36 @@ def _each(pids, fn, parallel):
 
 def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=None, libcuda_path=None,
                check_mode=False, sign_key=None, leave_stopped=False, journal=None, parallel=True,
-               progress_file=None):
+               progress_file=None, pusher=None):
     """Checkpoint the process tree of ``pid`` into ``image_dir``. Returns a result dict.
 
     Afterwards the tree exits (default), runs on (``leave_running``), or stays stopped with its GPU
-    memory in host RAM (``leave_stopped``: a migration's source, released or resumed later)."""
+    memory in host RAM (``leave_stopped``: a migration's source, released or resumed later).
+    ``pusher`` (a transfer.Pusher) sends the image to another host while it is written; its report
+    is the result's ``push``. A failed push never fails the checkpoint."""
     if leave_running and leave_stopped:
         raise InvalidTarget("leave_running and leave_stopped exclude each other", stage="preflight")
     progress = StageProgress(progress_file, CHECKPOINT_STAGES, os.path.abspath(image_dir))
     try:
         with _NoHangup():
             return _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_path, check_mode,
-                               sign_key, leave_stopped, journal or _NullJournal(), parallel, progress)
+                               sign_key, leave_stopped, journal or _NullJournal(), parallel, progress, pusher)
     finally:
         progress.close()
 
 
+def _start_push(pusher):
+    """Open the push's streams before anything is frozen; a push that cannot start is reported, not raised."""
+    if pusher is None:
+        return None, None
+    try:
+        return pusher.start(), None
+    except (OSError, GpuCkptError) as exc:
+        return None, {"pushed": False, "error": "the push could not start: %s" % exc}
+
+
 def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_path, check_mode, sign_key,
-                leave_stopped, journal, parallel, progress=None):
+                leave_stopped, journal, parallel, progress=None, pusher=None):
     image_dir = os.path.abspath(image_dir)
     backend = backend or ProcessBackend()
     after = "running" if leave_running else "stopped" if leave_stopped else "exit"
@@ -275,6 +287,7 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
     created = image.prepare_dir(image_dir)
     work = image.state_dir(image_dir)
     identities = _identities(pids)
+    pusher, push_report = _start_push(pusher)
     journal.write("freezing", pids=pids, cuda_pids=cuda_pids, identities=identities, image_dir=image_dir,
                   after=after, frozen_at=time.time())
     clock = _Clock(progress)
@@ -294,9 +307,15 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
             checkpointed.extend(getattr(exc, "done", []))
             raise
         clock.stop("cuda_checkpoint")
+        if pusher:
+            pusher.watch(image_dir)  # sends the page files' completed pieces while the dump writes them
         runtime_info = backend.dump(root, image_dir, work, after)
         clock.stop("runtime_dump")
+        if pusher:
+            pusher.complete(image_dir)  # the rest goes while the checksums are taken
     except Exception as exc:  # noqa: BLE001 - any failure after the first lock rolls back
+        if pusher:
+            pusher.abort()
         ok, problems = _rollback(drv, checkpointed, locked) if drv else (True, [])
         image.discard(image_dir, created)
         journal.write("rolled_back" if ok else "rollback_failed", error=str(exc))
@@ -340,6 +359,8 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
         image.write_manifest(image_dir, manifest, sign_key)
         clock.stop("manifest")
     except Exception as exc:  # noqa: BLE001
+        if pusher:
+            pusher.abort()
         # When the tree exited, the workload now lives only in this image: bring it back.
         if after == "stopped":
             resume_stopped({"target": {"pids": pids, "cuda_pids": cuda_pids, "identities": identities}},
@@ -361,6 +382,11 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
                                rolled_back=True)
     journal.write("checkpointed", manifest_id=manifest["id"], image_bytes=manifest["sizes"]["image_bytes"],
                   timings=dict(clock.stages))
+    if pusher:
+        push_report = pusher.finish(image_dir)
+        clock.stop("push")
+    if push_report is not None:
+        result["push"] = push_report
     result.update(changed=True, manifest_id=manifest["id"], timings=dict(clock.stages), frozen_at=frozen_at,
                   driver_call_seconds=manifest["driver_call_seconds"], image_bytes=manifest["sizes"]["image_bytes"],
                   msg="checkpointed %d process(es) (%d on the GPU) into %s%s"

@@ -17,6 +17,7 @@ restored, are what prove the copy; ssh's MAC protects each stream in transit.
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -282,3 +283,258 @@ def _push(src, dest_host, dest, user, port, ssh_args, rsync_path, repair, bwlimi
                     cmd.insert(cmd.index("--partial") + 1, "--append-verify")
     last.msg = "transfer to %s:%s failed after %d attempts: %s" % (dest_host, dest, attempts, last.msg)
     raise last
+
+
+# The receiving end of a push: run on the target as ``python3 -c RECEIVER <dest>`` at the end of each
+# ssh stream. It reads framed operations from stdin: a JSON header line, then for "data" that many
+# bytes, written in place (pwrite) into the file under dest. A stream that ends without its "end"
+# mark exits non-zero, so a cut stream is never taken for a finished one.
+RECEIVER = r'''
+import json, os, sys
+dest = sys.argv[1]
+inp = sys.stdin.buffer
+fds = {}
+def path(rel):
+    if rel.startswith("/") or ".." in rel.split("/"):
+        sys.exit("refusing path %r" % rel)
+    return os.path.join(dest, rel)
+def fd(rel):
+    if rel not in fds:
+        p = path(rel)
+        os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
+        fds[rel] = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
+    return fds[rel]
+while True:
+    line = inp.readline()
+    if not line:
+        sys.exit("the stream ended before its end mark")
+    m = json.loads(line)
+    if m["op"] == "data":
+        f, off, n = fd(m["path"]), m["off"], m["len"]
+        while n:
+            b = inp.read(min(n, 4 << 20))
+            if not b:
+                sys.exit("the stream was cut in %s at byte %d" % (m["path"], off))
+            os.pwrite(f, b, off)
+            off += len(b)
+            n -= len(b)
+    elif m["op"] == "fix":
+        for rel, size, mtime_ns in m["files"]:
+            os.truncate(path(rel), size)
+            os.utime(path(rel), ns=(mtime_ns, mtime_ns))
+    elif m["op"] == "rename":
+        os.rename(path(m["src"]), path(m["dst"]))
+    elif m["op"] == "end":
+        break
+for f in fds.values():
+    os.close(f)
+'''
+
+GROWING = re.compile(r"^pages-\d+\.img$")  # CRIU appends page data to these while it dumps
+PUSH_PIECE = 64 * 2**20
+
+
+class Pusher(object):
+    """Send an image to another host WHILE it is being written, over ``streams`` persistent ssh streams.
+
+    start() opens the streams before anything is frozen (their handshakes cost no downtime).
+    watch(image_dir) then sends each completed 64 MiB piece of the page files (``pages-*.img``,
+    which CRIU only appends to) during the dump; finish(image_dir) sends everything else once the
+    image is complete (the rest of the page files and every other file), gives each file its exact
+    size and mtime, and writes the manifest last (as a rename), so the target holds a complete image
+    or none. The manifest's checksums, taken from the finished files on the source and verified on
+    the target before any restore, catch any difference. Any failure leaves the image on the source
+    intact and is reported, not raised: a later gpu_image_sync sends what is missing."""
+
+    def __init__(self, dest_host, dest, user="root", port=22, ssh_args=(), streams=0, python="python3",
+                 io_timeout=120, piece=PUSH_PIECE, manifest="manifest.json", exclude_dir=".gpuckpt"):
+        self.target = "%s@%s" % (user, dest_host)
+        self.dest_host, self.dest = dest_host, dest
+        self.ssh = ssh_command(ssh_args, port, io_timeout)
+        self.streams = streams if streams and streams > 0 else auto_streams()
+        self.python, self.io_timeout, self.piece = python, io_timeout, piece
+        self.manifest, self.exclude_dir = manifest, exclude_dir
+        self.procs, self.threads, self.errors = [], [], []
+        self.queue = None
+        self.sent_upto = {}  # rel -> bytes queued from the start of the file
+        self.bytes_sent = 0
+        self.bytes_before_complete = 0
+        self._final = None
+        self._lock = threading.Lock()
+        self._watching = None
+        self._stop_watch = threading.Event()
+        self.started = None
+
+    def _cmd(self):
+        return self.ssh + [self.target, "exec %s -c %s %s" % (shlex.quote(self.python), shlex.quote(RECEIVER),
+                                                               shlex.quote(self.dest))]
+
+    def start(self):
+        import queue
+        import tempfile
+        self.queue = queue.Queue()
+        self.started = time.monotonic()
+        for i in range(self.streams):
+            err = tempfile.TemporaryFile()
+            proc = subprocess.Popen(self._cmd(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
+            proc.err_file = err
+            self.procs.append(proc)
+            t = threading.Thread(target=self._sender, args=(proc,), name="gpuckpt-push-%d" % i)
+            t.daemon = True
+            t.start()
+            self.threads.append(t)
+        return self
+
+    def _send(self, proc, header, src=None, off=0, length=0):
+        out = proc.stdin.fileno()
+        data = (json.dumps(header) + "\n").encode()
+        while data:
+            data = data[os.write(out, data):]
+        if src is None:
+            return
+        with open(src, "rb") as fh:
+            done = 0
+            while done < length:
+                n = os.sendfile(out, fh.fileno(), off + done, min(8 * 2**20, length - done))
+                if n <= 0:
+                    raise OSError("%s is shorter than expected at byte %d" % (src, off + done))
+                done += n
+
+    def _sender(self, proc):
+        while True:
+            item = self.queue.get()
+            try:
+                if item is None:
+                    return
+                if self.errors:
+                    continue  # a stream failed: the push is lost anyway, drain the queue
+                root, rel, off, length = item
+                self._send(proc, {"op": "data", "path": rel, "off": off, "len": length},
+                           os.path.join(root, rel), off, length)
+                with self._lock:
+                    self.bytes_sent += length
+            except (OSError, ValueError) as exc:
+                self.errors.append("stream to %s failed: %s" % (self.target, exc))
+            finally:
+                self.queue.task_done()
+
+    def _files(self, image_dir):
+        out = {}
+        for root, dirs, names in os.walk(image_dir):
+            if os.path.relpath(root, image_dir) == ".":
+                dirs[:] = [d for d in dirs if d != self.exclude_dir]
+            for n in names:
+                rel = os.path.normpath(os.path.relpath(os.path.join(root, n), image_dir))
+                if rel != self.manifest and not rel.startswith(self.manifest + "."):
+                    out[rel] = os.stat(os.path.join(root, n))
+        return out
+
+    def _queue_ranges(self, image_dir, rel, upto, during):
+        start = self.sent_upto.get(rel, 0)
+        while start < upto:
+            n = min(self.piece, upto - start)
+            if during and n < self.piece:
+                break  # only whole pieces while the file still grows
+            self.queue.put((image_dir, rel, start, n))
+            start += n
+        self.sent_upto[rel] = start
+
+    def watch(self, image_dir):
+        """Send the completed pieces of the growing page files until finish() or abort()."""
+        def loop():
+            while not self._stop_watch.wait(0.02):
+                try:
+                    for rel, st in self._files(image_dir).items():
+                        if GROWING.match(os.path.basename(rel)):
+                            self._queue_ranges(image_dir, rel, st.st_size - st.st_size % self.piece, True)
+                except OSError:
+                    pass  # a file went away (a failed dump is being discarded)
+        self._watching = threading.Thread(target=loop, name="gpuckpt-push-watch")
+        self._watching.daemon = True
+        self._watching.start()
+
+    def _stop_watching(self):
+        self._stop_watch.set()
+        if self._watching is not None:
+            self._watching.join()
+
+    def _wait(self, proc):
+        try:
+            proc.stdin.close()
+        except OSError:
+            pass
+        try:
+            rc = proc.wait(timeout=self.io_timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        if rc != 0:
+            proc.err_file.seek(0)
+            err = proc.err_file.read().decode("utf-8", "replace").strip()
+            self.errors.append("stream to %s ended with rc=%s: %s" % (self.target, rc, err[-2000:]))
+
+    def complete(self, image_dir):
+        """The image's files are final (the dump ended): queue all that is not sent yet, largest
+        first, while the engine hashes them and writes the manifest."""
+        if self._final is not None:
+            return
+        self._stop_watching()
+        self.bytes_before_complete = self.bytes_sent
+        try:
+            self._final = self._files(image_dir)
+            for rel, st in sorted(self._final.items(), key=lambda kv: -kv[1].st_size):
+                self._queue_ranges(image_dir, rel, st.st_size, False)
+        except OSError as exc:  # never fail the checkpoint for its push
+            self._final = {}
+            self.errors.append("push to %s failed: %s" % (self.target, exc))
+
+    def finish(self, image_dir):
+        """Send the rest of the complete image, then its manifest. Returns the push's report."""
+        report = {"pushed": False, "dest_host": self.dest_host, "dest": self.dest, "streams": self.streams}
+        try:
+            self.complete(image_dir)
+            files = self._final
+            for _p in self.procs:
+                self.queue.put(None)
+            self.queue.join()
+            for t in self.threads:
+                t.join()
+            first, rest = self.procs[0], self.procs[1:]
+            for proc in rest:  # every other stream has written all it carried
+                if not self.errors:
+                    self._send(proc, {"op": "end"})
+                self._wait(proc)
+            if not self.errors:
+                mpath = os.path.join(image_dir, self.manifest)
+                mst = os.stat(mpath)
+                part = self.manifest + ".part"
+                self._send(first, {"op": "data", "path": part, "off": 0, "len": mst.st_size}, mpath, 0, mst.st_size)
+                fix = [[rel, st.st_size, st.st_mtime_ns] for rel, st in sorted(files.items())]
+                fix.append([part, mst.st_size, mst.st_mtime_ns])
+                self._send(first, {"op": "fix", "files": fix})
+                self._send(first, {"op": "rename", "src": part, "dst": self.manifest})
+                self._send(first, {"op": "end"})
+                self.bytes_sent += mst.st_size
+            self._wait(first)
+        except (OSError, ValueError) as exc:
+            self.errors.append("push to %s failed: %s" % (self.target, exc))
+            self.abort()
+        report.update(pushed=not self.errors, bytes=self.bytes_sent,
+                      bytes_sent_during_dump=self.bytes_before_complete,
+                      seconds=round(time.monotonic() - self.started, 3))
+        if self.errors:
+            report["error"] = self.errors[0]
+            if any("No space left on device" in e for e in self.errors):
+                report["error"] = "the target's disk is full (%s)" % self.errors[0]
+        return report
+
+    def abort(self):
+        """Stop at once (the checkpoint failed): kill the streams; the receivers exit without a manifest."""
+        self._stop_watching()
+        for proc in self.procs:
+            if proc.poll() is None:
+                proc.kill()
+        for proc in self.procs:
+            proc.wait()
+            if self.queue is not None:
+                self.queue.put(None)  # let its sender thread end

@@ -67,6 +67,51 @@ options:
     description: Seconds to wait for in-flight CUDA work to finish when locking each process.
     type: float
     default: 30
+  push:
+    description:
+      - Send the image to another host while it is being written, over parallel persistent ssh streams
+        (the host's own ssh; the target needs Python 3). The page files go piece by piece during the
+        dump, everything else right after it, the manifest last, so the target holds a complete image
+        or none. C(gpuckpt.fleet.migrate) uses this to overlap the dump and the transfer.
+      - A failed push does not fail the checkpoint. The result's C(push.pushed) is false with C(push.error),
+        and M(gpuckpt.fleet.gpu_image_sync) sends what is missing.
+      - The target's copy is checked against the manifest's checksums by M(gpuckpt.fleet.gpu_restore) before
+        anything is restored.
+    type: dict
+    suboptions:
+      host:
+        description: The target's address for ssh.
+        type: str
+        required: true
+      dest:
+        description: The image directory on the target (created, mode 0700).
+        type: path
+        required: true
+      user:
+        description: The ssh user on the target.
+        type: str
+        default: root
+      port:
+        description: The ssh port of the target.
+        type: int
+        default: 22
+      ssh_args:
+        description: Extra ssh arguments (they come first, so they win).
+        type: list
+        elements: str
+        default: []
+      streams:
+        description: Parallel ssh streams; V(0) picks a quarter of this host's cores, from 1 to 8.
+        type: int
+        default: 0
+      python:
+        description: The Python 3 interpreter on the target that writes the received data.
+        type: str
+        default: python3
+      io_timeout:
+        description: Seconds without progress after which a stream is given up.
+        type: int
+        default: 120
 extends_documentation_fragment:
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
@@ -145,11 +190,18 @@ rolled_back:
   description: On failure after the first lock, whether the workload was brought back to running.
   returned: failure
   type: bool
+push:
+  description:
+    - With O(push), its report. C(pushed) is true when the whole image and its manifest are on the target.
+      C(bytes), C(bytes_sent_during_dump), C(seconds) (from the streams' start), C(streams), and C(error)
+      when it failed.
+  returned: when O(push) was given and the checkpoint was made
+  type: dict
 """
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
     MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, TOOL_ARGS, journal_for, make_backend, run_engine)
 
@@ -165,6 +217,16 @@ def main():
         lock_timeout=dict(type="float", default=30),
         sign_key=dict(type="str", no_log=True),
         parallel=dict(type="bool", default=True),
+        push=dict(type="dict", options=dict(
+            host=dict(type="str", required=True),
+            dest=dict(type="path", required=True),
+            user=dict(type="str", default="root"),
+            port=dict(type="int", default=22),
+            ssh_args=dict(type="list", elements="str", default=[]),
+            streams=dict(type="int", default=0),
+            python=dict(type="str", default="python3"),
+            io_timeout=dict(type="int", default=120),
+        )),
     )
     spec.update(TOOL_ARGS)
     spec.update(PROGRESS_ARGS)
@@ -177,12 +239,19 @@ def main():
     p = module.params
     if p["lock_timeout"] <= 0:
         module.fail_json(msg="lock_timeout must be positive, got %s" % p["lock_timeout"])
+    pusher = None
+    if p["push"]:
+        q = p["push"]
+        if q["streams"] < 0:
+            module.fail_json(msg="push.streams must be 0 (automatic) or more, got %s" % q["streams"])
+        pusher = transfer.Pusher(q["host"], q["dest"], user=q["user"], port=q["port"], ssh_args=q["ssh_args"],
+                                 streams=q["streams"], python=q["python"], io_timeout=q["io_timeout"])
     run_engine(module, lambda: engine.checkpoint(
         p["pid"] if p["runtime"] == "process" else p["container"], p["image_dir"],
         leave_running=p["leave_running"], lock_timeout=p["lock_timeout"], backend=make_backend(p["runtime"], p),
         libcuda_path=p["libcuda_path"], check_mode=module.check_mode, sign_key=p["sign_key"],
         leave_stopped=p["leave_stopped"], journal=journal_for(p, "source"), parallel=p["parallel"],
-        progress_file=p["progress_file"]))
+        progress_file=p["progress_file"], pusher=pusher))
 
 
 if __name__ == "__main__":

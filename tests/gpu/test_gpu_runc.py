@@ -40,10 +40,27 @@ def gpu_bundle(bundle, args, workdir, cgroup):
     with open(path) as fh:
         cfg = json.load(fh)
     cfg["process"].pop("rlimits", None)
-    cfg["linux"]["namespaces"] = [n for n in cfg["linux"]["namespaces"] if n["type"] != "network"]
+    # Each host mount under the bound trees is bound on its own (runc tells CRIU that its config's bind
+    # mounts are external): an rbind would carry submounts that CRIU cannot dump, like the GPU
+    # machine's /usr/local/nvidia (the driver's libraries on a filesystem CRIU does not support).
+    roots = ("/usr", "/etc", "/opt")
     if os.path.isdir("/opt"):
         os.makedirs(os.path.join(bundle, "rootfs", "opt"), exist_ok=True)
         cfg["mounts"].append({"destination": "/opt", "type": "bind", "source": "/opt", "options": ["rbind", "ro"]})
+    for m in cfg["mounts"]:
+        if m["destination"] in roots:
+            m["options"] = ["bind" if o == "rbind" else o for o in m["options"]]
+    subs = []
+    with open("/proc/self/mountinfo") as fh:
+        for line in fh:
+            point = line.split()[4].replace("\\040", " ")
+            if any(point.startswith(r + "/") for r in roots) and os.path.exists(point):
+                subs.append(point)
+    for point in sorted(set(subs), key=len):
+        if os.path.isdir(point):
+            os.makedirs(os.path.join(bundle, "rootfs", point.lstrip("/")), exist_ok=True)
+        cfg["mounts"].append({"destination": point, "type": "bind", "source": point, "options": ["bind", "ro"]})
+    cfg["linux"]["namespaces"] = [n for n in cfg["linux"]["namespaces"] if n["type"] != "network"]
     devices, allow = [], []
     for dev in sorted(glob.glob("/dev/nvidia*")):
         st = os.stat(dev)

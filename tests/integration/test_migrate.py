@@ -184,11 +184,12 @@ def test_transfer_cut_midway_is_resumed(playbook, hosts, remote_workload, tmp_pa
 
 
 def test_large_files_move_over_parallel_ssh_streams(playbook, hosts, remote_workload):
-    """The pages files go as byte ranges over 4 real ssh streams to the other sshd host; the rest
-    through rsync. (By default the streams take files of 256 MiB and more, as many streams as a quarter
-    of the cores; 1 MiB and 4 streams here.)"""
+    """With the transfer after the dump (gpu_image_sync): the pages files go as byte ranges over 4
+    real ssh streams to the other sshd host; the rest through rsync. (By default the streams take files
+    of 256 MiB and more, as many streams as a quarter of the cores; 1 MiB and 4 streams here.)"""
     w = remote_workload(mb=24)
-    run = migrate(playbook, hosts, w, "t-streams", gpuckpt_transfer_stream_min_bytes=2**20, gpuckpt_transfer_streams=4)
+    run = migrate(playbook, hosts, w, "t-streams", gpuckpt_transfer_stream_min_bytes=2**20, gpuckpt_transfer_streams=4,
+                  gpuckpt_transfer_during_dump=False)
     assert run.rc == 0, run.stdout
     sync = run.task("Stage 2/3")
     assert sync["streams"] == 4
@@ -233,13 +234,78 @@ fi
 exit $rc
 """ % {"m": marker})
     flip.chmod(0o755)
-    run = migrate(playbook, hosts, w, "t-flip", gpuckpt_rsync_path=str(flip))
+    run = migrate(playbook, hosts, w, "t-flip", gpuckpt_rsync_path=str(flip), gpuckpt_transfer_during_dump=False)
     assert marker.exists(), "the lossy link never changed a byte"
     assert run.rc == 0, run.stdout
     first = [r for r in run.results if r["_task"] == "Restore on hostb"][0]
     assert first["_status"] == "failed" and first["stage"] == "verify" and "pages-" in first["msg"]
     assert run.task("re-send only what differs")["changed"] is True
     assert run.task("after the repair")["changed"] is True
+    assert w.one_copy_runs_intact()
+
+
+def test_the_image_is_pushed_while_it_is_written(playbook, hosts, remote_workload):
+    """By default the checkpoint pushes the image to the target over persistent ssh streams while CRIU
+    writes it (here 2 streams, 64 MiB pieces of a 2x96 MiB workload's pages), so stage 2 has nothing
+    left to send and is skipped; the restore verifies every checksum of the pushed copy first."""
+    w = remote_workload(mb=96)
+    run = migrate(playbook, hosts, w, "t-push", gpuckpt_transfer_streams=2)
+    assert run.rc == 0, run.stdout
+    push = run.task("Stage 1/3")["push"]
+    assert push["pushed"] is True and push["streams"] == 2, push
+    assert push["bytes"] >= 2 * 96 * 2**20
+    assert run.task("Stage 2/3")["_status"] == "skipped"
+    assert run.task("Restore on hostb")["timings"]["verify"] > 0
+    assert "pushed over 2 ssh stream(s) while the image was written" in "\n".join(run.task("Summary")["msg"])
+    assert w.one_copy_runs_intact()
+
+
+def _python_wrapper(path, body):
+    """A TEST DOUBLE of the target's python3 for the push's receiver: ``body`` runs around the real one."""
+    path.write_text("#!/bin/sh\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_byte_changed_in_the_push_is_found_and_repaired(playbook, hosts, remote_workload, tmp_path):
+    """A lossy link during the push: once the pushed image is whole, one byte of its largest pages file
+    flips. The restore's verification finds it before anything starts, only that file's differing
+    blocks are sent again (rsync --checksum), and the restore goes on."""
+    w = remote_workload()
+    marker = tmp_path / "flipped"
+    lossy = _python_wrapper(tmp_path / "lossy-python", """/usr/bin/python3 "$@"; rc=$?
+for last; do :; done
+if [ $rc -eq 0 ] && [ ! -e %(m)s ] && [ -f "$last/manifest.json" ]; then
+  f=$(ls -S "$last"/pages-*.img | head -n1)
+  /usr/bin/python3 -c "import sys; f=open(sys.argv[1],'r+b'); f.seek(5000); b=f.read(1); f.seek(5000); f.write(bytes([b[0]^1]))" "$f"
+  touch %(m)s
+fi
+exit $rc
+""" % {"m": marker})
+    run = migrate(playbook, hosts, w, "t-push-flip", gpuckpt_transfer_python=lossy)
+    assert marker.exists(), "the lossy push never changed a byte"
+    assert run.rc == 0, run.stdout
+    assert run.task("Stage 1/3")["push"]["pushed"] is True
+    first = [r for r in run.results if r["_task"] == "Restore on hostb"][0]
+    assert first["_status"] == "failed" and first["stage"] == "verify" and "pages-" in first["msg"]
+    assert run.task("re-send only what differs")["changed"] is True
+    assert run.task("after the repair")["changed"] is True
+    assert w.one_copy_runs_intact()
+
+
+def test_a_push_cut_midway_falls_back_to_the_transfer_after_the_dump(playbook, hosts, remote_workload, tmp_path):
+    """Both push streams are cut after 3 MB (the receiver's input ends): the checkpoint still succeeds,
+    reports the push as failed, and stage 2 sends the image after the dump over rsync, replacing the
+    partial files; the restore verifies the result."""
+    w = remote_workload(mb=24)
+    cut = _python_wrapper(tmp_path / "cut-python", 'head -c 3000000 | /usr/bin/python3 "$@"\n')
+    run = migrate(playbook, hosts, w, "t-push-cut", gpuckpt_transfer_python=cut, gpuckpt_transfer_streams=2)
+    assert run.rc == 0, run.stdout
+    push = run.task("Stage 1/3")["push"]
+    assert push["pushed"] is False and "stream" in push["error"], push
+    sync = run.task("Stage 2/3")
+    assert sync["_status"] != "skipped" and sync["changed"] is True and sync["bytes_transferred"] > 0
+    assert "after the push during the dump failed" in "\n".join(run.task("Summary")["msg"])
     assert w.one_copy_runs_intact()
 
 
