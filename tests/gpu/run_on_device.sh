@@ -26,7 +26,7 @@ mkdir -p .build/collections/ansible_collections/gpuckpt && ln -sfn "$repo" .buil
 python3 tests/gpu/probe_driver.py 2>&1 | tee -a "$OUT/env.txt"
 rc=0
 if [ "${GPUCKPT_TESTS:-1}" = 1 ]; then
-  python3 -m pytest -p no:cacheprovider -v -s tests/gpu ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest.log" \
+  timeout "${GPUCKPT_TESTS_TIMEOUT:-1800}" python3 -m pytest -p no:cacheprovider -v -s tests/gpu ${1:+-k "$1"} 2>&1 | tee "$OUT/pytest.log" \
     | grep -E "PASSED|FAILED|ERROR|SKIPPED|RESULT|passed|failed|Error|assert"
   rc=${PIPESTATUS[0]}
 fi

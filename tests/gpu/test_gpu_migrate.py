@@ -94,8 +94,8 @@ def test_migrate_pytorch_process_between_hosts(playbook, gpu_hosts, tmp_path, re
         assert w.verified_after(w.counts())
         assert any(int(a[0]) == procs[0][0] for a in _apps()), "the moved process must hold GPU memory"
         record("gpu_migrate", pidns=gpu_hosts.pidns, gib=GIB, leave_stopped=ck["leave_stopped"],
-               image_bytes=ck["image_bytes"], checkpoint=ck["timings"], transfer_seconds=sy["seconds"],
-               transfer_bytes=sy["bytes_transferred"], restore=rs["timings"],
+               image_bytes=ck["image_bytes"], checkpoint=ck["timings"], push=ck.get("push"),
+               transfer_seconds=sy.get("seconds"), transfer_bytes=sy.get("bytes_transferred"), restore=rs["timings"],
                downtime=rs["resumed_at"] - ck["frozen_at"], summary=run.task("Summary")["msg"])
     finally:
         w.kill()

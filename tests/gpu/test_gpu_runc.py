@@ -90,9 +90,13 @@ class RuncTorch(TorchWorkload):
         for name in ("hosta", "hostb"):
             gpu_bundle(hosts.path(name, "bundle"), args, directory, "/gpuckpt-gpu-%s-%s" % (name, self.id))
         self.runc("hosta", "run --detach --bundle %s %s" % (hosts.path("hosta", "bundle"), self.id), relay=True)
-        deadline = time.monotonic() + 300
+        deadline = time.monotonic() + 90
         while not os.path.exists(os.path.join(directory, "parent.state")):
-            assert time.monotonic() < deadline, open(os.path.join(directory, "container.log")).read()[-3000:]
+            if time.monotonic() > deadline:
+                log = os.path.join(directory, "container.log")
+                raise AssertionError("the container never started counting; its log:\n%s\nrunc state: %s"
+                                     % (open(log).read()[-3000:] if os.path.exists(log) else "(none)",
+                                        self.runc("hosta", "state %s" % self.id, check=False).stdout))
             time.sleep(0.2)
         self.wait_counting()
         self.pids = []
@@ -138,7 +142,7 @@ def test_runc_gpu_container_migrates_with_its_gpu_memory(playbook, runc_hosts, t
         w.wait_counting(beyond=before)
         assert w.verified_after(w.counts())
         record("gpu_runc_migrate", gib=GIB, image_bytes=ck["image_bytes"], checkpoint=ck["timings"],
-               transfer_seconds=sy["seconds"], transfer_streams=sy.get("streams"), restore=rs["timings"],
+               push=ck.get("push"), transfer_seconds=sy.get("seconds"), restore=rs["timings"],
                downtime=rs["resumed_at"] - ck["frozen_at"], summary=run.task("Summary")["msg"])
         again = playbook("gpuckpt.fleet.migrate", v, inventory=runc_hosts.path("inventory.yml"))
         assert again.rc == 0
