@@ -19,6 +19,15 @@ options:
   libcuda_path:
     description: Path of libcuda.so.1 when the dynamic loader cannot find it.
     type: path
+  runtime_timeout:
+    description:
+      - Seconds that the runtime's own dump or restore (CRIU, or runc, Podman or Docker driving it) may take.
+        When it runs longer it is killed, with the CRIU it started. The step then fails like any other failure
+        of that stage. A checkpoint is rolled back. A restore leaves nothing running and keeps the image.
+      - V(0) sets no limit. C(gpuckpt.fleet.migrate) sets 1800 by default, so that a hung restore rolls the
+        migration back instead of holding the source forever.
+    type: float
+    default: 0
   sign_key:
     description:
       - Key of the manifest's signature (HMAC-SHA256).

@@ -10,6 +10,7 @@ TOOL_ARGS = dict(
     criu_path=dict(type="path"),
     criu_options=dict(type="list", elements="str", default=[]),
     libcuda_path=dict(type="path"),
+    runtime_timeout=dict(type="float", default=0),
 )
 
 RUNTIME_ARGS = dict(
@@ -24,22 +25,27 @@ RUNTIME_ARGS = dict(
 RUNTIMES = ["process", "runc", "podman", "docker"]
 
 
+def _timeout(params):
+    """runtime_timeout: seconds, or None (0, the default) for no limit."""
+    return params.get("runtime_timeout") or None
+
+
 def make_backend(name, params, bundle=None):
     """The runtime backend ``name`` built from a module's parameters."""
     if name == "docker":
         from .runtimes.docker import DockerBackend
         return DockerBackend(params.get("docker_path"), params.get("docker_host"), params.get("criu_path"),
-                             params.get("criu_options"))
+                             params.get("criu_options"), timeout=_timeout(params))
     if name == "podman":
         from .runtimes.podman import PodmanBackend
         return PodmanBackend(params.get("podman_path"), params.get("podman_root"), params.get("podman_runroot"),
-                             params.get("criu_path"), params.get("criu_options"))
+                             params.get("criu_path"), params.get("criu_options"), timeout=_timeout(params))
     if name == "runc":
         from .runtimes.runc import RuncBackend
         return RuncBackend(params.get("runc_path"), params.get("runc_root"), bundle, params.get("criu_path"),
-                           params.get("criu_options"))
+                           params.get("criu_options"), timeout=_timeout(params))
     from .runtimes.process import ProcessBackend
-    return ProcessBackend(params.get("criu_path"), params.get("criu_options"))
+    return ProcessBackend(params.get("criu_path"), params.get("criu_options"), timeout=_timeout(params))
 
 
 def backend_of_image(image_dir):

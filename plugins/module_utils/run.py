@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import shutil
 import subprocess
 import time
@@ -47,6 +48,18 @@ def _tail(text, limit=4000):
     return text if len(text) <= limit else "...(cut)...\n" + text[-limit:]
 
 
+def _kill(proc, group):
+    """Kill a command that ran past its time: with ``group`` (it has a session of its own) its whole
+    process group, so that a hung helper (CRIU under runc) goes with it."""
+    try:
+        if group:
+            os.killpg(proc.pid, signal.SIGKILL)
+        else:
+            proc.kill()
+    except OSError:
+        pass
+
+
 def run(cmd, timeout=None, check=True, stage=None, pid=None, env=None, cwd=None, hint=None, input_text=None,
         new_session=False):
     """Run ``cmd`` (an argv list), never through a shell. Raises CommandError when check and rc != 0.
@@ -54,19 +67,23 @@ def run(cmd, timeout=None, check=True, stage=None, pid=None, env=None, cwd=None,
     cmd = [str(c) for c in cmd]
     start = time.monotonic()
     try:
-        proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=timeout,
-                              env=env, cwd=cwd, input=input_text, universal_newlines=True,
-                              start_new_session=new_session,
-                              stdin=None if input_text is not None else subprocess.DEVNULL, check=False)
-    except subprocess.TimeoutExpired as exc:
-        raise CommandError("%s timed out after %ss" % (cmd[0], timeout), stage=stage, pid=pid, cmd=cmd,
-                           rc=None, stdout=_tail(exc.stdout if isinstance(exc.stdout, str) else ""),
-                           stderr=_tail(exc.stderr if isinstance(exc.stderr, str) else ""), hint=hint)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env, cwd=cwd,
+                                universal_newlines=True, start_new_session=new_session,
+                                stdin=subprocess.PIPE if input_text is not None else subprocess.DEVNULL)
     except OSError as exc:
         raise CommandError("cannot run %s: %s" % (cmd[0], exc), stage=stage, pid=pid, cmd=cmd, hint=hint)
-    res = Result(cmd, proc.returncode, proc.stdout, proc.stderr, time.monotonic() - start)
+    try:
+        out, err = proc.communicate(input=input_text, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill(proc, new_session)
+        try:
+            out, err = proc.communicate(timeout=10)
+        except subprocess.TimeoutExpired:  # something outside its group still holds its pipes
+            out, err = "", ""
+        raise CommandError("%s timed out after %ss and was killed" % (os.path.basename(cmd[0]), timeout),
+                           stage=stage, pid=pid, cmd=cmd, rc=None, stdout=_tail(out), stderr=_tail(err), hint=hint)
+    res = Result(cmd, proc.returncode, out, err, time.monotonic() - start)
     if check and proc.returncode != 0:
         raise CommandError("%s exited with rc=%d" % (os.path.basename(cmd[0]), proc.returncode), stage=stage,
-                           pid=pid, cmd=cmd, rc=proc.returncode, stdout=_tail(proc.stdout),
-                           stderr=_tail(proc.stderr), hint=hint)
+                           pid=pid, cmd=cmd, rc=proc.returncode, stdout=_tail(out), stderr=_tail(err), hint=hint)
     return res

@@ -21,7 +21,7 @@ import subprocess
 
 from .. import discovery
 from ..errors import CommandError, InvalidTarget
-from ..run import find_binary, run
+from ..run import _kill, find_binary, run
 from .base import ContainerBackend, ns_pid
 
 
@@ -94,7 +94,7 @@ class RuncBackend(ContainerBackend):
             args.append("--leave-running")
         args += self._criu_flags() + [self.container]
         try:
-            res = run(self._cmd(*args), stage="runtime-dump", timeout=self.timeout,
+            res = run(self._cmd(*args), stage="runtime-dump", timeout=self.timeout, new_session=True,
                       hint="see dump.log in the work dir")
         except CommandError as exc:
             log = os.path.join(work_dir, "dump.log")
@@ -128,18 +128,29 @@ class RuncBackend(ContainerBackend):
         try:
             args = ["restore", "--detach", "--image-path", image_dir, "--work-path", work_dir, "--bundle", bundle]
             args += self._criu_flags() + [self.container]
-            proc = subprocess.run(self._cmd(*args), stdin=subprocess.DEVNULL, stdout=relay.stdin, stderr=relay.stdin,
-                                  timeout=self.timeout, check=False)
+            # A session of its own: a restore that runs past runtime_timeout is killed with its CRIU.
+            proc = subprocess.Popen(self._cmd(*args), stdin=subprocess.DEVNULL, stdout=relay.stdin,
+                                    stderr=relay.stdin, start_new_session=True)
+            try:
+                rc = proc.wait(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                _kill(proc, True)
+                proc.wait()
+                rc = None
         finally:
             relay.stdin.close()
-        if proc.returncode != 0:
-            tail = ""
+        if rc != 0:
             rlog = os.path.join(work_dir, "restore.log")
+            lines = []
             if os.path.exists(rlog):
                 with open(rlog, errors="replace") as fh:
-                    tail = "".join([ln for ln in fh if "Error" in ln][-15:])
-            raise CommandError("runc restore exited with rc=%d" % proc.returncode, stage="runtime-restore",
-                               cmd=self._cmd(*args), rc=proc.returncode, stderr=tail)
+                    lines = fh.readlines()
+            if rc is None:  # hung: where CRIU stopped says more than its (absent) errors
+                raise CommandError("runc restore did not finish within runtime_timeout (%ss) and was killed with "
+                                   "its CRIU" % self.timeout, stage="runtime-restore", cmd=self._cmd(*args),
+                                   stderr="".join(lines[-8:]), hint="see restore.log in the work dir")
+            raise CommandError("runc restore exited with rc=%d" % rc, stage="runtime-restore",
+                               cmd=self._cmd(*args), rc=rc, stderr="".join([ln for ln in lines if "Error" in ln][-15:]))
         st = self.state(self.container)
         return discovery.process_tree(int(st["pid"]))
 
