@@ -139,3 +139,59 @@ def test_a_killed_runs_progress_file_is_removed_by_the_next_run(tmp_path):
     assert '"bytes_done": 10' in (tmp_path / ".gpuckpt-progress-new.json").read_text()
     p.close()
     assert sorted(f.name for f in tmp_path.iterdir()) == [".gpuckpt-progress-fresh.json"]
+
+
+def test_push_sends_a_growing_page_file_while_it_is_written_then_the_rest_and_the_manifest_last(tmp_path, fake_ssh):
+    """A writer appends to pages-1.img in 1 MiB steps (as CRIU does while it dumps) while the Pusher
+    watches: completed pieces go out during the writing, the tail and the other files after
+    complete(), and the manifest only at the very end, under its final name, with every size and mtime
+    as on the source."""
+    import threading
+    import time
+    src, dest = tmp_path / "img", tmp_path / "dest"
+    src.mkdir()
+    (src / ".gpuckpt").mkdir()
+    (src / ".gpuckpt" / "dump.log").write_text("ours, not the image's")
+    (src / "core-1.img").write_bytes(os.urandom(5000))
+    data = os.urandom(9 * 2**20 + 123)
+    p = transfer.Pusher("host-b", str(dest), streams=2, python=sys.executable, piece=2**20)
+    p.start()
+    p.watch(str(src))
+
+    def write():
+        with open(src / "pages-1.img", "wb") as fh:
+            for i in range(0, len(data), 2**20):
+                fh.write(data[i:i + 2**20])
+                fh.flush()
+                time.sleep(0.1)
+    t = threading.Thread(target=write)
+    t.start()
+    t.join()
+    time.sleep(0.2)
+    assert not (dest / "manifest.json").exists()
+    p.complete(str(src))
+    (src / "manifest.json").write_text('{"id": "m"}')
+    report = p.finish(str(src))
+    assert report["pushed"] is True, report
+    assert report["bytes_sent_during_dump"] >= 4 * 2**20, report  # pieces went out while it grew
+    assert report["bytes"] == len(data) + 5000 + len('{"id": "m"}')
+    for name in ("pages-1.img", "core-1.img", "manifest.json"):
+        assert _digest(dest / name) == _digest(src / name)
+        assert os.stat(dest / name).st_mtime_ns == os.stat(src / name).st_mtime_ns
+    assert not (dest / ".gpuckpt").exists() and not (dest / "manifest.json.part").exists()
+
+
+def test_a_cut_push_is_reported_not_raised_and_leaves_no_manifest(tmp_path, fake_ssh):
+    src, dest = tmp_path / "img", tmp_path / "dest"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(os.urandom(6 * 2**20))
+    (src / "manifest.json").write_text("{}")
+    cut = tmp_path / "cut-python"
+    cut.write_text('#!/bin/sh\nhead -c 1000000 | %s "$@"\n' % sys.executable)
+    cut.chmod(0o755)
+    p = transfer.Pusher("host-b", str(dest), streams=2, python=str(cut), piece=2**20)
+    p.start()
+    p.complete(str(src))
+    report = p.finish(str(src))
+    assert report["pushed"] is False and "stream" in report["error"], report
+    assert not (dest / "manifest.json").exists()
