@@ -366,8 +366,8 @@ class Pusher(object):
         self.started = None
 
     def _cmd(self):
-        return self.ssh + [self.target, "exec %s -c %s %s" % (shlex.quote(self.python), shlex.quote(RECEIVER),
-                                                               shlex.quote(self.dest))]
+        remote = "exec %s -c %s %s" % (shlex.quote(self.python), shlex.quote(RECEIVER), shlex.quote(self.dest))
+        return self.ssh + [self.target, remote]
 
     def start(self):
         import queue
