@@ -53,6 +53,12 @@ options:
   libcuda_path:
     description: Path of libcuda.so.1 when the dynamic loader cannot find it.
     type: path
+  runtime_timeout:
+    description:
+      - Seconds that a source rollback's restore from its own image (a source that exited) may take. When it takes
+        longer, it is killed with its CRIU and the rollback fails, keeping the image. V(0) sets no limit.
+    type: float
+    default: 0
 extends_documentation_fragment:
   - gpuckpt.fleet.common.runtime
 notes:
@@ -102,6 +108,7 @@ def main():
         remove_image=dict(type="bool", default=False),
         wait=dict(type="float", default=0),
         libcuda_path=dict(type="path"),
+        runtime_timeout=dict(type="float", default=0),
         **RUNTIME_ARGS
     ), supports_check_mode=True)
     p = module.params
