@@ -27,6 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import CommandError, GpuCkptError
+from .image import CHUNK
 from .progress import BytesProgress
 from .run import Result, find_binary, run
 
@@ -288,12 +289,15 @@ def _push(src, dest_host, dest, user, port, ssh_args, rsync_path, repair, bwlimi
 # The receiving end of a push: run on the target as ``python3 -c RECEIVER <dest>`` at the end of each
 # ssh stream. It reads framed operations from stdin: a JSON header line, then for "data" that many
 # bytes, written in place (pwrite) into the file under dest. A stream that ends without its "end"
-# mark exits non-zero, so a cut stream is never taken for a finished one.
+# mark exits non-zero, so a cut stream is never taken for a finished one. It keeps the SHA-256 of
+# every range it wrote (a receipt in dest/.gpuckpt/), and the exact size and mtime it gave each file:
+# image.verify() takes a chunk's hash from the receipt when its file is unchanged since, instead of
+# reading the whole image again.
 RECEIVER = r'''
-import json, os, sys
+import hashlib, json, os, sys
 dest = sys.argv[1]
 inp = sys.stdin.buffer
-fds = {}
+fds, receipt = {}, {}
 def path(rel):
     if rel.startswith("/") or ".." in rel.split("/"):
         sys.exit("refusing path %r" % rel)
@@ -304,6 +308,12 @@ def fd(rel):
         os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
         fds[rel] = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
     return fds[rel]
+def save(name, data):
+    d = os.path.join(dest, ".gpuckpt")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    with open(os.path.join(d, name + ".tmp"), "w") as fh:
+        json.dump(data, fh)
+    os.rename(os.path.join(d, name + ".tmp"), os.path.join(d, name))
 while True:
     line = inp.readline()
     if not line:
@@ -311,27 +321,32 @@ while True:
     m = json.loads(line)
     if m["op"] == "data":
         f, off, n = fd(m["path"]), m["off"], m["len"]
+        h, start, total = hashlib.sha256(), off, n
         while n:
             b = inp.read(min(n, 4 << 20))
             if not b:
                 sys.exit("the stream was cut in %s at byte %d" % (m["path"], off))
             os.pwrite(f, b, off)
+            h.update(b)
             off += len(b)
             n -= len(b)
+        receipt.setdefault(m["path"], []).append([start, total, h.hexdigest()])
     elif m["op"] == "fix":
         for rel, size, mtime_ns in m["files"]:
             os.truncate(path(rel), size)
             os.utime(path(rel), ns=(mtime_ns, mtime_ns))
+        save("push-fixed.json", {rel: [size, mtime_ns] for rel, size, mtime_ns in m["files"]})
     elif m["op"] == "rename":
         os.rename(path(m["src"]), path(m["dst"]))
     elif m["op"] == "end":
         break
 for f in fds.values():
     os.close(f)
+save("push-receipt-%d.json" % os.getpid(), receipt)
 '''
 
 GROWING = re.compile(r"^pages-\d+\.img$")  # CRIU appends page data to these while it dumps
-PUSH_PIECE = 64 * 2**20
+PUSH_PIECE = CHUNK  # one piece is one checksum chunk of the manifest, so a receipt's hashes are its chunks'
 
 
 class Pusher(object):

@@ -178,7 +178,16 @@ def test_push_sends_a_growing_page_file_while_it_is_written_then_the_rest_and_th
     for name in ("pages-1.img", "core-1.img", "manifest.json"):
         assert _digest(dest / name) == _digest(src / name)
         assert os.stat(dest / name).st_mtime_ns == os.stat(src / name).st_mtime_ns
-    assert not (dest / ".gpuckpt").exists() and not (dest / "manifest.json.part").exists()
+    assert not (dest / ".gpuckpt" / "dump.log").exists() and not (dest / "manifest.json.part").exists()
+    # The receivers' receipts stand in for reading the files again, and only while they are unchanged.
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils import image
+    expected = image.checksum_files(str(src), ["pages-1.img", "core-1.img"])
+    got = image.push_receipts(str(dest), expected)
+    assert got["core-1.img"] == expected["core-1.img"]
+    assert "pages-1.img" not in got, "1 MiB pieces are not the manifest's 64 MiB chunks: read from disk"
+    with open(dest / "core-1.img", "r+b") as fh:
+        fh.write(b"x")
+    assert image.push_receipts(str(dest), expected) == {}, "a file written since the push is read again"
 
 
 def test_a_cut_push_is_reported_not_raised_and_leaves_no_manifest(tmp_path, fake_ssh):
@@ -195,3 +204,32 @@ def test_a_cut_push_is_reported_not_raised_and_leaves_no_manifest(tmp_path, fake
     report = p.finish(str(src))
     assert report["pushed"] is False and "stream" in report["error"], report
     assert not (dest / "manifest.json").exists()
+
+
+def test_verify_takes_the_push_receipts_and_still_judges_a_mismatch_from_the_file(tmp_path, fake_ssh):
+    """With the default 64 MiB pieces every received range is one checksum chunk: image.verify takes
+    their hashes from the receipts instead of reading the 65 MiB again. A receipt that disagrees
+    with the manifest does not condemn the file by itself: the file is hashed from disk and judged."""
+    import json
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils import image
+    src, dest = tmp_path / "img", tmp_path / "dest"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(os.urandom(65 * 2**20))
+    manifest = {"files": image.checksum_files(str(src))}
+    image.write_manifest(str(src), manifest)
+    p = transfer.Pusher("host-b", str(dest), streams=2, python=sys.executable)
+    p.start()
+    p.complete(str(src))
+    assert p.finish(str(src))["pushed"] is True
+    loaded = image.load_manifest(str(dest))
+    assert image.push_receipts(str(dest), loaded["files"]) == loaded["files"]
+    image.verify(str(dest), loaded)
+    for name in os.listdir(dest / ".gpuckpt"):  # a receipt that lies about the first chunk
+        if name.startswith("push-receipt-"):
+            path = dest / ".gpuckpt" / name
+            data = json.loads(path.read_text())
+            for items in data.values():
+                for item in items:
+                    item[2] = "0" * 64
+            path.write_text(json.dumps(data))
+    image.verify(str(dest), loaded)  # the file itself is right: it passes, judged from disk
