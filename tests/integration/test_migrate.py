@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -539,6 +540,38 @@ class RemotePodmanWorkload(CountingWorkload):
     def cleanup(self):
         for host in ("hosta", "hostb"):
             self.podman(host, ["container", "rm", "--force", self.name], check=False)
+
+
+def test_a_hung_runc_restore_on_the_target_is_killed_and_rolled_back(playbook, hosts, tmp_path):
+    """runc's restore on hostb never ends (TEST DOUBLE: a runc whose restore hangs, with a child of its
+    own; everything else goes to the real runc), as a runc restore did on the GPU machine. After
+    gpuckpt_runtime_timeout the restore is killed with its child, the target is cleaned and the paused
+    container on hosta is resumed: one copy runs, with its memory intact."""
+    w = RemoteRuncWorkload(hosts, str(tmp_path / "rw"))
+    child = tmp_path / "hung-child.pid"
+    hung = tmp_path / "runc"
+    hung.write_text('#!/bin/sh\ncase " $* " in *" restore "*) sleep 300 & echo $! > %s; wait; exit 1;; esac\n'
+                    'exec %s "$@"\n' % (child, shutil.which("runc")))
+    hung.chmod(0o755)
+    try:
+        before = w.counts()
+        t0 = time.monotonic()
+        run = playbook(MIGRATE, {"source": "hosta", "target": "hostb", "container": w.id, "migration_id": "t-runc-hung",
+                                 "gpuckpt_runc_path": str(hung), "gpuckpt_runtime_timeout": 5},
+                       inventory=hosts.path("inventory.yml"))
+        assert run.rc != 0
+        assert time.monotonic() - t0 < 120
+        assert "rolled back; the workload runs on hosta" in run.stdout
+        assert "did not finish within runtime_timeout (5.0s)" in run.stdout, run.stdout
+        # The pid is hostb's (its own pid namespace): look there.
+        gone = hosts.ssh("hostb", "sleep 0.5; test ! -e /proc/%d" % int(child.read_text()), check=False)
+        assert gone.returncode == 0, "the hung restore's child must be killed with it"
+        assert w.state("hosta")["status"] == "running" and w.state("hostb") is None
+        after = w.wait_counting(beyond=before)
+        for r in w.roles:
+            assert after[r] > before[r] and w.read(r)["digest"] == w.digest0(r)
+    finally:
+        w.cleanup()
 
 
 def test_podman_container_migrates_and_counts_on(playbook, hosts, tmp_path):
