@@ -61,7 +61,9 @@ def ssh_command(ssh_args=(), port=22, io_timeout=120):
     alive = max(1, int(io_timeout) // 15)
     return ["ssh"] + list(ssh_args) + ["-p", str(port), "-o", "BatchMode=yes", "-o", "Compression=no",
                                        "-o", "Ciphers=" + FAST_CIPHERS, "-o", "ServerAliveInterval=15",
-                                       "-o", "ServerAliveCountMax=%d" % alive]
+                                       "-o", "ServerAliveCountMax=%d" % alive,
+                                       # a target that does not answer fails fast (the source is frozen)
+                                       "-o", "ConnectTimeout=%d" % min(30, max(5, int(io_timeout)))]
 
 
 def _pieces(files, streams):
