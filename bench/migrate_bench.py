@@ -161,7 +161,7 @@ def main():
     ap.add_argument("--also-after-dump", action="store_true",
                     help="also time our migration with the transfer after the dump (no push during it)")
     ap.add_argument("--also-single-stream", action="store_true",
-                    help="also time our migration with one stream (rsync only), to show what the streams bring")
+                    help="also time our migration with one ssh stream (one push stream during the dump), to show what the streams bring")
     args = ap.parse_args()
     base = args.base or tempfile.mkdtemp(prefix="gpuckpt-mbench-")
     hv = {n: {"gpuckpt_environment": PASS_ENV} for n in ("hosta", "hostb")}

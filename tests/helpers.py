@@ -46,6 +46,38 @@ def alive(pid):
         return False
 
 
+class RuncOnLoopbackHosts(object):
+    """runc for a test container with id ``self.id`` on the loopback hosts ``self.hosts``, each host
+    with its own runc root (<host>/runc-root); mixed into the workloads that run in such containers."""
+
+    hosts = id = None
+
+    def runc(self, host, args, relay=False, check=True):
+        cmd = "runc --root %s %s" % (self.hosts.path(host, "runc-root"), args)
+        if relay:  # stdio through a pipe to a relay (CRIU cannot dump host files as a container's stdio)
+            cmd = "setsid sh -c '%s 2>&1 | cat >> %s/container.log' </dev/null >/dev/null 2>&1 &" % (cmd, self.dir)
+        return self.hosts.ssh(host, cmd, check=check)
+
+    def state(self, host):
+        res = self.runc(host, "state %s" % self.id, check=False)
+        return json.loads(res.stdout) if res.returncode == 0 else None
+
+    def delete_everywhere(self):
+        for host in ("hosta", "hostb"):
+            self.runc(host, "delete --force %s" % self.id, check=False)
+
+
+def hanging_wrapper(path, real, subcommand, child_pidfile):
+    """TEST DOUBLE of a hung tool: an executable at ``path`` that runs ``real`` except for
+    ``subcommand``, which never ends; it starts a child of its own (its pid in ``child_pidfile``), as
+    CRIU under runc does, so a test can check that the whole process group was killed."""
+    with open(path, "w") as fh:
+        fh.write('#!/bin/sh\ncase " $* " in *" %s "*) sleep 300 & echo $! > %s; wait; exit 1;; esac\nexec %s "$@"\n'
+                 % (subcommand, child_pidfile, real))
+    os.chmod(path, 0o755)
+    return str(path)
+
+
 class CountingWorkload(object):
     """What every test workload shares: each role (parent, child1, ...) counts into <dir>/<role>.state
     and keeps the checksum of its memory pattern from the start in <dir>/<role>.digest."""
@@ -77,6 +109,15 @@ class CountingWorkload(object):
                 pass
             time.sleep(0.05)
         raise AssertionError("workload in %s is not counting beyond %s" % (self.dir, beyond))
+
+    def went_on_intact(self, before):
+        """It counts on from where it was (``before``, a counts() dict) with every role's memory
+        pattern as it was at the start. Returns the new counts; raises AssertionError otherwise."""
+        after = self.wait_counting(beyond=before)
+        for r in self.roles:
+            assert after[r] > before[r], "%s did not count on from %s" % (r, before[r])
+            assert self.read(r)["digest"] == self.digest0(r), "the memory pattern of %s changed" % r
+        return after
 
     def is_counting(self, seconds=0.6):
         before = self.counts()

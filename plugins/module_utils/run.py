@@ -48,7 +48,7 @@ def _tail(text, limit=4000):
     return text if len(text) <= limit else "...(cut)...\n" + text[-limit:]
 
 
-def _kill(proc, group):
+def kill_command(proc, group):
     """Kill a command that ran past its time: with ``group`` (it has a session of its own) its whole
     process group, so that a hung helper (CRIU under runc) goes with it."""
     try:
@@ -75,7 +75,7 @@ def run(cmd, timeout=None, check=True, stage=None, pid=None, env=None, cwd=None,
     try:
         out, err = proc.communicate(input=input_text, timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill(proc, new_session)
+        kill_command(proc, new_session)
         try:
             out, err = proc.communicate(timeout=10)
         except subprocess.TimeoutExpired:  # something outside its group still holds its pipes

@@ -12,15 +12,15 @@ import json
 import os
 import shutil
 import stat
+import sys
 import time
 import uuid
 
 import pytest
 
 from gpu_helpers import REPO, WORKLOAD_PYTHON, TorchWorkload
-from helpers import write_runc_bundle
+from helpers import RuncOnLoopbackHosts, write_runc_bundle
 
-import sys
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 from loopback import LoopbackHosts  # noqa: E402
 
@@ -76,7 +76,7 @@ def gpu_bundle(bundle, args, workdir, cgroup):
         json.dump(cfg, fh)
 
 
-class RuncTorch(TorchWorkload):
+class RuncTorch(RuncOnLoopbackHosts, TorchWorkload):
     """torch_counter.py as the init of a runc container on a loopback host; stdio through a relay
     (CRIU cannot dump host files as a container's stdio)."""
 
@@ -101,19 +101,7 @@ class RuncTorch(TorchWorkload):
         self.wait_counting()
         self.pids = []
 
-    def runc(self, host, args, relay=False, check=True):
-        cmd = "runc --root %s %s" % (self.hosts.path(host, "runc-root"), args)
-        if relay:
-            cmd = "setsid sh -c '%s 2>&1 | cat >> %s/container.log' </dev/null >/dev/null 2>&1 &" % (cmd, self.dir)
-        return self.hosts.ssh(host, cmd, check=check)
-
-    def state(self, host):
-        res = self.runc(host, "state %s" % self.id, check=False)
-        return json.loads(res.stdout) if res.returncode == 0 else None
-
-    def kill(self):
-        for host in ("hosta", "hostb"):
-            self.runc(host, "delete --force %s" % self.id, check=False)
+    kill = RuncOnLoopbackHosts.delete_everywhere
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ import time
 import pytest
 
 from helpers import (ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, REPO, SKELETON_IMAGE, CountingWorkload,
-                     podman_run_args, skeleton_tar, workload_processes, write_runc_bundle)
+                     RuncOnLoopbackHosts, hanging_wrapper, podman_run_args, skeleton_tar, workload_processes, write_runc_bundle)
 
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 from loopback import LoopbackHosts  # noqa: E402
@@ -417,7 +417,7 @@ def test_controller_killed_mid_migration_then_recover(playbook, hosts, remote_wo
     subprocess.run(["pkill", "-f", str(tmp_path / "cp")], check=False)  # the killed controller's masters
 
 
-class RemoteRuncWorkload(CountingWorkload):
+class RemoteRuncWorkload(RuncOnLoopbackHosts, CountingWorkload):
     """A runc container started on a loopback host (in its pid namespace), running counter.py with
     the libcuda test double; hostb gets the same bundle under its own path and cgroup."""
 
@@ -437,19 +437,7 @@ class RemoteRuncWorkload(CountingWorkload):
         self.runc("hosta", "run --detach --bundle %s %s" % (hosts.path("hosta", "bundle"), self.id), relay=True)
         self.wait_counting()
 
-    def runc(self, host, args, relay=False, check=True):
-        cmd = "runc --root %s %s" % (self.hosts.path(host, "runc-root"), args)
-        if relay:  # stdio through a pipe to a relay (CRIU cannot dump host files as a container's stdio)
-            cmd = "setsid sh -c '%s 2>&1 | cat >> %s/container.log' </dev/null >/dev/null 2>&1 &" % (cmd, self.dir)
-        return self.hosts.ssh(host, cmd, check=check)
-
-    def state(self, host):
-        res = self.runc(host, "state %s" % self.id, check=False)
-        return json.loads(res.stdout) if res.returncode == 0 else None
-
-    def cleanup(self):
-        for host in ("hosta", "hostb"):
-            self.runc(host, "delete --force %s" % self.id, check=False)
+    cleanup = RuncOnLoopbackHosts.delete_everywhere
 
 
 def test_runc_container_migrates_and_counts_on(playbook, hosts, tmp_path):
@@ -466,9 +454,7 @@ def test_runc_container_migrates_and_counts_on(playbook, hosts, tmp_path):
         assert "container %s moved from hosta to hostb" % w.id in "\n".join(run.task("Summary")["msg"])
         assert w.state("hostb")["status"] == "running"
         assert w.state("hosta") is None, "the source's paused container is deleted on commit"
-        after = w.wait_counting(beyond=before)
-        for r in w.roles:
-            assert after[r] > before[r] and w.read(r)["digest"] == w.digest0(r)
+        w.went_on_intact(before)
         again = playbook(MIGRATE, {"source": "hosta", "target": "hostb", "container": w.id,
                                    "migration_id": "t-runc"}, inventory=hosts.path("inventory.yml"))
         assert again.rc == 0 and changed_tasks(again) == [], changed_tasks(again)
@@ -549,15 +535,12 @@ def test_a_hung_runc_restore_on_the_target_is_killed_and_rolled_back(playbook, h
     container on hosta is resumed: one copy runs, with its memory intact."""
     w = RemoteRuncWorkload(hosts, str(tmp_path / "rw"))
     child = tmp_path / "hung-child.pid"
-    hung = tmp_path / "runc"
-    hung.write_text('#!/bin/sh\ncase " $* " in *" restore "*) sleep 300 & echo $! > %s; wait; exit 1;; esac\n'
-                    'exec %s "$@"\n' % (child, shutil.which("runc")))
-    hung.chmod(0o755)
+    hung = hanging_wrapper(tmp_path / "runc", shutil.which("runc"), "restore", child)
     try:
         before = w.counts()
         t0 = time.monotonic()
         run = playbook(MIGRATE, {"source": "hosta", "target": "hostb", "container": w.id, "migration_id": "t-runc-hung",
-                                 "gpuckpt_runc_path": str(hung), "gpuckpt_runtime_timeout": 5},
+                                 "gpuckpt_runc_path": hung, "gpuckpt_runtime_timeout": 5},
                        inventory=hosts.path("inventory.yml"))
         assert run.rc != 0
         assert time.monotonic() - t0 < 120
@@ -567,9 +550,7 @@ def test_a_hung_runc_restore_on_the_target_is_killed_and_rolled_back(playbook, h
         gone = hosts.ssh("hostb", "sleep 0.5; test ! -e /proc/%d" % int(child.read_text()), check=False)
         assert gone.returncode == 0, "the hung restore's child must be killed with it"
         assert w.state("hosta")["status"] == "running" and w.state("hostb") is None
-        after = w.wait_counting(beyond=before)
-        for r in w.roles:
-            assert after[r] > before[r] and w.read(r)["digest"] == w.digest0(r)
+        w.went_on_intact(before)
     finally:
         w.cleanup()
 
@@ -587,9 +568,7 @@ def test_podman_container_migrates_and_counts_on(playbook, hosts, tmp_path):
         assert ck["leave_stopped"] is False and len(ck["cuda_pids"]) == 2
         assert "Podman cannot hold a container stopped" in "\n".join(run.task("Show the preflight")["msg"])
         assert w.status("hostb") == "running" and w.status("hosta") is None
-        after = w.wait_counting(beyond=before)
-        for r in w.roles:
-            assert after[r] > before[r] and w.read(r)["digest"] == w.digest0(r)
+        w.went_on_intact(before)
         again = playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
         assert again.rc == 0 and changed_tasks(again) == [], changed_tasks(again)
     finally:
@@ -688,9 +667,7 @@ def test_docker_container_migrates_and_counts_on(playbook, hosts, tmp_path):
         assert run.rc == 0, run.stdout
         assert len(run.task("Stage 1/3")["cuda_pids"]) == 2
         assert w.state("hostb") == "running" and w.state("hosta") == "exited"
-        after = w.wait_counting(beyond=before)
-        for r in w.roles:
-            assert after[r] > before[r] and w.read(r)["digest"] == w.digest0(r)
+        w.went_on_intact(before)
         again = playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
         assert again.rc == 0 and changed_tasks(again) == [], changed_tasks(again)
     finally:

@@ -108,9 +108,7 @@ def test_container_checkpoint_then_restore_counts_on_with_memory_intact(tmp_path
     assert rs["changed"] is True and len(rs["cuda_pids"]) == 2
     assert w.state()["status"] == "running"
     assert all(fakecuda.state(p) == "running" for p in rs["cuda_pids"])
-    after = w.wait_counting(beyond=stopped_at)
-    for r in w.roles:  # it went on from where it stopped, with its memory pattern intact
-        assert after[r] > stopped_at[r] and w.read(r)["digest"] == w.digest0(r)
+    w.went_on_intact(stopped_at)
     assert not [f for f in os.listdir(w.dir) if f.endswith(".corrupt")]
 
     second = _restore(playbook, fakecuda, w, image_dir)

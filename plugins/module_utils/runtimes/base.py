@@ -9,6 +9,7 @@ which host pids make up the workload, how to write RAM+CPU state to an image dir
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 from ..criu import Criu
@@ -113,13 +114,13 @@ def _netns(pid):
         return None
 
 
-def network_lock_problem(root_pid, criu_options=(), which=None):
+def network_lock_problem(root_pid, criu_options=()):
     """Why CRIU could not lock the network of the workload, or None.
 
     A workload in a network namespace of its own (any container not on the host's network) has its
     network locked by CRIU during the dump, by default with iptables-restore (CRIU's --network-lock).
-    Without that tool the dump fails only after the GPU stage has run; found here, nothing is frozen."""
-    import shutil
+    Without that tool the dump fails only after the GPU stage has run; found here, nothing is frozen.
+    CRIU looks the tool up on its PATH (execvp), as shutil.which does here."""
     own, theirs = _netns("self"), _netns(root_pid)
     if own is None or theirs is None or own == theirs:
         return None
@@ -130,7 +131,7 @@ def network_lock_problem(root_pid, criu_options=(), which=None):
             method = opts[i + 1]
         elif opt.startswith("--network-lock="):
             method = opt.split("=", 1)[1]
-    if method != "iptables" or (which or shutil.which)("iptables-restore"):
+    if method != "iptables" or shutil.which("iptables-restore"):
         return None
     return ("pid %s has a network namespace of its own, which CRIU locks during the dump with "
             "iptables-restore, and iptables-restore is not installed on this host" % root_pid)

@@ -21,7 +21,7 @@ import subprocess
 
 from .. import discovery
 from ..errors import CommandError, InvalidTarget
-from ..run import _kill, find_binary, run
+from ..run import find_binary, kill_command, run
 from .base import ContainerBackend, ns_pid
 
 
@@ -134,7 +134,7 @@ class RuncBackend(ContainerBackend):
             try:
                 rc = proc.wait(timeout=self.timeout)
             except subprocess.TimeoutExpired:
-                _kill(proc, True)
+                kill_command(proc, True)
                 proc.wait()
                 rc = None
         finally:
