@@ -21,6 +21,7 @@ mkdir -p .build/collections/ansible_collections/gpuckpt && ln -sfn "$repo" .buil
   uname -r; python3 --version; /usr/local/sbin/criu --version | head -n1
   python3 -c 'import torch; print("torch", torch.__version__)'
   nproc; free -g | sed -n 2p; df -h /tmp | tail -n1
+  echo "cgroup fs: $(stat -fc %T /sys/fs/cgroup)"
 } 2>&1 | tee "$OUT/env.txt"
 /usr/local/sbin/criu check 2>&1 | tail -n 2
 python3 tests/gpu/probe_driver.py 2>&1 | tee -a "$OUT/env.txt"

@@ -12,6 +12,14 @@ driver 580), so the engine works on the container's host pids, found through ``r
   (cgroup freezer) until ``runc resume`` (roll back) or ``runc delete --force`` (commit).
 A restored container's stdout and stderr go to a pipe read by a small detached relay that appends to
 ``<work dir>/container.log``: CRIU can only dump a container whose stdio are pipes, never host files.
+
+On a cgroup v2 host runc hands CRIU no cgroup root (runc 1.1 and later), so CRIU would move the
+restored container into the cgroup path it had on the source, not into the one the target's bundle
+names (where runc put CRIU, and where ``runc pause``/``delete`` act). With an absolute
+``linux.cgroupsPath`` in the target's bundle, the restore gives CRIU that path as its cgroup root
+(``cgroup-root`` in a CRIU configuration file named by CRIU_CONFIG_FILE, which runc's CRIU inherits).
+A destination cgroup that is frozen (a paused container of the same path on this host) would freeze
+the restored process inside CRIU and hang the restore: that is refused before anything is restored.
 """
 from __future__ import annotations
 
@@ -24,6 +32,31 @@ from ..errors import CommandError, InvalidTarget
 from ..run import find_binary, kill_command, run
 from .base import ContainerBackend, ns_pid
 
+CGROUP2_ROOT = "/sys/fs/cgroup"  # the unified hierarchy; tests point this elsewhere
+
+
+def cgroup2_path(pid):
+    """The cgroup v2 path of ``pid`` as the host sees it, or None on a host without a unified hierarchy."""
+    if not os.path.exists(os.path.join(CGROUP2_ROOT, "cgroup.controllers")):
+        return None
+    try:
+        with open("/proc/%d/cgroup" % int(pid)) as fh:
+            for line in fh:
+                if line.startswith("0::"):
+                    return line[3:].strip() or "/"
+    except OSError:
+        pass
+    return None
+
+
+def cgroup2_frozen(path):
+    """True when the cgroup v2 ``path`` exists on this host and is frozen."""
+    try:
+        with open(os.path.join(CGROUP2_ROOT, path.lstrip("/"), "cgroup.events")) as fh:
+            return any(line.split() == ["frozen", "1"] for line in fh)
+    except OSError:
+        return False
+
 
 class RuncBackend(ContainerBackend):
     name = "runc"
@@ -34,6 +67,7 @@ class RuncBackend(ContainerBackend):
         self.runc_path = runc_path
         self.root = root
         self.bundle = bundle
+        self._bundle_seen = self._cgroup_seen = None
 
     # -- helpers -------------------------------------------------------------------------------
     def _runc(self):
@@ -81,6 +115,7 @@ class RuncBackend(ContainerBackend):
                                 hint="resume or start it first")
         pid = int(st["pid"])
         self._bundle_seen = st.get("bundle")
+        self._cgroup_seen = cgroup2_path(pid)
         tree = discovery.process_tree(pid)
         self._ns = {str(p): ns_pid(p) for p in tree}
         return pid, tree
@@ -107,7 +142,40 @@ class RuncBackend(ContainerBackend):
             raise
         return {"backend": self.name, "container": self.container, "root_pid": int(target),
                 "bundle": self._bundle_seen, "runc_root": self.root, "ns_pids": self._ns,
-                "criu_options": self.extra, "criu_seconds": round(res.seconds, 6)}
+                "cgroup_v2_path": self._cgroup_seen, "criu_options": self.extra,
+                "criu_seconds": round(res.seconds, 6)}
+
+    def cgroup_env(self, bundle, manifest, work_dir):
+        """The environment for ``runc restore`` that puts the restored container into the cgroup the
+        target's bundle names, on a cgroup v2 host (see the module's doc). None: nothing to change.
+        Raises InvalidTarget when the restore would move the container into a frozen cgroup."""
+        src = (manifest.get("runtime") or {}).get("cgroup_v2_path")
+        if not src or not os.path.exists(os.path.join(CGROUP2_ROOT, "cgroup.controllers")):
+            return None
+        try:
+            with open(os.path.join(bundle, "config.json")) as fh:
+                want = ((json.load(fh).get("linux") or {}).get("cgroupsPath") or "")
+        except (OSError, ValueError):
+            want = ""
+        # Only an absolute cgroupfs path is where runc surely puts the container; a systemd
+        # "slice:prefix:name" or a relative path is left to runc and CRIU as they are.
+        env, dest = None, src
+        if want.startswith("/") and ":" not in want and os.path.normpath(want) != os.path.normpath(src):
+            dest = os.path.normpath(want)
+            conf = os.path.join(work_dir, "criu-cgroup-root.conf")
+            with open(conf, "w") as fh:
+                user = os.environ.get("CRIU_CONFIG_FILE")
+                if user and os.path.isfile(user):  # keep what the user configured; this line comes last
+                    with open(user) as ufh:
+                        fh.write(ufh.read().rstrip("\n") + "\n")
+                fh.write("cgroup-root %s\n" % dest)
+            env = dict(os.environ, CRIU_CONFIG_FILE=conf)
+        if cgroup2_frozen(dest):
+            raise InvalidTarget("cgroup %s is frozen on this host (a paused container?): CRIU would move the restored "
+                                "container into it and hang; nothing was restored" % dest, stage="preflight",
+                                hint="resume or delete what is paused there, or give the target's bundle a "
+                                     "linux.cgroupsPath of its own")
+        return env
 
     def restore(self, image_dir, work_dir, manifest):
         rt = manifest.get("runtime") or {}
@@ -121,6 +189,7 @@ class RuncBackend(ContainerBackend):
             raise InvalidTarget("a runc container %s already exists on this host; refusing to start a second copy"
                                 % self.container, stage="preflight",
                                 hint="delete it (runc delete) if it is a leftover, or restore elsewhere")
+        env = self.cgroup_env(bundle, manifest, work_dir)
         log = open(os.path.join(work_dir, "container.log"), "ab")
         # The relay holds the read end of the container's stdio pipe and outlives this module.
         relay = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True)
@@ -130,7 +199,7 @@ class RuncBackend(ContainerBackend):
             args += self._criu_flags() + [self.container]
             # A session of its own: a restore that runs past runtime_timeout is killed with its CRIU.
             proc = subprocess.Popen(self._cmd(*args), stdin=subprocess.DEVNULL, stdout=relay.stdin,
-                                    stderr=relay.stdin, start_new_session=True)
+                                    stderr=relay.stdin, start_new_session=True, env=env)
             try:
                 rc = proc.wait(timeout=self.timeout)
             except subprocess.TimeoutExpired:
