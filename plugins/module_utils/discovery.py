@@ -69,6 +69,67 @@ def process_tree(root):
     return out
 
 
+def _socket_inodes(pids):
+    out = set()
+    for pid in pids:
+        try:
+            names = os.listdir("/proc/%d/fd" % pid)
+        except OSError:
+            continue
+        for fd in names:
+            try:
+                link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                out.add(link[8:-1])
+    return out
+
+
+def _hex_port(addr):
+    return int(addr.rsplit(":", 1)[1], 16)
+
+
+def bound_sockets(pids):
+    """The addresses that the processes ``pids`` hold bound in their network namespace: listening
+    TCP ports, bound UDP ports and abstract unix socket names (e.g. "tcp port 8000", "unix @x").
+    A second copy of the workload restored in the SAME network namespace (one kernel seen as two
+    hosts, host networking) cannot bind them again while the first copy is held stopped."""
+    pids = [int(p) for p in pids or []]
+    inodes = _socket_inodes(pids)
+    if not inodes:
+        return []
+    out = set()
+    net = "/proc/%d/net/" % pids[0]  # the workload's own view of its network namespace
+    for name, listen_only in (("tcp", True), ("tcp6", True), ("udp", False), ("udp6", False)):
+        try:
+            with open(net + name) as fh:
+                next(fh)
+                for line in fh:
+                    f = line.split()
+                    if len(f) > 9 and f[9] in inodes and (f[3] == "0A" if listen_only else _hex_port(f[1]) != 0):
+                        out.add("%s port %d" % (name.rstrip("6"), _hex_port(f[1])))
+        except (OSError, StopIteration, ValueError, IndexError):
+            pass
+    try:
+        with open(net + "unix") as fh:
+            next(fh)
+            for line in fh:
+                f = line.split()
+                if len(f) > 7 and f[6] in inodes and f[7].startswith("@"):
+                    out.add("unix %s" % f[7])
+    except (OSError, StopIteration):
+        pass
+    return sorted(out)
+
+
+def net_namespace(pid="self"):
+    try:
+        return os.readlink("/proc/%s/ns/net" % pid)
+    except OSError:
+        return None
+
+
 def _ancestors(pid):
     out = set()
     while pid > 1:

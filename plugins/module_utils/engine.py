@@ -631,7 +631,8 @@ def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=N
     drv, problem = cuda.load(libcuda_path)
     out = {"host": {"hostname": socket.gethostname(), "kernel": os.uname().release,
                     "boot_id": _read("/proc/sys/kernel/random/boot_id"),
-                    "pid_namespace": os.readlink("/proc/self/ns/pid")}}
+                    "pid_namespace": os.readlink("/proc/self/ns/pid"),
+                    "net_namespace": discovery.net_namespace()}}
     if paths:
         out["disk"] = {p: {"free_bytes": _free_bytes(p)} for p in paths}
     if tree_of:
@@ -645,6 +646,8 @@ def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=N
             out["tree"] = {"root": int(tree_of), "exists": True, "pids": tpids, "cuda_pids": cuda_pids,
                            "cuda_states": {str(p): drv.state_or_error(p) for p in cuda_pids} if drv else {},
                            "rss_bytes": sum(_rss_bytes(p) for p in tpids),
+                           "net_namespace": discovery.net_namespace(int(tree_of)),
+                           "bound_sockets": discovery.bound_sockets(tpids),
                            "gpu_bytes": sum(gpu_mem.get(p, 0) for p in tpids)}
     if check_pids:
         out["pids_in_use"] = [int(p) for p in check_pids if discovery.read_stat(int(p)) is not None]

@@ -28,7 +28,7 @@ options:
     type: list
     elements: path
   tree_of:
-    description: Report the process tree of this pid as C(tree) (pids, CUDA pids and states, RSS and GPU bytes).
+    description: Report the process tree of this pid as C(tree) (pids, CUDA pids and states, RSS and GPU bytes, its network namespace and the socket addresses it holds bound).
     type: int
   check_pids:
     description: Report which of these pids are in use on this host (as C(pids_in_use)).
@@ -66,7 +66,7 @@ ansible_facts:
   contains:
     gpuckpt:
       description:
-        - driver, gpus, cuda_device_uuids, cuda_processes, criu, host (with boot_id and pid_namespace), ready.
+        - driver, gpus, cuda_device_uuids, cuda_processes, criu, host (with boot_id, pid_namespace and net_namespace), ready.
         - disk, tree and pids_in_use when asked for.
       type: dict
       returned: always

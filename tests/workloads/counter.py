@@ -29,6 +29,12 @@ def run(role, args):
     if args.fakecuda:
         cuda = ctypes.CDLL(args.fakecuda)
         cuda.fakeCudaAttach()
+    listener = None
+    if args.listen and role == "parent":  # a bound name, as CUDA and NCCL hold some
+        import socket
+        listener = socket.socket(socket.AF_UNIX)
+        listener.bind("\0" + args.listen)
+        listener.listen(8)
     rng = random.Random(role)
     buf = bytearray()
     for unused in range(args.mb):  # 1 MiB at a time: randbytes() of more than 256 MiB overflows
@@ -55,6 +61,7 @@ def main():
     ap.add_argument("--mb", type=int, default=8)
     ap.add_argument("--interval", type=float, default=0.05)
     ap.add_argument("--fakecuda")
+    ap.add_argument("--listen", help="the parent listens on this abstract unix socket name")
     ap.add_argument("--daemon", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
