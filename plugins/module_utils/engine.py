@@ -151,6 +151,35 @@ class _NullJournal(object):
     def write(self, phase, **data):
         pass
 
+    def cancelled(self):
+        return False
+
+
+def wait_for_image(image_dir, timeout, journal=None, libcuda_path=None, poll=0.02):
+    """Wait until a complete image is in ``image_dir``: its manifest, which a push or a transfer
+    writes last (as a rename). A migration starts its target's restore this way BEFORE the source is
+    frozen, so that the restore begins the moment the image is complete, with the driver already
+    loaded (cuInit takes about 0.4 s on an H200), instead of after Ansible has moved on to the next
+    task: all of that would be downtime. Raises TransactionError when the migration's journal is
+    cancelled (a rollback) and ImageError after ``timeout`` seconds. Returns the seconds waited."""
+    import threading
+    from .errors import ImageError
+    journal = journal or _NullJournal()
+    start = time.monotonic()
+    warm = threading.Thread(target=cuda.load, args=(libcuda_path,), name="gpuckpt-cuinit")
+    warm.daemon = True
+    warm.start()
+    while not image.has_manifest(image_dir):
+        if journal.cancelled():
+            raise TransactionError("the migration was rolled back while this host waited for the image; nothing "
+                                   "was restored", stage="wait")
+        if time.monotonic() - start > timeout:
+            raise ImageError("no complete image arrived in %s within %s s; nothing was restored" % (image_dir, timeout),
+                             stage="wait", hint="see the source's checkpoint and transfer")
+        time.sleep(poll)
+    warm.join()
+    return time.monotonic() - start
+
 
 def _identities(pids):
     """(comm, starttime) per pid: who a pid was, so we never signal a reused pid."""

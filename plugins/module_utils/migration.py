@@ -17,6 +17,7 @@ image is the way back (hold 'image' instead of 'stopped').
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
@@ -50,6 +51,38 @@ class Journal(object):
                 return json.load(fh)
         except (OSError, ValueError):
             return None
+
+    # A restore that began before the image arrived (gpu_restore wait_for_image) holds the journal's
+    # lock from its start to its end; a rollback of the target first asks it to stop waiting (the
+    # cancel mark), then takes the lock, so it never cleans up under a restore that is bringing the
+    # workload up, and never leaves one behind that would bring it up after the rollback.
+    @property
+    def cancel_path(self):
+        return self.path[:-len(".json")] + ".cancel"
+
+    def cancel(self):
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        with open(self.cancel_path, "w") as fh:
+            fh.write("%f\n" % time.time())
+
+    def cancelled(self):
+        return os.path.exists(self.cancel_path)
+
+    def lock(self, wait=None):
+        """Take the journal's lock (an open file with an exclusive flock; closing it releases the lock).
+        ``wait``: seconds to wait for it (None: for ever). Returns the file, or None when it timed out."""
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        fh = open(self.path[:-len(".json")] + ".lock", "a")
+        deadline = None if wait is None else time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fh
+            except OSError:
+                if deadline is not None and time.monotonic() > deadline:
+                    fh.close()
+                    return None
+                time.sleep(0.05)
 
     @property
     def phase(self):
@@ -153,10 +186,25 @@ def rollback_source(journal, backend=None, libcuda_path=None):
                            % doc.get("image_dir"), stage="rollback-source")
 
 
-def rollback_target(journal, image_dir=None, backend=None):
-    """Leave the target clean: kill what this migration restored there, remove its image copy."""
+def rollback_target(journal, image_dir=None, backend=None, restore_wait=1800.0):
+    """Leave the target clean: kill what this migration restored there, remove its image copy.
+    A restore still waiting for the image is told to stop first; one already restoring is waited for
+    (up to ``restore_wait`` seconds), then what it brought up is killed."""
     from .runtimes.process import ProcessBackend
     backend = backend or ProcessBackend()
+    if (journal.read() or {}).get("phase") != "committed":
+        journal.cancel()
+    held = journal.lock(wait=restore_wait)
+    if held is None:
+        raise TransactionError("a restore of migration %s is still running on the target after %s s; roll back "
+                               "again once it has ended" % (journal.id, restore_wait), stage="rollback-target")
+    try:
+        return _rollback_target(journal, image_dir, backend)
+    finally:
+        held.close()
+
+
+def _rollback_target(journal, image_dir, backend):
     doc = journal.read() or {}
     if doc.get("phase") == "committed":
         raise TransactionError("migration %s is committed on the target; refusing to kill the only copy" % journal.id,

@@ -27,7 +27,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from .errors import CommandError, GpuCkptError
-from .image import CHUNK
+from .image import CHUNK, MANIFEST
 from .progress import BytesProgress
 from .run import Result, find_binary, run
 
@@ -253,6 +253,10 @@ def _push(src, dest_host, dest, user, port, ssh_args, rsync_path, repair, bwlimi
            "-e", " ".join(shlex.quote(a) for a in ssh)]
     for rel in big:  # already there, whole
         cmd += ["--exclude", "/" + rel]
+    # The manifest goes last, alone, once everything else is there: its presence on the target means
+    # the image is complete (a restore that waits for the image begins when it lands).
+    cmd += ["--exclude", "/" + MANIFEST]
+    only_manifest = ["--include", "/" + MANIFEST, "--exclude", "*"]
     if repair:
         cmd += ["--checksum", "--inplace", "--no-whole-file"]
     else:
@@ -266,8 +270,11 @@ def _push(src, dest_host, dest, user, port, ssh_args, rsync_path, repair, bwlimi
     while attempts <= retries:
         attempts += 1
         try:
-            res = _rsync(cmd, progress, "check that this host reaches %s over ssh and that the target has free disk"
-                         % dest_host)
+            hint = "check that this host reaches %s over ssh and that the target has free disk" % dest_host
+            res = _rsync(cmd, progress, hint)
+            moved += _stat(res.stdout, "Total transferred file size")
+            i = cmd.index("/" + MANIFEST)
+            res = _rsync(cmd[:i - 1] + cmd[i + 1:-2] + only_manifest + cmd[-2:], progress, hint)
             moved += _stat(res.stdout, "Total transferred file size")
             return {"attempts": attempts, "bytes_transferred": moved, "seconds": round(time.monotonic() - start, 3),
                     "bytes_total": sum(sizes.values()), "streams": streams if big else 1,
@@ -339,6 +346,7 @@ while True:
             os.utime(path(rel), ns=(mtime_ns, mtime_ns))
         save("push-fixed.json", {rel: [size, mtime_ns] for rel, size, mtime_ns in m["files"]})
     elif m["op"] == "rename":
+        save("push-receipt-%d.json" % os.getpid(), receipt)  # before the manifest lands: a restore may begin at once
         os.rename(path(m["src"]), path(m["dst"]))
     elif m["op"] == "end":
         break

@@ -48,6 +48,21 @@ options:
     description: Seconds to wait after unlocking before checking that every process is still alive and running.
     type: float
     default: 0.5
+  wait_for_image:
+    description:
+      - Seconds to wait for the image to be complete in O(image_dir) (its manifest, which a push or a transfer
+        writes last) before restoring it; 0 does not wait.
+      - For a migration, which starts this restore with C(async) before the source is frozen, so that it
+        begins the moment the image is complete, with the driver already loaded (see playbooks/migrate.yml).
+      - Needs O(migration_id). A rollback of the migration's target (gpuckpt.fleet.gpu_migration) stops the wait.
+    type: float
+    default: 0
+  attach:
+    description:
+      - The job id of this module started earlier with C(async) (C(ansible_job_id)). Instead of running, the task
+        waits for that job and returns its result, printing its progress (give the same O(progress_file)).
+      - Handled by the action plugin; every other option is then ignored.
+    type: str
 extends_documentation_fragment:
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
@@ -56,6 +71,7 @@ extends_documentation_fragment:
 notes:
   - Needs root. The pids recorded in the image must be free on this host (CRIU restores the same pids).
   - Supports check mode. It verifies the image and the host and reports what it would do.
+  - Supports C(async), and O(attach) to wait for such a job without a retry loop.
 seealso:
   - module: gpuckpt.fleet.gpu_checkpoint
 """
@@ -84,7 +100,7 @@ cuda_pids:
   type: list
   elements: int
 timings:
-  description: Seconds per stage (verify, preflight, runtime_restore, cuda_restore, cuda_unlock, validate).
+  description: Seconds per stage (wait_for_image, wait_pids_free, verify, preflight, runtime_restore, cuda_restore, cuda_unlock, validate).
   returned: when changed
   type: dict
 driver_call_seconds:
@@ -96,7 +112,7 @@ gpu_pairs:
   returned: when changed
   type: list
 stage:
-  description: On failure, the stage that failed (verify, preflight, criu-restore, cuda-restore, unlock, validate).
+  description: On failure, the stage that failed (wait, verify, preflight, criu-restore, cuda-restore, unlock, validate).
   returned: failure
   type: str
 bad_files:
@@ -122,6 +138,8 @@ def main():
         sign_key=dict(type="str", no_log=True),
         parallel=dict(type="bool", default=True),
         bundle=dict(type="path"),
+        wait_for_image=dict(type="float", default=0.0),
+        attach=dict(type="str"),
     )
     spec.update(TOOL_ARGS)
     spec.update(PROGRESS_ARGS)
@@ -129,12 +147,30 @@ def main():
     spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
     p = module.params
-    run_engine(module, lambda: engine.restore(
-        p["image_dir"], gpu_map=p["gpu_map"], force=p["force"], verify=p["verify"],
-        backend=make_backend(backend_of_image(p["image_dir"]), p, bundle=p["bundle"]), libcuda_path=p["libcuda_path"],
-        check_mode=module.check_mode, sign_key=p["sign_key"], validate_wait=p["validate_wait"],
-        journal=journal_for(p, "target"), parallel=p["parallel"],
-        progress_file=p["progress_file"]))
+    if p["attach"]:
+        module.fail_json(msg="attach is handled by the gpuckpt.fleet.gpu_restore action plugin; run this module as a task")
+    if p["wait_for_image"] and not p["migration_id"]:
+        module.fail_json(msg="wait_for_image needs migration_id: only a migration's rollback can stop the wait")
+    journal = journal_for(p, "target")
+    # Held until this module exits (exit_json ends the process): a rollback of the target waits for it
+    # (see migration.Journal).
+    held = journal.lock() if journal is not None and p["wait_for_image"] else None  # noqa: F841
+
+    def restore():
+        waited = None
+        if p["wait_for_image"] and not module.check_mode:
+            waited = engine.wait_for_image(p["image_dir"], p["wait_for_image"], journal, p["libcuda_path"])
+        res = engine.restore(
+            p["image_dir"], gpu_map=p["gpu_map"], force=p["force"], verify=p["verify"],
+            backend=make_backend(backend_of_image(p["image_dir"]), p, bundle=p["bundle"]),
+            libcuda_path=p["libcuda_path"], check_mode=module.check_mode, sign_key=p["sign_key"],
+            validate_wait=p["validate_wait"], journal=journal, parallel=p["parallel"],
+            progress_file=p["progress_file"])
+        if waited is not None and res.get("timings") is not None:
+            res["timings"] = dict(res["timings"], wait_for_image=round(waited, 6))
+        return res
+
+    run_engine(module, restore)
 
 
 if __name__ == "__main__":

@@ -92,8 +92,15 @@ class ProgressActionBase(ActionBase):
             interval = float(task_vars.get("gpuckpt_progress_interval", 5))
         except (TypeError, ValueError):
             interval = 5.0
+        if args.get("attach"):
+            result.update(self._attach(args["attach"], args.get("progress_file"), interval, task_vars))
+            return result
         if self._task.check_mode or self._task.async_val or interval <= 0 or args.get("progress_file"):
-            result.update(self._execute_module(module_args=args, task_vars=task_vars))
+            # With async, the module goes to the background (async_wrapper) and the task returns its job id.
+            wrap_async = bool(self._task.async_val) and not self._connection.has_native_async
+            result.update(self._execute_module(module_args=args, task_vars=task_vars, wrap_async=wrap_async))
+            if not wrap_async:
+                self._remove_tmp_path(self._connection._shell.tmpdir)
             return result
         path = "/tmp/.gpuckpt-progress-%s.json" % uuid.uuid4().hex
         args["progress_file"] = path
@@ -108,9 +115,7 @@ class ProgressActionBase(ActionBase):
         worker = threading.Thread(target=work, name="gpuckpt-module")
         worker.daemon = True
         worker.start()
-        host = task_vars.get("inventory_hostname", "?")
-        delegated = (self._task.delegate_to or "") if self._task.delegate_to else ""
-        who = "%s -> %s" % (host, delegated) if delegated and delegated != host else host
+        who = self._who(task_vars)
         last = None
         while True:
             worker.join(interval)
@@ -124,6 +129,46 @@ class ProgressActionBase(ActionBase):
             raise box["error"]
         result.update(box["result"])
         return result
+
+    def _who(self, task_vars):
+        host = task_vars.get("inventory_hostname", "?")
+        delegated = self._task.delegate_to or ""
+        return "%s -> %s" % (host, delegated) if delegated and delegated != host else host
+
+    def _attach(self, jid, progress_path, interval, task_vars):
+        """Wait for the job ``jid`` of this module, started earlier with async, and return its result;
+        meanwhile print its progress file's lines. Reads the job's file with a plain ``cat`` (what
+        async_status reads) a few times a second: the result is there the moment the module ends,
+        and no retry loop fills the output."""
+        async_dir = self._remote_expand_user(self.get_shell_option("async_dir", default="~/.ansible_async"))
+        job_file = self._connection._shell.join_path(async_dir, jid)
+        who, label = self._who(task_vars), self._task.get_name().split(":")[0]
+        last, next_poll = None, time.monotonic() + (interval if interval > 0 else float("inf"))
+        while True:
+            res = self._low_level_execute_command("cat %s 2>/dev/null || true" % job_file, sudoable=False)
+            text = to_text(res.get("stdout", "")).strip()
+            data = None
+            if text:
+                try:
+                    data = json.loads(text[text.index("{"):])
+                except ValueError:
+                    data = None  # being written
+            if data is not None and "started" not in data:  # the module's own result: the job has ended
+                self._low_level_execute_command("rm -f %s %s.log" % (job_file, job_file), sudoable=False)
+                return {k: v for k, v in data.items() if not k.startswith("_ansible")}
+            if not text and data is None and res.get("rc", 0) == 0 and self._job_gone(job_file):
+                return {"failed": True, "msg": "no job %s on this host (its result file %s is gone)" % (jid, job_file)}
+            if progress_path and time.monotonic() >= next_poll:
+                line = self._poll(progress_path)
+                if line and line != last:
+                    display.display("  [%s] %s: %s" % (who, label, line))
+                    last = line
+                next_poll = time.monotonic() + interval
+            time.sleep(0.1)
+
+    def _job_gone(self, job_file):
+        res = self._low_level_execute_command("test -e %s && echo yes || echo no" % job_file, sudoable=False)
+        return to_text(res.get("stdout", "")).strip() == "no"
 
     def _poll(self, path):
         try:
