@@ -407,6 +407,44 @@ def test_restore_failing_on_target_rolls_back_to_the_source(playbook, hosts, rem
     assert w.one_copy_runs_intact()
 
 
+def test_a_checkpoint_failing_on_the_source_stops_the_restore_waiting_on_the_target(playbook, hosts, remote_workload):
+    """The target's restore begins before the freeze and waits there for the image. When the checkpoint
+    fails on the source, the target's rollback stops that wait: nothing is restored there, no restore
+    is left waiting (it would wait an hour by default), and the source runs on."""
+    w = remote_workload()
+    inject = hosts.path("hosta", "fakecuda", "inject")
+    with open(inject, "w") as fh:
+        fh.write("checkpoint 0 2\n")  # CUDA_ERROR_OUT_OF_MEMORY on the source's checkpoint
+    try:
+        run = migrate(playbook, hosts, w, "t-ckpt-fails")
+    finally:
+        os.unlink(inject)
+    assert run.rc != 0
+    assert run.task("Begin the restore on hostb")["ansible_job_id"]
+    assert "runs on hosta" in run.task("Migration failed and was rolled back")["msg"]
+    with open(hosts.path("hostb", "journal", "t-ckpt-fails.target.json")) as fh:
+        assert json.load(fh)["phase"] == "cleaned"
+    def restores_running():
+        out = []
+        for d in os.listdir("/proc"):
+            try:
+                with open("/proc/%s/cmdline" % d, "rb") as fh:
+                    cmd = fh.read()
+            except OSError:
+                continue
+            if b"gpu_restore" in cmd:
+                out.append(cmd.replace(b"\0", b" ").decode(errors="replace"))
+        return out
+
+    deadline = time.monotonic() + 10
+    while restores_running() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    waiting = restores_running()
+    assert not waiting, "a restore is still waiting on the target: %s" % waiting
+    assert not os.path.exists(hosts.path("hostb", "images", "t-ckpt-fails"))
+    assert w.one_copy_runs_intact()
+
+
 def test_controller_killed_mid_migration_then_recover(playbook, hosts, remote_workload, tmp_path):
     w = remote_workload(mb=24)
     env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS, ANSIBLE_HOST_KEY_CHECKING="false",
