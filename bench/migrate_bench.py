@@ -97,7 +97,7 @@ def plain_chain(hosts, args, base, fast_cipher=False, tag="chain"):
     return total, size, steps
 
 
-def ours(hosts, args, base, streams, tag="ours", during_dump=True):
+def ours(hosts, args, base, streams, tag="ours", during_dump=True, restore_early=True):
     wdir = os.path.join(base, tag + "-w")
     pid = start(hosts, args, wdir)
     rec = os.path.join(base, tag + ".jsonl")
@@ -108,7 +108,8 @@ def ours(hosts, args, base, streams, tag="ours", during_dump=True):
                ANSIBLE_CALLBACKS_ENABLED="record_results")
     subprocess.run([PLAYBOOK, "gpuckpt.fleet.migrate", "-i", hosts.path("inventory.yml"), "-e",
                     json.dumps({"source": "hosta", "target": "hostb", "pid": pid, "migration_id": "bench-" + tag,
-                                "gpuckpt_transfer_streams": streams, "gpuckpt_transfer_during_dump": during_dump})],
+                                "gpuckpt_transfer_streams": streams, "gpuckpt_transfer_during_dump": during_dump,
+                                "gpuckpt_restore_early": restore_early})],
                    check=True, env=env, stdout=open(os.path.join(base, tag + ".log"), "w"))
     res = {}
     for line in open(rec):
@@ -117,8 +118,8 @@ def ours(hosts, args, base, streams, tag="ours", during_dump=True):
             res["ck"] = r
         if r["_task"].startswith("Stage 2/3"):
             res["sync"] = r
-        if r["_task"] == "Restore on hostb":
-            res["rs"] = r
+        if r["_task"].startswith("Restore on hostb") and r.get("_status") != "skipped":
+            res["rs"] = r  # the restore begun before the freeze (attached), or the one started after the transfer
     downtime = res["rs"]["resumed_at"] - res["ck"]["frozen_at"]
     stage1 = res["ck"]["timings"]["cuda_checkpoint"] + res["ck"]["timings"]["cuda_lock"] + \
         res["rs"]["timings"]["cuda_restore"] + res["rs"]["timings"]["cuda_unlock"]
@@ -160,6 +161,8 @@ def main():
                     help="also time the plain chain with rsync's ssh on AES-GCM (a tuned chain)")
     ap.add_argument("--also-after-dump", action="store_true",
                     help="also time our migration with the transfer after the dump (no push during it)")
+    ap.add_argument("--also-late-restore", action="store_true",
+                    help="also time our migration with the target's restore started after the transfer (not before the freeze)")
     ap.add_argument("--also-single-stream", action="store_true",
                     help="also time our migration with one ssh stream (one push stream during the dump), to show what the streams bring")
     args = ap.parse_args()
@@ -183,6 +186,12 @@ def main():
             time.sleep(1)
             subprocess.run("pkill -9 -f -- '[-]-dir %s/after-w'" % base, shell=True, check=False)
             time.sleep(2)
+        late = None
+        if args.also_late_restore:
+            late, _s, _st, _r = ours(hosts, args, base, args.streams, tag="late", restore_early=False)
+            time.sleep(1)
+            subprocess.run("pkill -9 -f -- '[-]-dir %s/late-w'" % base, shell=True, check=False)
+            time.sleep(2)
         chain, chain_size, chain_steps = plain_chain(hosts, args, base)
         time.sleep(1)
         subprocess.run("pkill -9 -f -- '[-]-dir %s/chain-w'" % base, shell=True, check=False)  # idle machine for the floors
@@ -200,7 +209,8 @@ def main():
                ("cpu 2x%d MiB" % args.mb), "image_bytes": size, "downtime_s": down, "floor_s": floor,
                "stage1_s": stage1, "disk_GBps": disk / 1e9, "link_GBps": link / 1e9,
                "link_1_stream_GBps": link1 / 1e9, "link_%d_streams_GBps" % args.streams: link_n / 1e9,
-               "streams": args.streams, "ours_single_stream_s": single, "ours_after_dump_s": after_dump, "plain_chain_s": chain,
+               "streams": args.streams, "ours_single_stream_s": single, "ours_after_dump_s": after_dump,
+               "ours_late_restore_s": late, "plain_chain_s": chain,
                "plain_chain_bytes": chain_size, "plain_chain_steps": chain_steps,
                "fast_chain_s": fast_chain, "fast_chain_steps": fast_chain_steps if fast_chain else None,
                "fast_chain_over_ours": fast_chain / down if fast_chain else None,
