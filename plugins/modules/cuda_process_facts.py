@@ -28,7 +28,9 @@ options:
     type: list
     elements: path
   tree_of:
-    description: Report the process tree of this pid as C(tree) (pids, CUDA pids and states, RSS and GPU bytes, its network namespace and the socket addresses it holds bound).
+    description:
+      - Report the process tree of this pid as C(tree) (pids, CUDA pids and states, RSS and GPU bytes).
+      - C(tree) also names its network namespace and the socket addresses it holds bound (C(bound_sockets)).
     type: int
   check_pids:
     description: Report which of these pids are in use on this host (as C(pids_in_use)).
