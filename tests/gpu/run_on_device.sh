@@ -12,6 +12,9 @@ export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/site GPUCKPT_ANSIBLE_PLAYBOOK=/tmp/site/bin/ansible-playbook
+# The GPU machine has no sftp client: an async task (the early restore) copies its module file over
+# plain ssh instead.
+export ANSIBLE_SSH_TRANSFER_METHOD=piped
 export GPUCKPT_RESULTS="$OUT/results.jsonl" GPUCKPT_WORKLOAD_PYTHON=$(command -v python3)
 bash tests/gpu/install_tools.sh
 mkdir -p .build/collections/ansible_collections/gpuckpt && ln -sfn "$repo" .build/collections/ansible_collections/gpuckpt/fleet
