@@ -40,6 +40,8 @@ def start(hosts, args, workdir):
         cmd = "%s %s/tests/workloads/torch_counter.py --dir %s --gib %s --daemon" % (PY, REPO, workdir, args.torch_gib)
     else:
         cmd = "%s %s/tests/workloads/counter.py --dir %s --mb %d --daemon" % (PY, REPO, workdir, args.mb)
+    # Under a subreaper, as systemd or a container shim runs real workloads (tests/workloads/reaper.py).
+    cmd = "%s %s/tests/workloads/reaper.py %s" % (PY, REPO, cmd)
     out = hosts.ssh("hosta", "echo 20000 > /proc/sys/kernel/ns_last_pid; env %s %s" % (env, cmd), timeout=900).stdout
     pid = int(out.strip().splitlines()[-1])
     deadline = time.time() + 300
