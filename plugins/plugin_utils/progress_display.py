@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 
+from ansible.errors import AnsibleError
 from ansible.module_utils.common.text.converters import to_text
 from ansible.plugins.action import ActionBase
 from ansible.utils.display import Display
@@ -98,7 +99,13 @@ class ProgressActionBase(ActionBase):
         if self._task.check_mode or self._task.async_val or interval <= 0 or args.get("progress_file"):
             # With async, the module goes to the background (async_wrapper) and the task returns its job id.
             wrap_async = bool(self._task.async_val) and not self._connection.has_native_async
-            result.update(self._execute_module(module_args=args, task_vars=task_vars, wrap_async=wrap_async))
+            try:
+                result.update(self._execute_module(module_args=args, task_vars=task_vars, wrap_async=wrap_async))
+            except AnsibleError as exc:
+                if not wrap_async:
+                    raise
+                # A job that cannot start is a task result, so that failed_when can judge it.
+                result.update(failed=True, msg="the job could not start: %s" % to_text(exc))
             if not wrap_async:
                 self._remove_tmp_path(self._connection._shell.tmpdir)
             return result
@@ -137,38 +144,35 @@ class ProgressActionBase(ActionBase):
 
     def _attach(self, jid, progress_path, interval, task_vars):
         """Wait for the job ``jid`` of this module, started earlier with async, and return its result;
-        meanwhile print its progress file's lines. Reads the job's file with a plain ``cat`` (what
-        async_status reads) a few times a second: the result is there the moment the module ends,
-        and no retry loop fills the output."""
+        meanwhile print its progress file's lines. Reads the job's result file (what async_status
+        reads) with a plain ``cat`` through the task's become, as the job ran: the result is there the
+        moment the module ends, and no retry loop fills the output."""
         async_dir = self._remote_expand_user(self.get_shell_option("async_dir", default="~/.ansible_async"))
         job_file = self._connection._shell.join_path(async_dir, jid)
         who, label = self._who(task_vars), self._task.get_name().split(":")[0]
-        last, next_poll = None, time.monotonic() + (interval if interval > 0 else float("inf"))
+        last, next_poll, pause = None, time.monotonic() + (interval if interval > 0 else float("inf")), 0.1
         while True:
-            res = self._low_level_execute_command("cat %s 2>/dev/null || true" % job_file, sudoable=False)
+            res = self._low_level_execute_command("cat %s 2>/dev/null || echo MISSING" % job_file)
             text = to_text(res.get("stdout", "")).strip()
+            if text.endswith("MISSING") and "{" not in text:
+                return {"failed": True, "msg": "no job %s on this host (its result file %s is gone)" % (jid, job_file)}
             data = None
-            if text:
+            if "{" in text:
                 try:
                     data = json.loads(text[text.index("{"):])
                 except ValueError:
                     data = None  # being written
             if data is not None and "started" not in data:  # the module's own result: the job has ended
-                self._low_level_execute_command("rm -f %s %s.log" % (job_file, job_file), sudoable=False)
+                self._low_level_execute_command("rm -f %s" % job_file)
                 return {k: v for k, v in data.items() if not k.startswith("_ansible")}
-            if not text and data is None and res.get("rc", 0) == 0 and self._job_gone(job_file):
-                return {"failed": True, "msg": "no job %s on this host (its result file %s is gone)" % (jid, job_file)}
             if progress_path and time.monotonic() >= next_poll:
                 line = self._poll(progress_path)
                 if line and line != last:
                     display.display("  [%s] %s: %s" % (who, label, line))
                     last = line
                 next_poll = time.monotonic() + interval
-            time.sleep(0.1)
-
-    def _job_gone(self, job_file):
-        res = self._low_level_execute_command("test -e %s && echo yes || echo no" % job_file, sudoable=False)
-        return to_text(res.get("stdout", "")).strip() == "no"
+            time.sleep(pause)
+            pause = min(1.0, pause * 1.2)  # quick at first (a restore's end is the migration's commit)
 
     def _poll(self, path):
         try:

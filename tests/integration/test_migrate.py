@@ -446,6 +446,21 @@ def test_a_checkpoint_failing_on_the_source_stops_the_restore_waiting_on_the_tar
     assert w.one_copy_runs_intact()
 
 
+def test_a_restore_job_that_cannot_start_falls_back_to_the_restore_after_the_transfer(playbook, hosts, remote_workload):
+    """Ansible copies an async task's module file to the host (no pipelining for async); a controller
+    without an sftp client, as on the GPU machine, cannot. The early restore then never starts, and
+    stage 3 restores after the transfer, as it did before the early restore existed."""
+    w = remote_workload()
+    v = {"source": "hosta", "target": "hostb", "pid": w.pid, "migration_id": "t-nojob"}
+    run = playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"),
+                   env={"ANSIBLE_SSH_TRANSFER_METHOD": "sftp", "ANSIBLE_SFTP_EXECUTABLE": "/nonexistent/sftp"})
+    assert run.rc == 0, run.stdout
+    assert "ansible_job_id" not in run.task("Begin the restore")
+    rs = run.task("Restore on hostb")
+    assert rs["changed"] is True and "wait_for_image" not in rs["timings"]
+    assert w.one_copy_runs_intact()
+
+
 def test_controller_killed_mid_migration_then_recover(playbook, hosts, remote_workload, tmp_path):
     w = remote_workload(mb=24)
     env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS, ANSIBLE_HOST_KEY_CHECKING="false",
