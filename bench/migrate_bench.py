@@ -174,44 +174,30 @@ def main():
     base = args.base or tempfile.mkdtemp(prefix="gpuckpt-mbench-")
     hv = {n: {"gpuckpt_environment": PASS_ENV} for n in ("hosta", "hostb")}
     hosts = LoopbackHosts(os.path.join(base, "hosts"), pid_namespaces=bool(args.pid_namespaces), python=PY).start(hv)
+    def settle(tag):  # end the variant's workload: an idle machine for the next one
+        time.sleep(1)
+        subprocess.run("pkill -9 -f -- '[-]-dir %s/%s-w'" % (base, tag), shell=True, check=False)
+        time.sleep(2)
+
+    def variant(tag, streams=None, **kw):
+        """Our migration on a fresh workload, as the variant ``tag``; (downtime, size, stage1, results)."""
+        out = ours(hosts, args, base, args.streams if streams is None else streams, tag=tag, **kw)
+        settle(tag)
+        return out
+
     try:
         if args.warmup:
-            ours(hosts, args, base, args.streams, tag="warmup")
-            time.sleep(1)
-            subprocess.run("pkill -9 -f -- '[-]-dir %s/warmup-w'" % base, shell=True, check=False)
-            time.sleep(2)
-        down, size, stage1, res = ours(hosts, args, base, args.streams)
-        time.sleep(1)
-        subprocess.run("pkill -9 -f -- '[-]-dir %s/ours-w'" % base, shell=True, check=False)
-        time.sleep(2)
-        single = None
-        if args.also_single_stream:
-            single, _s, _st, _r = ours(hosts, args, base, 1, tag="single")
-            time.sleep(1)
-            subprocess.run("pkill -9 -f -- '[-]-dir %s/single-w'" % base, shell=True, check=False)
-            time.sleep(2)
-        after_dump = None
-        if args.also_after_dump:
-            after_dump, _s, _st, _r = ours(hosts, args, base, args.streams, tag="after", during_dump=False)
-            time.sleep(1)
-            subprocess.run("pkill -9 -f -- '[-]-dir %s/after-w'" % base, shell=True, check=False)
-            time.sleep(2)
-        late = None
-        if args.also_late_restore:
-            late, _s, _st, _r = ours(hosts, args, base, args.streams, tag="late", restore_early=False)
-            time.sleep(1)
-            subprocess.run("pkill -9 -f -- '[-]-dir %s/late-w'" % base, shell=True, check=False)
-            time.sleep(2)
+            variant("warmup")
+        down, size, stage1, res = variant("ours")
+        single = variant("single", streams=1)[0] if args.also_single_stream else None
+        after_dump = variant("after", during_dump=False)[0] if args.also_after_dump else None
+        late = variant("late", restore_early=False)[0] if args.also_late_restore else None
         chain, chain_size, chain_steps = plain_chain(hosts, args, base)
-        time.sleep(1)
-        subprocess.run("pkill -9 -f -- '[-]-dir %s/chain-w'" % base, shell=True, check=False)  # idle machine for the floors
-        time.sleep(2)
+        settle("chain")
         fast_chain = None
         if args.also_fast_chain:
             fast_chain, _s, fast_chain_steps = plain_chain(hosts, args, base, fast_cipher=True, tag="fchain")
-            time.sleep(1)
-            subprocess.run("pkill -9 -f -- '[-]-dir %s/fchain-w'" % base, shell=True, check=False)
-            time.sleep(2)
+            settle("fchain")
         disk, link1, link_n = bandwidths(hosts, base, size, args.streams)
         link = max(link1, link_n)
         floor = stage1 + size / disk + size / link

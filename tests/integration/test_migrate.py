@@ -291,20 +291,39 @@ def _python_wrapper(path, body):
 
 
 def test_a_byte_changed_in_the_push_is_found_and_repaired(playbook, hosts, remote_workload, tmp_path):
-    """A lossy link during the push: once the pushed image is whole, one byte of its largest pages file
-    flips. The restore's verification finds it before anything starts, only that file's differing
-    blocks are sent again (rsync --checksum), and the restore goes on."""
-    w = remote_workload()
+    """A lossy link during the push: one byte of a pages file flips in transit, on its way into the
+    receiver (so before the manifest lands, when the target's restore may begin at once). The
+    restore's verification finds it before anything starts, only that file's differing blocks are sent
+    again (rsync --checksum), and the restore goes on."""
+    w = remote_workload(mb=24)
     marker = tmp_path / "flipped"
-    lossy = _python_wrapper(tmp_path / "lossy-python", """/usr/bin/python3 "$@"; rc=$?
-for last; do :; done
-if [ $rc -eq 0 ] && [ ! -e %(m)s ] && [ -f "$last/manifest.json" ]; then
-  f=$(ls -S "$last"/pages-*.img | head -n1)
-  /usr/bin/python3 -c "import sys; f=open(sys.argv[1],'r+b'); f.seek(5000); b=f.read(1); f.seek(5000); f.write(bytes([b[0]^1]))" "$f"
-  touch %(m)s
-fi
-exit $rc
-""" % {"m": marker})
+    flip = tmp_path / "flip.py"
+    # The stream's first operation carries a pages file (the largest go first): flip the byte at 5 MB
+    # of its data, once for the whole push (the marker), and pass every other byte through.
+    flip.write_text("""import os, sys
+inp, out = sys.stdin.buffer, sys.stdout.buffer
+head = inp.readline()
+out.write(head)
+op = __import__("json").loads(head or b"{}")
+at = None
+if op.get("op") == "data" and "pages-" in op.get("path", "") and op.get("len", 0) > 5000001:
+    try:
+        os.close(os.open(%r, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        at = 5000000
+    except FileExistsError:
+        pass
+done = 0
+while True:
+    b = inp.read(1 << 20)
+    if not b:
+        break
+    if at is not None and done <= at < done + len(b):
+        b = b[:at - done] + bytes([b[at - done] ^ 1]) + b[at - done + 1:]
+    out.write(b)
+    done += len(b)
+out.flush()
+""" % str(marker))
+    lossy = _python_wrapper(tmp_path / "lossy-python", '/usr/bin/python3 %s | /usr/bin/python3 "$@"\n' % flip)
     run = migrate(playbook, hosts, w, "t-push-flip", gpuckpt_transfer_python=lossy)
     assert marker.exists(), "the lossy push never changed a byte"
     assert run.rc == 0, run.stdout
