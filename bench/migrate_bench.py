@@ -174,6 +174,7 @@ def main():
     base = args.base or tempfile.mkdtemp(prefix="gpuckpt-mbench-")
     hv = {n: {"gpuckpt_environment": PASS_ENV} for n in ("hosta", "hostb")}
     hosts = LoopbackHosts(os.path.join(base, "hosts"), pid_namespaces=bool(args.pid_namespaces), python=PY).start(hv)
+
     def settle(tag):  # end the variant's workload: an idle machine for the next one
         time.sleep(1)
         subprocess.run("pkill -9 -f -- '[-]-dir %s/%s-w'" % (base, tag), shell=True, check=False)

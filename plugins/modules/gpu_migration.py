@@ -31,7 +31,9 @@ options:
       - C(begin) starts this host's journal (target side, before the image arrives).
       - C(commit) on the source releases the stopped source (kills it); on the target it marks the restored workload as the one copy.
       - C(rollback) on the source resumes it (or restores it from its own image when it exited).
-      - C(rollback) on the target kills what was restored there and removes the image copy.
+      - C(rollback) on the target kills what was restored there and removes the image copy. A restore of the
+        migration still waiting there for its image (gpuckpt.fleet.gpu_restore O(gpuckpt.fleet.gpu_restore#module:wait_for_image))
+        is stopped first; one that is restoring is waited for (up to 1800 s), then what it restored is killed.
     type: str
     choices: [status, begin, commit, rollback]
     default: status
