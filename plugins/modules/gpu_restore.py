@@ -152,12 +152,14 @@ def main():
     if p["wait_for_image"] and not p["migration_id"]:
         module.fail_json(msg="wait_for_image needs migration_id: only a migration's rollback can stop the wait")
     journal = journal_for(p, "target")
-    # Held until this module exits (exit_json ends the process): a rollback of the target waits for it
-    # (see migration.Journal).
-    held = journal.lock() if journal is not None and p["wait_for_image"] else None  # noqa: F841
+    held = []
 
     def restore():
         waited = None
+        if p["wait_for_image"]:
+            # Held until this module exits (exit_json ends the process): a rollback of the target waits
+            # for it (see migration.Journal).
+            held.append(journal.lock())
         if p["wait_for_image"] and not module.check_mode:
             waited = engine.wait_for_image(p["image_dir"], p["wait_for_image"], journal, p["libcuda_path"])
         res = engine.restore(
