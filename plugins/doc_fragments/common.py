@@ -12,10 +12,23 @@ options:
     description: Path of the criu binary. Found on PATH and in the sbin directories when not given.
     type: path
   criu_options:
-    description: Extra options for CRIU (C(criu dump) when checkpointing, C(criu restore) when restoring), for example C(--tcp-established).
+    description:
+      - Extra options for CRIU (C(criu dump) when checkpointing, C(criu restore) when restoring), for example C(--link-remap).
+      - What the workload needs is found before anything is frozen and passed without being asked, and recorded in the
+        image for its restore: C(--file-locks) when it holds file locks, C(--ext-unix-sk) when it holds a datagram
+        unix socket connected to a named socket outside it (such as C(/dev/log)). One end of a unix stream connection
+        to a process outside the workload cannot be checkpointed; that is refused, with nothing frozen.
     type: list
     elements: str
     default: []
+  tcp_established:
+    description:
+      - Checkpoint established TCP connections (CRIU's C(--tcp-established)); they are restored with the same
+        addresses, so the restored workload must be reachable there (the same host, or an address that moves with it).
+      - Without it, a workload with established TCP connections is refused before anything is frozen. Listening
+        sockets need nothing.
+    type: bool
+    default: false
   libcuda_path:
     description: Path of libcuda.so.1 when the dynamic loader cannot find it.
     type: path

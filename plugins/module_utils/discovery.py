@@ -357,3 +357,131 @@ def driver_version():
             return m.group(1) if m else None
     except OSError:
         return None
+
+
+def file_locks(pids):
+    """{pid: [lock lines]} of the file locks (POSIX, OFD, flock, leases) that ``pids`` hold, from
+    /proc/<pid>/fdinfo (CRIU dumps them only with --file-locks)."""
+    out = {}
+    for pid in pids:
+        try:
+            fds = os.listdir("/proc/%d/fdinfo" % pid)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                with open("/proc/%d/fdinfo/%s" % (pid, fd)) as fh:
+                    locks = [ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("lock:")]
+            except OSError:
+                continue
+            if locks:
+                out.setdefault(pid, []).extend(locks)
+    return out
+
+
+def _socket_owner(inode):
+    """(pid, comm) of a process holding socket ``inode``, or None."""
+    for pid in all_pids():
+        if str(inode) in _socket_inodes([pid]):
+            return pid, (read_stat(pid) or {}).get("comm")
+    return None
+
+
+def unix_sockets():
+    """{inode: {"type", "peer", "name"}} of this network namespace's unix sockets, through
+    NETLINK_SOCK_DIAG (the only place the kernel tells a socket's peer). {} when it cannot be asked."""
+    import socket
+    import struct
+    NETLINK_SOCK_DIAG, SOCK_DIAG_BY_FAMILY = 4, 20
+    UDIAG_SHOW_NAME, UDIAG_SHOW_PEER = 0x1, 0x4
+    UNIX_DIAG_NAME, UNIX_DIAG_PEER = 0, 2
+    try:
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, NETLINK_SOCK_DIAG)
+    except OSError:
+        return {}
+    out = {}
+    try:
+        req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xffffffff, 0, UDIAG_SHOW_NAME | UDIAG_SHOW_PEER, 0, 0)
+        s.send(struct.pack("=IHHII", 16 + len(req), SOCK_DIAG_BY_FAMILY, 0x1 | 0x300, 1, 0) + req)
+        done = False
+        while not done:
+            data = s.recv(1 << 16)
+            if not data:
+                break
+            off = 0
+            while off + 16 <= len(data):
+                length, kind = struct.unpack_from("=IH", data, off)
+                if length < 16:
+                    done = True
+                    break
+                if kind in (2, 3):  # NLMSG_ERROR, NLMSG_DONE
+                    done = True
+                    break
+                fam, typ, state, _pad, ino = struct.unpack_from("=BBBBI", data, off + 16)
+                entry = {"type": {1: "stream", 2: "dgram", 5: "seqpacket"}.get(typ, str(typ)), "peer": 0, "name": None}
+                a = off + 16 + 16
+                while a + 4 <= off + length:
+                    alen, atype = struct.unpack_from("=HH", data, a)
+                    if alen < 4:
+                        break
+                    payload = data[a + 4:a + alen]
+                    if atype == UNIX_DIAG_PEER and len(payload) >= 4:
+                        entry["peer"] = struct.unpack_from("=I", payload)[0]
+                    elif atype == UNIX_DIAG_NAME:
+                        entry["name"] = ("@" + payload[1:].decode("utf-8", "replace") if payload[:1] == b"\0"
+                                         else payload.decode("utf-8", "replace"))
+                    a += (alen + 3) & ~3
+                out[ino] = entry
+                off += (length + 3) & ~3
+    except OSError:
+        return {}
+    finally:
+        s.close()
+    return out
+
+
+def tcp_connections(pids):
+    """The established (or closing) TCP connections that ``pids`` hold, as "local -> remote" text."""
+    inodes = _socket_inodes(pids)
+    out = []
+    if not inodes:
+        return out
+    net = "/proc/%d/net/" % pids[0]
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(net + name) as fh:
+                next(fh)
+                for line in fh:
+                    f = line.split()
+                    if len(f) > 9 and f[9] in inodes and f[3] not in ("0A", "07"):  # not LISTEN, not CLOSE
+                        out.append("tcp port %d -> port %d" % (_hex_port(f[1]), _hex_port(f[2])))
+        except (OSError, StopIteration, ValueError, IndexError):
+            pass
+    return sorted(set(out))
+
+
+def criu_needs(pids):
+    """What CRIU must be told, or cannot do, for the tree ``pids``, found before anything is frozen:
+    {"file_locks": {pid: [...]}, "ext_unix_dgram": [...], "ext_unix_stream": [...], "tcp": [...]}.
+    External unix sockets are connected to a peer outside the tree: CRIU dumps a datagram one to a
+    named peer with --ext-unix-sk (and reconnects it on restore, e.g. /dev/log) and cannot dump one
+    end of a stream connection at all. Peers are seen only in this host's network namespace."""
+    pids = [int(p) for p in pids]
+    needs = {"file_locks": file_locks(pids), "ext_unix_dgram": [], "ext_unix_stream": [], "tcp": tcp_connections(pids)}
+    ours = set(_socket_inodes(pids))
+    if any(net_namespace(p) == net_namespace() for p in pids[:1]):
+        table = unix_sockets()
+        for ino in sorted(ours):
+            entry = table.get(int(ino))
+            if not entry or not entry["peer"] or str(entry["peer"]) in ours:
+                continue
+            peer = table.get(entry["peer"]) or {}
+            owner = _socket_owner(entry["peer"])
+            what = "unix %s socket %s connected to %s%s" % (
+                entry["type"], ino, peer.get("name") or "an unnamed socket",
+                " (held by pid %d, %s)" % owner if owner else "")
+            if entry["type"] == "dgram" and peer.get("name"):
+                needs["ext_unix_dgram"].append(what)
+            else:
+                needs["ext_unix_stream"].append(what)
+    return needs

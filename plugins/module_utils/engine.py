@@ -1,16 +1,26 @@
 # -*- coding: utf-8 -*-
 # Copyright: gpuckpt.fleet contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""The two-stage transaction, importable without Ansible.
+"""The two-stage engine, importable without Ansible.
 
-checkpoint: lock every CUDA pid -> checkpoint every CUDA pid (VRAM -> host RAM)
-            -> runtime dump (RAM + CPU state -> image dir) -> checksums + manifest
+checkpoint: plan (preflight, touches nothing) -> image dir -> lock every CUDA pid -> checkpoint every
+            CUDA pid (VRAM -> host RAM) -> runtime dump (RAM + CPU state -> image dir) -> checksums +
+            manifest -> (a migration) deliver the image to the target
 restore:    verify image -> runtime restore -> CUDA restore every pid -> unlock every pid -> validate
 
-Rules: lock all before checkpointing any, restore all before unlocking any; any failure after the
-first lock rolls back (restore + unlock) so the workload runs on; a failed restore kills what it
-brought up and leaves the image untouched. Every result carries per-stage timings and the time
-spent inside the driver's own calls, so overhead is visible.
+A checkpoint is a plan and a list of steps, each carrying its undo. Any failure runs the undo of the
+steps done, newest first, so the workload runs on: unlock what was locked, restore what was
+checkpointed, thaw (or restore from the image) what was dumped, remove the partial image. Rules kept
+by the order of the steps: lock all before checkpointing any, restore all before unlocking any. In a
+migration each step is a transition of the source's journal, under its lock, and a recovery's fence
+stops the steps at the next one; delivering the image to the target is the last step and has no undo:
+from there on only the migration's settlement decides (see migration.py).
+
+A restore in a migration moves the target's journal from received to restoring under its lock, and
+records the restored processes' identities before it unlocks them, so a recovery always knows what a
+restore brought up, even when that restore's module died. Validation compares the restored tree with
+the dumped one: a process that was a zombie or stopped at the dump may be so again; a CUDA process
+that does not run is a failure.
 """
 from __future__ import annotations
 
@@ -18,27 +28,29 @@ import datetime
 import os
 import signal
 import socket
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from . import discovery, image
 from . import driver as cuda
-from .errors import DriverUnavailable, GpuCkptError, InvalidTarget, TransactionError
+from .errors import DriverUnavailable, GpuCkptError, ImageError, InvalidTarget, TransactionError
+from .journal import Fenced, identities, process_identity, same_process
 from .progress import StageProgress
 from .runtimes.base import network_lock_problem
 from .runtimes.process import ProcessBackend
 
 COLLECTION_VERSION = "0.1.0"
+CHECKPOINT_STAGES = ("cuda_lock", "cuda_checkpoint", "runtime_dump", "checksum", "manifest", "push")
+RESTORE_STAGES = ("wait_pids_free", "verify", "preflight", "runtime_restore", "cuda_restore", "cuda_unlock",
+                  "validate")
+STOPPED = ("T", "t")
+DEAD = ("Z", "X")
 
 
 def _now():
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
-
-
-CHECKPOINT_STAGES = ("cuda_lock", "cuda_checkpoint", "runtime_dump", "checksum", "manifest", "push")
-RESTORE_STAGES = ("wait_pids_free", "verify", "preflight", "runtime_restore", "cuda_restore", "cuda_unlock",
-                  "validate")
 
 
 class _Clock(object):
@@ -48,6 +60,7 @@ class _Clock(object):
         self.stages = {}
         self._t = None
         self.progress = progress
+        self.resumed_at = None
 
     def start(self):
         self._t = time.monotonic()
@@ -72,35 +85,19 @@ def _driver_seconds(drv, since):
 
 def host_facts(drv=None):
     gpus, source = discovery.gpus()
-    facts = {"hostname": socket.gethostname(), "kernel": os.uname().release, "arch": os.uname().machine,
-             "driver_version": discovery.driver_version() or (gpus[0]["driver_version"] if gpus else None),
-             "cuda_api_version": cuda.api_version_string(drv.api_version) if drv else None,
-             "gpus": gpus, "gpu_source": source,
-             "cuda_device_uuids": drv.device_uuids() if drv else []}
-    return facts
+    return {"hostname": socket.gethostname(), "kernel": os.uname().release, "arch": os.uname().machine,
+            "driver_version": discovery.driver_version() or (gpus[0]["driver_version"] if gpus else None),
+            "cuda_api_version": cuda.api_version_string(drv.api_version) if drv else None,
+            "gpus": gpus, "gpu_source": source,
+            "cuda_device_uuids": drv.device_uuids() if drv else []}
 
 
 def _error_fields(exc):
     if isinstance(exc, GpuCkptError):
-        return {k: getattr(exc, k) for k in ("cmd", "rc", "stdout", "stderr", "driver_error")}
+        out = {k: getattr(exc, k) for k in ("cmd", "rc", "stdout", "stderr", "driver_error")}
+        out["details"] = exc.details
+        return out
     return {}
-
-
-def _rollback(drv, checkpointed, locked):
-    """Bring the source back: restore every checkpointed pid, then unlock every locked one.
-    Returns (ok, [problems])."""
-    problems = []
-    for p in checkpointed:
-        try:
-            drv.restore(p)
-        except GpuCkptError as exc:
-            problems.append(str(exc))
-    for p in locked:
-        try:
-            drv.unlock(p)
-        except GpuCkptError as exc:
-            problems.append(str(exc))
-    return not problems, problems
 
 
 def _find_cuda_pids(drv, pids, driver_problem):
@@ -147,70 +144,21 @@ class _NoHangup(object):
         return False
 
 
-class _NullJournal(object):
-    def write(self, phase, **data):
-        pass
-
-    def cancelled(self):
-        return False
-
-
-def wait_for_image(image_dir, timeout, journal=None, libcuda_path=None, poll=0.02):
-    """Wait until a complete image is in ``image_dir``: its manifest, which a push or a transfer
-    writes last (as a rename). A migration starts its target's restore this way BEFORE the source is
-    frozen, so that the restore begins the moment the image is complete, with the driver already
-    loaded (cuInit takes about 0.4 s on an H200), instead of after Ansible has moved on to the next
-    task: all of that would be downtime. Raises TransactionError when the migration's journal is
-    cancelled (a rollback) and ImageError after ``timeout`` seconds. Returns the seconds waited."""
-    import threading
-    from .errors import ImageError
-    journal = journal or _NullJournal()
-    start = time.monotonic()
-    warm = threading.Thread(target=cuda.load, args=(libcuda_path,), name="gpuckpt-cuinit")
-    warm.daemon = True
-    warm.start()
-    while not image.has_manifest(image_dir):
-        if journal.cancelled():
-            raise TransactionError("the migration was rolled back while this host waited for the image; nothing "
-                                   "was restored", stage="wait")
-        if time.monotonic() - start > timeout:
-            raise ImageError("no complete image arrived in %s within %s s; nothing was restored" % (image_dir, timeout),
-                             stage="wait", hint="see the source's checkpoint and transfer")
-        time.sleep(poll)
-    warm.join()
-    return time.monotonic() - start
-
-
-def _identities(pids):
-    """(comm, starttime) per pid: who a pid was, so we never signal a reused pid."""
-    out = {}
-    for p in pids:
-        st = discovery.read_stat(p) or {}
-        out[str(p)] = {"comm": st.get("comm"), "starttime": st.get("starttime")}
-    return out
-
-
-def _same_process(pid, ident):
-    st = discovery.read_stat(pid)
-    return bool(st) and ident is not None and st["starttime"] == ident.get("starttime")
-
-
 def _each(pids, fn, parallel):
     """fn(pid) for every pid, in order, or on one thread per pid (the driver call releases the GIL).
     Parallel is the default: for 3 processes of 2 GiB on an H200 the driver's checkpoint took 1.8 s in
     parallel against 5.0 s one after another, restore 1.0 s against 2.2 s (docs/benchmarks).
-    Returns the pids done; raises the first error after every call has returned."""
+    Returns the pids done; raises the first error (with ``done``: the pids done) after every call."""
     if not parallel or len(pids) < 2:
         done = []
         for p in pids:
             try:
                 fn(p)
             except Exception as exc:
-                exc.done = done  # the rollback must undo exactly these
+                exc.done = done  # the undo must cover exactly these
                 raise
             done.append(p)
         return done
-    from concurrent.futures import ThreadPoolExecutor
     with ThreadPoolExecutor(len(pids)) as pool:
         futures = [(p, pool.submit(fn, p)) for p in pids]
     done, first_error = [], None
@@ -226,55 +174,104 @@ def _each(pids, fn, parallel):
     return done
 
 
-def checkpoint(pid, image_dir, leave_running=False, lock_timeout=30.0, backend=None, libcuda_path=None,
-               check_mode=False, sign_key=None, leave_stopped=False, journal=None, parallel=True,
-               progress_file=None, pusher=None):
-    """Checkpoint the process tree of ``pid`` into ``image_dir``. Returns a result dict.
+# ---- steps with their undo -----------------------------------------------------------------------------
+class Step(object):
+    """One step of a transaction: ``do(ctx)``, and ``undo(ctx)`` that puts back what ``do`` changed.
+    ``phase``: the journal phase to record once it is done. ``partial``: the undo also puts back a ``do``
+    that failed half-way (it undoes what the context records as done: the pids locked so far...);
+    otherwise a step that fails is left to its runtime (a failed dump thaws its tree itself)."""
 
-    Afterwards the tree exits (default), runs on (``leave_running``), or stays stopped with its GPU
-    memory in host RAM (``leave_stopped``: a migration's source, released or resumed later).
-    ``pusher`` (a transfer.Pusher) sends the image to another host while it is written; its report
-    is the result's ``push``. A failed push never fails the checkpoint."""
-    if leave_running and leave_stopped:
-        raise InvalidTarget("leave_running and leave_stopped exclude each other", stage="preflight")
-    progress = StageProgress(progress_file, CHECKPOINT_STAGES, os.path.abspath(image_dir))
+    def __init__(self, name, do, undo=None, phase=None, partial=False):
+        self.name, self.do, self.undo, self.phase, self.partial = name, do, undo, phase, partial
+
+
+def run_steps(steps, ctx, journal=None):
+    """Run ``steps`` in order. A journal's fence is checked before each; on any failure the done steps'
+    undos run newest first, and TransactionError says whether the workload was put back (an undo
+    that fails is reported, and the others still run)."""
+    done = []
     try:
-        with _NoHangup():
-            return _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_path, check_mode,
-                               sign_key, leave_stopped, journal or _NullJournal(), parallel, progress, pusher)
-    finally:
-        progress.close()
+        for step in steps:
+            if journal is not None:
+                journal.check_fence(step.name)
+            try:
+                step.do(ctx)
+            except Exception:
+                if step.partial:
+                    done.append(step)
+                raise
+            done.append(step)
+            if journal is not None and step.phase:
+                journal.transition(step.phase, **ctx.journal_data.pop(step.phase, {}))
+        return
+    except Exception as exc:  # noqa: BLE001 - any failure is undone
+        failure = exc
+    problems = []
+    for step in reversed(done):
+        if step.undo is None:
+            continue
+        try:
+            step.undo(ctx)
+        except Exception as exc:  # noqa: BLE001 - report it, keep undoing the rest
+            problems.append("undo of %s: %s" % (step.name, getattr(exc, "msg", exc)))
+    ok = not problems
+    if journal is not None:
+        try:
+            journal.transition("rolled_back" if ok else "rollback_failed", error=str(failure), problems=problems)
+        except GpuCkptError:
+            pass  # nothing was planned yet, or the journal cannot be written: the result says what happened
+    stage = getattr(failure, "stage", None) or "checkpoint"
+    where = " for pid %s" % failure.pid if getattr(failure, "pid", None) else ""
+    state = ("the workload was rolled back and runs on" if ok else
+             "ROLLBACK INCOMPLETE, the workload may be frozen: " + "; ".join(problems))
+    kept = "; its image is kept in %s" % ctx.image_dir if ctx.keep_image else "; no image was kept"
+    if isinstance(failure, InvalidTarget) and not done:
+        raise failure  # refused before anything was touched: the error says so itself
+    raise TransactionError("checkpoint failed at stage %s%s: %s; %s%s" % (stage, where, getattr(failure, "msg", failure),
+                                                                        state, kept),
+                           stage=stage, pid=getattr(failure, "pid", None), rolled_back=ok,
+                           hint=getattr(failure, "hint", None), **_error_fields(failure))
 
 
-def _start_push(pusher):
-    """Open the push's streams before anything is frozen; a push that cannot start is reported, not raised."""
-    if pusher is None:
-        return None, None
-    try:
-        return pusher.start(), None
-    except (OSError, GpuCkptError) as exc:
-        return None, {"pushed": False, "error": "the push could not start: %s" % exc}
+# ---- checkpoint -------------------------------------------------------------------------------------
+class CheckpointOptions(object):
+    """What a checkpoint may be told; every option has a default."""
+
+    def __init__(self, leave_running=False, leave_stopped=False, lock_timeout=30.0, libcuda_path=None,
+                 check_mode=False, sign_key=None, parallel=True, progress_file=None, nonce=None,
+                 journal_wait=30.0):
+        if leave_running and leave_stopped:
+            raise InvalidTarget("leave_running and leave_stopped exclude each other", stage="preflight")
+        if lock_timeout is None or float(lock_timeout) <= 0:
+            raise InvalidTarget("lock_timeout must be positive, got %s" % lock_timeout, stage="preflight")
+        self.leave_running, self.leave_stopped = bool(leave_running), bool(leave_stopped)
+        self.lock_timeout, self.libcuda_path = float(lock_timeout), libcuda_path
+        self.check_mode, self.sign_key, self.parallel = check_mode, sign_key, parallel
+        self.progress_file, self.nonce, self.journal_wait = progress_file, nonce, journal_wait
+
+    @property
+    def after(self):
+        return "running" if self.leave_running else "stopped" if self.leave_stopped else "exit"
 
 
-def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_path, check_mode, sign_key,
-                leave_stopped, journal, parallel, progress=None, pusher=None):
-    image_dir = os.path.abspath(image_dir)
-    backend = backend or ProcessBackend()
-    after = "running" if leave_running else "stopped" if leave_stopped else "exit"
-    result = {"changed": False, "image_dir": image_dir, "pid": pid, "leave_running": leave_running,
-              "leave_stopped": leave_stopped}
+class _Ctx(object):
+    """What the steps share: the plan, and what each step did (for the undos)."""
 
-    # Idempotence: a complete image of this same target is already there.
-    if os.path.isdir(image_dir) and image.has_manifest(image_dir):
-        m = image.load_manifest(image_dir)
-        if str(m.get("target", {}).get("workload", m.get("target", {}).get("root_pid"))) == str(pid):
-            result.update(msg="image of pid %s already exists in %s (taken %s); nothing to do"
-                          % (pid, image_dir, m.get("created")), pids=m["target"]["pids"],
-                          cuda_pids=m["target"]["cuda_pids"], manifest_id=m.get("id"))
-            return result
+    def __init__(self, **kw):
+        self.locked, self.checkpointed = [], []
+        self.made = None
+        self.keep_image = False
+        self.runtime_info = None
+        self.manifest = None
+        self.journal_data = {}
+        self.__dict__.update(kw)
 
-    root, pids = backend.resolve(pid)
-    if leave_stopped and not getattr(backend, "can_hold_stopped", True):
+
+def plan_checkpoint(target, image_dir, opts, backend):
+    """Everything decided before anything is touched: the tree, its CUDA pids and their states, each
+    process's state and identity, what the runtime and CRIU need. Raises InvalidTarget to refuse."""
+    root, pids = backend.resolve(target)
+    if opts.leave_stopped and not getattr(backend, "can_hold_stopped", True):
         raise InvalidTarget("the %s runtime cannot hold a workload stopped after its checkpoint; nothing was frozen"
                             % backend.name, stage="preflight",
                             hint="checkpoint it without leave_stopped; its image is the way back")
@@ -284,9 +281,9 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
         raise InvalidTarget(net_problem + "; nothing was frozen", stage="preflight", pid=root,
                             hint="install iptables (the gpuckpt.fleet.criu role does), or run the workload "
                                  "on the host's network")
-    if os.path.isdir(image_dir) and os.listdir(image_dir):
-        image.prepare_dir(image_dir)  # raises the not-empty error, touching nothing
-    drv, driver_problem = cuda.load(libcuda_path)
+    backend.plan_tree(pids)  # file locks, external unix sockets: the runtime's flags, or a refusal
+    image.check_dir(image_dir)
+    drv, driver_problem = cuda.load(opts.libcuda_path)
     cuda_pids, states = _find_cuda_pids(drv, pids, driver_problem)
     for p in cuda_pids:
         features = discovery.unsupported_features(p)
@@ -307,130 +304,302 @@ def _checkpoint(pid, image_dir, leave_running, lock_timeout, backend, libcuda_pa
         gpu_stage = "skipped: no CUDA driver on this host (%s); CPU-only workload" % driver_problem.msg
     else:
         gpu_stage = "skipped: no process of the tree is a CUDA process"
-    result.update(pids=pids, cuda_pids=cuda_pids, gpu_stage=gpu_stage)
-    if check_mode:
-        result.update(changed=True, msg="would checkpoint %d process(es), %d on the GPU, into %s"
-                      % (len(pids), len(cuda_pids), image_dir))
-        return result
+    proc_states = {str(p): (discovery.read_stat(p) or {}).get("state") for p in pids}
+    return _Ctx(target=target, image_dir=image_dir, root=root, pids=pids, cuda_pids=cuda_pids, drv=drv,
+                gpu_stage=gpu_stage, runtime_facts=runtime_facts, identities=identities(pids),
+                states=proc_states, after=opts.after, backend=backend, opts=opts)
 
-    created = image.prepare_dir(image_dir)
-    work = image.state_dir(image_dir)
-    identities = _identities(pids)
-    pusher, push_report = _start_push(pusher)
-    journal.write("freezing", pids=pids, cuda_pids=cuda_pids, identities=identities, image_dir=image_dir,
-                  after=after, frozen_at=time.time())
-    clock = _Clock(progress)
-    calls0 = len(drv.calls) if drv else 0
-    locked, checkpointed = [], []
-    lock_ms = int(lock_timeout * 1000)
-    frozen_at = time.time()
-    try:
+
+def _checkpoint_steps(ctx, clock, sender):
+    """The checkpoint's steps, each with its undo (see the module doc)."""
+    drv, opts, backend = ctx.drv, ctx.opts, ctx.backend
+    lock_ms = int(opts.lock_timeout * 1000)
+
+    def make_dir(c):
+        c.made = image.prepare_dir(c.image_dir)
+        c.work = image.state_dir(c.image_dir)
+        c.journal_data["planned"] = {
+            "pids": c.pids, "cuda_pids": c.cuda_pids, "identities": c.identities, "states": c.states,
+            "image_dir": c.image_dir, "image_dir_identity": c.made["identity"], "image_dir_created": c.made["created"],
+            "after": c.after, "nonce": opts.nonce, "runtime": backend.name, "container": getattr(backend, "container", None),
+            "owner": process_identity(os.getpid())}
+
+    def discard_dir(c):
+        if not c.keep_image:
+            image.discard(c.image_dir, c.made)
+
+    def begin_freeze(c):
+        c.frozen_at = time.time()
+        c.journal_data["freezing"] = {"frozen_at": c.frozen_at}
         clock.start()
-        for p in cuda_pids:  # locks stay sequential: each one is fast, and the order is the freeze order
+
+    def lock(c):
+        for p in c.cuda_pids:  # one after another: each is fast, and the order is the freeze order
             drv.lock(p, lock_ms)
-            locked.append(p)
+            c.locked.append(p)
         clock.stop("cuda_lock")
+
+    def unlock(c):
+        for p in c.locked:
+            drv.unlock(c.pid_map.get(p, p))
+
+    def checkpoint_gpu(c):
         try:
-            checkpointed.extend(_each(cuda_pids, drv.checkpoint if cuda_pids else None, parallel))
+            c.checkpointed.extend(_each(c.cuda_pids, drv.checkpoint, opts.parallel))
         except Exception as exc:
-            checkpointed.extend(getattr(exc, "done", []))
+            c.checkpointed.extend(getattr(exc, "done", []))
             raise
         clock.stop("cuda_checkpoint")
-        if pusher:
-            pusher.watch(image_dir)  # sends the page files' completed pieces while the dump writes them
-        runtime_info = backend.dump(root, image_dir, work, after)
-        clock.stop("runtime_dump")
-        if pusher:
-            pusher.complete(image_dir)  # the rest goes while the checksums are taken
-    except Exception as exc:  # noqa: BLE001 - any failure after the first lock rolls back
-        if pusher:
-            pusher.abort()
-        ok, problems = _rollback(drv, checkpointed, locked) if drv else (True, [])
-        image.discard(image_dir, created)
-        journal.write("rolled_back" if ok else "rollback_failed", error=str(exc))
-        stage = getattr(exc, "stage", None) or "checkpoint"
-        where = " for pid %s" % exc.pid if getattr(exc, "pid", None) else ""
-        state = ("the workload was rolled back and runs on" if ok else
-                 "ROLLBACK INCOMPLETE, the workload may be frozen: " + "; ".join(problems))
-        raise TransactionError("checkpoint failed at stage %s%s: %s; %s; no image was kept"
-                               % (stage, where, getattr(exc, "msg", exc), state), stage=stage,
-                               pid=getattr(exc, "pid", None), rolled_back=ok,
-                               hint=getattr(exc, "hint", None), **_error_fields(exc))
 
-    if leave_running:
-        # The image is on disk; give the GPU back to the source at once, then hash.
-        ok, problems = _rollback(drv, checkpointed, locked) if drv else (True, [])
+    def restore_gpu(c):
+        for p in c.checkpointed:
+            drv.restore(c.pid_map.get(p, p))
+
+    def dump(c):
+        if sender is not None:
+            sender.watch(c.image_dir)  # the page files' completed pieces go while the dump writes them
+        c.runtime_info = backend.dump(c.root, c.image_dir, c.work, c.after)
+        clock.stop("runtime_dump")
+        if sender is not None:
+            sender.complete(c.image_dir)  # the rest goes while the checksums are taken
+
+    def undump(c):
+        """Put back what the dump left: thaw a held tree, or bring an exited one back from its image."""
+        if c.after == "stopped":
+            backend.resume([p for p in c.pids if c.states.get(str(p)) not in STOPPED])
+        elif c.after == "exit":
+            if backend.name == "process":
+                discovery.wait_gone(c.pids, 10)  # PID 1 may take a second to reap the dumped tree
+            try:
+                new_pids, _cuda = _restore_from(c.image_dir, {"target": {"pids": c.pids, "cuda_pids": [],
+                                                                         "states": c.states},
+                                                              "runtime": c.runtime_info}, backend, None, None, _Clock())
+            except Exception:
+                c.keep_image = True  # the workload lives only in this image now
+                raise
+            c.pid_map = dict(zip(c.pids, new_pids)) if len(new_pids) == len(c.pids) else {}
+
+    def resume_gpu_now(c):
+        """leave_running: the image is on disk; give the GPU back to the source at once, then hash."""
+        restore_gpu(c)
+        unlock(c)
+        c.checkpointed, c.locked = [], []
         clock.stop("cuda_resume_source")
-        if not ok:
-            raise TransactionError("image written, but resuming the source failed: %s" % "; ".join(problems),
-                                   stage="cuda-resume", rolled_back=False)
-    journal.write("frozen" if after != "running" else "snapshotted", image_dir=image_dir)
-    # Without leave_running CRIU has killed the tree. PID 1 may take a second to reap it; a restore
-    # on this host waits for that itself, so the checkpoint does not.
-    try:
-        files = image.checksum_files(image_dir)
+
+    def write_manifest(c):
+        files = image.checksum_files(c.image_dir)
         clock.stop("checksum")
         host = host_facts(drv)
-        host.update(runtime_facts)
-        manifest = {
-            "id": str(uuid.uuid4()), "created": _now(), "tool": "gpuckpt.fleet", "tool_version": COLLECTION_VERSION,
-            "host": host, "runtime": runtime_info,
-            "target": {"workload": str(pid), "root_pid": root, "pids": pids, "cuda_pids": cuda_pids, "identities": identities,
-                       "after": after,
-                       "processes": [discovery.process_info(p) for p in pids] if leave_running else
-                       [{"pid": p} for p in pids]},
-            "gpu_stage": gpu_stage, "leave_running": leave_running, "leave_stopped": leave_stopped,
-            "frozen_at": frozen_at,
-            "sizes": {"image_bytes": sum(f["size"] for f in files.values()), "files": len(files)},
-            "timings": dict(clock.stages), "driver_call_seconds": _driver_seconds(drv, calls0),
-            "files": files,
-        }
-        image.write_manifest(image_dir, manifest, sign_key)
+        host.update(c.runtime_facts)
+        m = {"id": str(uuid.uuid4()), "created": _now(), "tool": "gpuckpt.fleet", "tool_version": COLLECTION_VERSION,
+             "host": host, "runtime": c.runtime_info,
+             "target": {"workload": str(c.target), "root_pid": c.root, "pids": c.pids, "cuda_pids": c.cuda_pids,
+                        "identities": c.identities, "states": c.states, "after": c.after,
+                        "processes": [discovery.process_info(p) for p in c.pids] if c.after == "running" else
+                        [{"pid": p} for p in c.pids]},
+             "gpu_stage": c.gpu_stage, "leave_running": c.after == "running", "leave_stopped": c.after == "stopped",
+             "frozen_at": c.frozen_at,
+             "sizes": {"image_bytes": sum(f["size"] for f in files.values()), "files": len(files)},
+             "timings": dict(clock.stages), "driver_call_seconds": _driver_seconds(drv, c.calls0), "files": files}
+        if c.migration_id:
+            m["migration"] = {"id": c.migration_id, "nonce": opts.nonce}
+        c.manifest = image.write_manifest(c.image_dir, m, opts.sign_key)
         clock.stop("manifest")
-    except Exception as exc:  # noqa: BLE001
-        if pusher:
-            pusher.abort()
-        # When the tree exited, the workload now lives only in this image: bring it back.
-        if after == "stopped":
-            resume_stopped({"target": {"pids": pids, "cuda_pids": cuda_pids, "identities": identities}},
-                           backend, drv)
-            back = "the workload was resumed"
-        elif after == "exit":
-            try:
-                _restore_from(image_dir, {"target": {"pids": pids, "cuda_pids": cuda_pids},
-                                          "runtime": runtime_info}, backend, drv, None, _Clock())
-                back = "the workload was restored from the unfinished image and runs on"
-            except Exception as exc2:  # noqa: BLE001
-                back = "RESTORING THE WORKLOAD FAILED (%s); its image is kept in %s" % (exc2, image_dir)
-                raise TransactionError("writing the manifest failed: %s; %s" % (exc, back), stage="manifest")
-        else:
-            back = "the workload runs on"
-        image.discard(image_dir, created)
-        journal.write("rolled_back", error=str(exc))
-        raise TransactionError("writing the image manifest failed: %s; %s" % (exc, back), stage="manifest",
-                               rolled_back=True)
-    journal.write("checkpointed", manifest_id=manifest["id"], image_bytes=manifest["sizes"]["image_bytes"],
-                  timings=dict(clock.stages))
-    if pusher:
-        push_report = pusher.finish(image_dir)
-        clock.stop("push")
+        c.journal_data["checkpointed"] = {"manifest_id": m["id"], "image_bytes": m["sizes"]["image_bytes"],
+                                          "timings": dict(clock.stages)}
+
+    def remove_manifest(c):
+        try:
+            os.unlink(os.path.join(c.image_dir, image.MANIFEST))
+        except OSError:
+            pass
+
+    ctx.pid_map = {}
+    ctx.calls0 = len(drv.calls) if drv else 0
+    steps = [Step("image_dir", make_dir, discard_dir, phase="planned"),
+             Step("freeze", begin_freeze, phase="freezing")]
+    if ctx.cuda_pids:
+        steps += [Step("cuda_lock", lock, unlock, partial=True),
+                  Step("cuda_checkpoint", checkpoint_gpu, restore_gpu, partial=True)]
+    steps.append(Step("runtime_dump", dump, undump, phase="frozen"))
+    if ctx.after == "running" and ctx.cuda_pids:
+        steps.append(Step("cuda_resume_source", resume_gpu_now))
+    steps.append(Step("manifest", write_manifest, remove_manifest, phase="checkpointed"))
+    return steps
+
+
+def checkpoint(target, image_dir, backend=None, journal=None, sender=None, migration_id=None, **options):
+    """Checkpoint the workload ``target`` (a pid, or a container for a container backend) into
+    ``image_dir``. Returns a result dict.
+
+    Afterwards the workload exits (default), runs on (``leave_running``), or stays stopped with its GPU
+    memory in host RAM (``leave_stopped``: a migration's source, released or resumed later). ``options``:
+    see CheckpointOptions. ``journal``: the migration's source journal, held for the whole checkpoint.
+    ``sender`` (a transfer.Sender) sends the image to the target while it is written, then delivers
+    it: the result's ``push``. A failed push never fails the checkpoint."""
+    opts = CheckpointOptions(**options)
+    image_dir = os.path.abspath(image_dir)
+    progress = StageProgress(opts.progress_file, CHECKPOINT_STAGES, image_dir)
+    try:
+        with _NoHangup():
+            if journal is None:
+                return _checkpoint(target, image_dir, opts, backend or ProcessBackend(), None, sender, migration_id,
+                                   progress)
+            with journal.hold(wait=opts.journal_wait, purpose="the checkpoint of %s" % target):
+                return _checkpoint(target, image_dir, opts, backend or ProcessBackend(), journal, sender,
+                                   migration_id or journal.id, progress)
+    finally:
+        progress.close()
+
+
+def _checkpoint(target, image_dir, opts, backend, journal, sender, migration_id, progress):
+    after = opts.after
+    result = {"changed": False, "image_dir": image_dir, "pid": target, "leave_running": after == "running",
+              "leave_stopped": after == "stopped"}
+    if journal is not None:
+        doc = journal.read()
+        if doc:
+            result.update(msg="migration %s was already checkpointed on this host (phase %s); nothing to do"
+                          % (journal.id, doc.get("phase")), journal_phase=doc.get("phase"), nonce=doc.get("nonce"))
+            if doc.get("nonce") == opts.nonce and doc.get("phase") not in ("rolled_back", "rollback_failed"):
+                return result
+            raise InvalidTarget(result["msg"].replace("; nothing to do", "") + "; settle it with recover.yml before "
+                                "starting it again", stage="preflight")
+        journal.check_fence("plan")
+    elif image.has_manifest(image_dir):  # idempotence: a complete image of this same target is already there
+        m = image.load_manifest(image_dir)
+        if str(m.get("target", {}).get("workload", m.get("target", {}).get("root_pid"))) == str(target):
+            result.update(msg="image of %s already exists in %s (taken %s); nothing to do"
+                          % (target, image_dir, m.get("created")), pids=m["target"]["pids"],
+                          cuda_pids=m["target"]["cuda_pids"], manifest_id=m.get("id"))
+            return result
+    if journal is not None and not opts.nonce:
+        opts.nonce = uuid.uuid4().hex
+    ctx = plan_checkpoint(target, image_dir, opts, backend)
+    ctx.migration_id = migration_id
+    result.update(pids=ctx.pids, cuda_pids=ctx.cuda_pids, gpu_stage=ctx.gpu_stage, nonce=opts.nonce)
+    if opts.check_mode:
+        result.update(changed=True, msg="would checkpoint %d process(es), %d on the GPU, into %s"
+                      % (len(ctx.pids), len(ctx.cuda_pids), image_dir))
+        return result
+
+    clock = _Clock(progress)
+    push_report = None
+    if sender is not None and journal is not None:
+        sender.fence = lambda: journal.check_fence("push")
+    if sender is not None:
+        try:  # the streams open before anything is frozen: their handshakes cost no downtime
+            sender.start()
+        except GpuCkptError as exc:
+            push_report, sender = {"pushed": False, "error": "the push could not start: %s" % exc.msg}, None
+    try:
+        run_steps(_checkpoint_steps(ctx, clock, sender), ctx, journal)
+    except GpuCkptError:
+        if sender is not None:
+            sender.abort()
+        raise
+    if sender is not None:
+        push_report = _deliver(sender, ctx, journal, clock)
     if push_report is not None:
         result["push"] = push_report
-    result.update(changed=True, manifest_id=manifest["id"], timings=dict(clock.stages), frozen_at=frozen_at,
-                  driver_call_seconds=manifest["driver_call_seconds"], image_bytes=manifest["sizes"]["image_bytes"],
+    result.update(changed=True, manifest_id=ctx.manifest["id"], timings=dict(clock.stages), frozen_at=ctx.frozen_at,
+                  driver_call_seconds=ctx.manifest["driver_call_seconds"],
+                  image_bytes=ctx.manifest["sizes"]["image_bytes"],
                   msg="checkpointed %d process(es) (%d on the GPU) into %s%s"
-                  % (len(pids), len(cuda_pids), image_dir,
+                  % (len(ctx.pids), len(ctx.cuda_pids), image_dir,
                      {"running": "; workload left running", "stopped": "; workload left stopped"}.get(after, "")))
     return result
 
 
-def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_wait=0.0, parallel=False):
-    """Runtime restore, CUDA restore of all pids, then unlock of all. Kills what it brought up on failure."""
+def _deliver(sender, ctx, journal, clock):
+    """The push's last part: the rest of the image, then the manifest. The source's journal says
+    'delivering' before the manifest goes: from then on the target may hold a complete image, and
+    only the migration's settlement may resume the source (see migration.rollback_source)."""
+    def before_deliver():
+        if journal is not None:
+            journal.check_fence("deliver")
+            journal.transition("delivering")
+    sender.before_deliver = before_deliver
+    report = {"pushed": False}
+    try:
+        report.update(sender.finish(ctx.image_dir), pushed=True)
+        if journal is not None:
+            journal.transition("delivered")
+    except (GpuCkptError, OSError) as exc:
+        sender.abort()
+        report.update(sender.report(), error=getattr(exc, "msg", str(exc)))
+        if isinstance(exc, Fenced):
+            report["fenced"] = True
+    clock.stop("push")
+    return report
+
+
+# ---- restore ----------------------------------------------------------------------------------------
+def wait_for_delivery(journal, timeout, libcuda_path=None, poll=0.02):
+    """Wait, without the journal's lock, until this migration's image has been delivered here (the
+    target journal's phase is received: its manifest landed, its nonce checked) while the driver loads
+    (cuInit takes about 0.4 s on an H200). A migration starts its target's restore this way BEFORE the
+    source is frozen, so that the restore begins the moment the image is complete. Raises
+    TransactionError when the migration was settled meanwhile (rolled back) and ImageError after
+    ``timeout`` seconds. Returns the seconds waited."""
+    start = time.monotonic()
+    warm = threading.Thread(target=cuda.load, args=(libcuda_path,), name="gpuckpt-cuinit")
+    warm.daemon = True
+    warm.start()
+    while True:
+        phase = journal.phase
+        if phase in ("received", "restore_failed", "restoring", "restored", "committed"):
+            break
+        if phase in ("cleaned", None):
+            raise TransactionError("migration %s was rolled back while this host waited for its image (journal %s); "
+                                   "nothing was restored" % (journal.id, phase or "absent"), stage="wait")
+        if time.monotonic() - start > timeout:
+            raise ImageError("no complete image of migration %s arrived within %s s; nothing was restored"
+                             % (journal.id, timeout), stage="wait", hint="see the source's checkpoint and transfer")
+        time.sleep(poll)
+    warm.join()
+    return time.monotonic() - start
+
+
+def _validate(manifest, new_pids, cuda_pids, drv):
+    """Compare the restored tree with the dumped one. Returns notes; raises on what is a failure: the
+    root or a CUDA process that does not run. A process that was a zombie or stopped when it was dumped
+    may be so again, and one the workload itself ended or stopped since is noted, not failed."""
+    old = manifest["target"]["pids"]
+    states = manifest["target"].get("states") or {}
+    mapping = dict(zip(old, new_pids)) if len(old) == len(new_pids) else {}
+    notes = []
+    for o in old:
+        n = mapping.get(o, o)
+        was = states.get(str(o))
+        now = (discovery.read_stat(n) or {}).get("state")
+        if now is None or now in DEAD:
+            if was in DEAD:
+                continue
+            if o == old[0]:
+                raise GpuCkptError("restored root pid %s %s" % (n, "exited" if now is None else "is a zombie"),
+                                   stage="validate", pid=n)
+            notes.append("pid %s (was %s) %s after the restore" % (n, o, "exited" if now is None else "is a zombie"))
+        elif now in STOPPED and was not in STOPPED:
+            notes.append("pid %s (was %s) is stopped after the restore" % (n, o))
+    for p in cuda_pids:
+        state = drv.cuda_state(p) if drv is not None else None
+        if state != "running":
+            raise GpuCkptError("CUDA pid %d is %s after unlock" % (p, state or "gone"), stage="validate", pid=p)
+    return notes
+
+
+def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_wait=0.0, parallel=False,
+                  on_restored=None):
+    """Runtime restore, CUDA restore of all pids, then unlock of all, then validation. ``on_restored``
+    (new pids) is called right after the runtime restore. Kills what it brought up on failure."""
     work = image.state_dir(image_dir)
     new_pids = []
     try:
         new_pids = backend.restore(image_dir, work, manifest)
         clock.stop("runtime_restore")
+        if on_restored is not None:
+            on_restored(new_pids)
         cuda_pids = backend.map_pids(manifest, new_pids)
         if cuda_pids is None:
             cuda_pids = _map_pids(manifest, new_pids)
@@ -442,15 +611,7 @@ def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_
         clock.resumed_at = time.time()  # the workload runs again from here: the end of its downtime
         if validate_wait:
             time.sleep(validate_wait)
-        dead = [p for p in new_pids if not discovery.alive(p)]
-        stopped = [p for p in new_pids if (discovery.read_stat(p) or {}).get("state") in ("T", "t")]
-        if dead or stopped:
-            raise GpuCkptError("restored pid %s %s" % ((dead or stopped)[0], "exited" if dead else "is stopped"),
-                               stage="validate", pid=(dead or stopped)[0])
-        not_running = [p for p in cuda_pids if drv.cuda_state(p) != "running"]
-        if not_running:
-            raise GpuCkptError("CUDA pid %d is %s after unlock" % (not_running[0], drv.cuda_state(not_running[0])),
-                               stage="validate", pid=not_running[0])
+        clock.notes = _validate(manifest, new_pids, cuda_pids, drv)
         clock.stop("validate")
         return new_pids, cuda_pids
     except Exception:
@@ -486,16 +647,69 @@ def gpu_pairs_for(gpu_map, visible):
     return pairs
 
 
-def restore(image_dir, gpu_map=None, force=False, backend=None, libcuda_path=None, check_mode=False,
-            sign_key=None, verify=True, validate_wait=0.5, pid_wait=10.0, journal=None, parallel=True,
-            progress_file=None):
-    progress = StageProgress(progress_file, RESTORE_STAGES)
+class RestoreOptions(object):
+    def __init__(self, gpu_map=None, force=False, libcuda_path=None, check_mode=False, sign_key=None, verify=True,
+                 validate_wait=0.5, pid_wait=10.0, parallel=True, progress_file=None, wait_for_image=0.0,
+                 journal_wait=60.0):
+        self.gpu_map, self.force, self.libcuda_path, self.check_mode = gpu_map, force, libcuda_path, check_mode
+        self.sign_key, self.verify, self.validate_wait, self.pid_wait = sign_key, verify, validate_wait, pid_wait
+        self.parallel, self.progress_file, self.wait_for_image = parallel, progress_file, wait_for_image
+        self.journal_wait = journal_wait
+
+
+def restore(image_dir, backend=None, journal=None, **options):
+    """Restore the workload of ``image_dir``. ``journal``: the migration's target journal: the restore
+    then waits (``wait_for_image`` seconds) for this migration's image to be delivered, and runs as the
+    journal's transition received -> restoring -> restored under its lock."""
+    opts = RestoreOptions(**options)
+    image_dir = os.path.abspath(image_dir)
+    progress = StageProgress(opts.progress_file, RESTORE_STAGES)
+    progress.start()
     try:
         with _NoHangup():
-            return _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_key, verify,
-                            validate_wait, pid_wait, journal or _NullJournal(), parallel, progress)
+            waited = None
+            if journal is not None and opts.wait_for_image and not opts.check_mode:
+                waited = wait_for_delivery(journal, opts.wait_for_image, opts.libcuda_path)
+            if journal is None:
+                res = _restore(image_dir, opts, backend, None, progress)
+            else:
+                with journal.hold(wait=opts.journal_wait, purpose="the restore of %s" % image_dir):
+                    res = _restore(image_dir, opts, backend, journal, progress)
+            if waited is not None and res.get("timings") is not None:
+                res["timings"] = dict(res["timings"], wait_for_image=round(waited, 6))
+            return res
     finally:
         progress.close()
+
+
+def _journal_gate(journal, image_dir, manifest, opts):
+    """In a migration: restore only this migration's delivered image, from the directory it created
+    here. Returns a result when the restore already happened (nothing to do)."""
+    doc = journal.read() or {}
+    phase = doc.get("phase")
+    if phase in ("restored", "committed"):
+        alive = [p for p, ident in (doc.get("identities") or {}).items() if same_process(ident)]
+        if len(alive) == len(doc.get("pids") or []):
+            return {"changed": False, "image_dir": image_dir, "pids": doc.get("pids"), "cuda_pids": doc.get("cuda_pids"),
+                    "manifest_id": manifest.get("id"), "msg": "migration %s is already restored here and runs; nothing to do"
+                    % journal.id}
+        raise TransactionError("migration %s was restored here, and that copy has since exited; settle the migration "
+                               "(recover.yml)" % journal.id, stage="preflight")
+    if phase not in ("received", "restore_failed"):
+        raise TransactionError("migration %s has no delivered image here (journal phase %s); nothing was restored"
+                               % (journal.id, phase or "absent"), stage="preflight",
+                               hint="the image arrives through the migration's transfer")
+    if os.path.abspath(doc.get("image_dir") or "") != image_dir:
+        raise InvalidTarget("migration %s received its image in %s, not %s" % (journal.id, doc.get("image_dir"), image_dir),
+                            stage="preflight")
+    from .fsutil import same_dir
+    if not same_dir(image_dir, doc.get("image_dir_identity")):
+        raise InvalidTarget("%s is no longer the directory migration %s created here; nothing was restored"
+                            % (image_dir, journal.id), stage="preflight")
+    if (manifest.get("migration") or {}).get("nonce") != doc.get("nonce"):
+        raise ImageError("the image in %s is not this migration's checkpoint (its nonce differs); nothing was restored"
+                         % image_dir, stage="verify")
+    return None
 
 
 def _restore_preflight(backend, needs_driver, libcuda_path):
@@ -503,29 +717,31 @@ def _restore_preflight(backend, needs_driver, libcuda_path):
     return cuda.load(libcuda_path) if needs_driver else (None, None)
 
 
-def _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_key, verify, validate_wait,
-             pid_wait, journal, parallel, progress=None):
-    image_dir = os.path.abspath(image_dir)
-    backend = backend or ProcessBackend()
+def _restore(image_dir, opts, backend, journal, progress):
     manifest = image.load_manifest(image_dir)
+    backend = backend or ProcessBackend()
     target = manifest["target"]
     result = {"changed": False, "image_dir": image_dir, "manifest_id": manifest.get("id")}
-
-    mark = image.read_restored_mark(image_dir)
-    if mark and mark.get("manifest_id") == manifest.get("id"):
-        if all(discovery.alive(p) for p in mark["pids"]):
-            result.update(pids=mark["pids"], cuda_pids=mark.get("cuda_pids", []),
-                          msg="already restored at %s and running (pids %s); nothing to do"
-                          % (mark.get("restored"), mark["pids"]))
-            return result
-        if not force:
-            raise InvalidTarget("this image was restored at %s and that workload has since exited; restoring it "
-                                "again would resume from the old state" % mark.get("restored"), stage="preflight",
-                                hint="set force=true to restore it again")
+    if journal is not None:
+        done = _journal_gate(journal, image_dir, manifest, opts)
+        if done is not None:
+            return done
+    else:
+        mark = image.read_restored_mark(image_dir)
+        if mark and mark.get("manifest_id") == manifest.get("id"):
+            if all(discovery.alive(p) for p in mark["pids"]):
+                result.update(pids=mark["pids"], cuda_pids=mark.get("cuda_pids", []),
+                              msg="already restored at %s and running (pids %s); nothing to do"
+                              % (mark.get("restored"), mark["pids"]))
+                return result
+            if not opts.force:
+                raise InvalidTarget("this image was restored at %s and that workload has since exited; restoring it "
+                                    "again would resume from the old state" % mark.get("restored"), stage="preflight",
+                                    hint="set force=true to restore it again")
 
     clock = _Clock(progress)
     clock.start()
-    left = discovery.wait_gone(target["pids"], pid_wait)  # zombies of a just-dumped tree
+    left = discovery.wait_gone(target["pids"], opts.pid_wait)  # zombies of a just-dumped tree
     if left and backend.name == "process":
         p = left[0]
         raise InvalidTarget("pid %d, which the image needs, is in use by %s (%s): the original workload may still "
@@ -535,62 +751,87 @@ def _restore(image_dir, gpu_map, force, backend, libcuda_path, check_mode, sign_
     clock.stop("wait_pids_free")
     # The runtime's checks and the driver's load (cuInit: about 0.4 s on an H200) run beside the
     # checksum verification instead of after it: both are downtime in a migration.
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        loading = pool.submit(_restore_preflight, backend, bool(target["cuda_pids"]), libcuda_path)
-        verify_seconds = image.verify(image_dir, manifest, sign_key) if verify else None
-        clock.stop("verify")
-        drv, problem = loading.result()
-    if target["cuda_pids"]:
-        if drv is None:
-            raise DriverUnavailable("the image holds %d CUDA process(es) but this host's driver cannot restore "
-                                    "them: %s" % (len(target["cuda_pids"]), problem.msg), stage="preflight",
-                                    hint=problem.hint)
-    pairs = gpu_pairs_for(gpu_map, drv.device_uuids() if drv else [])
-    if gpu_map and drv is None:
+    try:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            loading = pool.submit(_restore_preflight, backend, bool(target["cuda_pids"]), opts.libcuda_path)
+            verify_seconds = image.verify(image_dir, manifest, opts.sign_key) if opts.verify else None
+            clock.stop("verify")
+            drv, problem = loading.result()
+    except ImageError as exc:
+        if journal is not None:
+            journal.transition("restore_failed", error=str(exc), bad_files=exc.details.get("bad_files"))
+        raise
+    if target["cuda_pids"] and drv is None:
+        raise DriverUnavailable("the image holds %d CUDA process(es) but this host's driver cannot restore "
+                                "them: %s" % (len(target["cuda_pids"]), problem.msg), stage="preflight",
+                                hint=problem.hint)
+    pairs = gpu_pairs_for(opts.gpu_map, drv.device_uuids() if drv else [])
+    if opts.gpu_map and drv is None:
         raise InvalidTarget("gpu_map given but the image holds no CUDA process", stage="preflight")
-    if check_mode:
+    if opts.check_mode:
         result.update(changed=True, pids=target["pids"], cuda_pids=target["cuda_pids"],
                       msg="would restore %d process(es) from %s" % (len(target["pids"]), image_dir))
         return result
     calls0 = len(drv.calls) if drv else 0
     clock.stop("preflight")
-    journal.write("restoring", manifest_id=manifest.get("id"))
+    backend.bind(manifest)
+    if journal is not None:
+        journal.transition("restoring", manifest_id=manifest.get("id"), owner=process_identity(os.getpid()),
+                           container=getattr(backend, "container", None), pids=[], identities={})
+
+    def on_restored(new_pids):  # before any unlock: a recovery must always know what this restore brought up
+        if journal is not None:
+            journal.record(pids=new_pids, identities=identities(new_pids),
+                           container=getattr(backend, "container", None))
+
     try:
-        new_pids, cuda_pids = _restore_from(image_dir, manifest, backend, drv, pairs, clock, validate_wait,
-                                            parallel)
-        resumed_at = clock.resumed_at
+        new_pids, cuda_pids = _restore_from(image_dir, manifest, backend, drv, pairs, clock, opts.validate_wait,
+                                            opts.parallel, on_restored)
     except Exception as exc:  # noqa: BLE001
-        journal.write("restore_failed", error=str(exc))
         stage = getattr(exc, "stage", None) or "restore"
-        raise TransactionError("restore failed at stage %s%s: %s; what was brought up was stopped, the image is "
+        err = TransactionError("restore failed at stage %s%s: %s; what was brought up was stopped, the image is "
                                "untouched" % (stage, " for pid %s" % exc.pid if getattr(exc, "pid", None) else "",
                                               getattr(exc, "msg", exc)),
                                stage=stage, pid=getattr(exc, "pid", None), rolled_back=True,
                                hint=getattr(exc, "hint", None), **_error_fields(exc))
-    image.write_restored_mark(image_dir, {"manifest_id": manifest.get("id"), "restored": _now(),
-                                          "pids": new_pids, "cuda_pids": cuda_pids, "host": socket.gethostname()})
-    journal.write("restored", pids=new_pids, cuda_pids=cuda_pids, resumed_at=resumed_at)
+        if journal is not None:
+            journal.transition("restore_failed", error=err.msg, pids=[], identities={})
+        raise err
+    if journal is not None:
+        journal.transition("restored", pids=new_pids, cuda_pids=cuda_pids, identities=identities(new_pids),
+                           resumed_at=clock.resumed_at)
+    else:
+        image.write_restored_mark(image_dir, {"manifest_id": manifest.get("id"), "restored": _now(),
+                                              "pids": new_pids, "cuda_pids": cuda_pids, "host": socket.gethostname()})
     result.update(changed=True, pids=new_pids, cuda_pids=cuda_pids, timings=dict(clock.stages),
-                  resumed_at=resumed_at,
+                  resumed_at=clock.resumed_at, validation_notes=getattr(clock, "notes", []),
                   verify_seconds=verify_seconds, driver_call_seconds=_driver_seconds(drv, calls0),
                   gpu_pairs=pairs, msg="restored %d process(es) (%d on the GPU) from %s"
                   % (len(new_pids), len(cuda_pids), image_dir))
     return result
 
 
+# ---- a held source: resume (roll back) or release (commit) ------------------------------------------
+def _mine(target):
+    """The pids of a checkpointed tree that are still those processes (by identity)."""
+    idents = target.get("identities") or {}
+    return [p for p in target["pids"] if same_process(idents.get(str(p)))]
+
+
 def resume_stopped(manifest, backend=None, drv=None, libcuda_path=None):
-    """Roll a stopped source back to running: SIGCONT (the driver's restore thread must run), then CUDA
-    restore and unlock. Idempotent; returns (changed, pids that run)."""
+    """Roll a stopped source back to running: SIGCONT to what was not stopped before the checkpoint
+    (the driver's restore thread must run), then CUDA restore and unlock. Idempotent; returns
+    (changed, pids that run)."""
     backend = backend or ProcessBackend()
     backend.bind(manifest)
     target = manifest["target"]
-    idents = target.get("identities") or {}
-    mine = [p for p in target["pids"] if _same_process(p, idents.get(str(p)))]
+    mine = _mine(target)
     if not mine:
         raise TransactionError("none of the source's processes %s exists any more; restore from the image instead"
                                % target["pids"], stage="resume-source")
+    states = target.get("states") or {}
     changed = backend.is_held(mine)
-    backend.resume(mine)
+    backend.resume([p for p in mine if states.get(str(p)) not in STOPPED])
     cuda_pids = [p for p in target["cuda_pids"] if p in mine]
     if cuda_pids:
         if drv is None:
@@ -613,14 +854,15 @@ def resume_stopped(manifest, backend=None, drv=None, libcuda_path=None):
 
 
 def release_stopped(manifest, backend=None):
-    """Commit: kill the source's stopped processes (only those that are still the same processes)."""
+    """Commit: kill the source's held processes (only those that are still the same processes)."""
     backend = backend or ProcessBackend()
     backend.bind(manifest)
     target = manifest["target"]
-    idents = target.get("identities") or {}
-    mine = [p for p in target["pids"] if _same_process(p, idents.get(str(p)))]
+    mine = _mine(target)
+    states = target.get("states") or {}
     running = [] if backend.is_held(mine) else \
-        [p for p in mine if (discovery.read_stat(p) or {}).get("state") not in ("T", "t", "Z")] or mine
+        [p for p in mine if (discovery.read_stat(p) or {}).get("state") not in STOPPED + DEAD
+         and states.get(str(p)) not in STOPPED] or []
     if running:
         raise TransactionError("source pid %d runs again (it is not stopped): refusing to kill it; the migration "
                                "was rolled back or resumed by hand" % running[0], stage="release-source",
@@ -628,98 +870,3 @@ def release_stopped(manifest, backend=None):
     if mine:
         backend.kill(mine)
     return bool(mine), mine
-
-
-def _read(path):
-    try:
-        with open(path) as fh:
-            return fh.read().strip()
-    except OSError:
-        return None
-
-
-def _rss_bytes(pid):
-    text = _read("/proc/%d/status" % pid) or ""
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
-
-
-def _free_bytes(path):
-    """Free bytes of the filesystem that holds ``path`` (or its nearest existing parent)."""
-    p = os.path.abspath(path)
-    while not os.path.exists(p):
-        p = os.path.dirname(p)
-    st = os.statvfs(p)
-    return st.f_bavail * st.f_frsize
-
-
-def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=None, tree_of=None,
-          check_pids=None):
-    drv, problem = cuda.load(libcuda_path)
-    out = {"host": {"hostname": socket.gethostname(), "kernel": os.uname().release,
-                    "boot_id": _read("/proc/sys/kernel/random/boot_id"),
-                    "pid_namespace": os.readlink("/proc/self/ns/pid"),
-                    "net_namespace": discovery.net_namespace()}}
-    if paths:
-        out["disk"] = {p: {"free_bytes": _free_bytes(p)} for p in paths}
-    if tree_of:
-        st = discovery.read_stat(int(tree_of))
-        if st is None:
-            out["tree"] = {"root": int(tree_of), "exists": False, "pids": []}
-        else:
-            tpids = discovery.process_tree(int(tree_of))
-            gpu_mem = discovery.gpu_memory_by_pid()
-            cuda_pids = [p for p in tpids if drv.state_or_error(p) is not None] if drv else []
-            out["tree"] = {"root": int(tree_of), "exists": True, "pids": tpids, "cuda_pids": cuda_pids,
-                           "cuda_states": {str(p): drv.state_or_error(p) for p in cuda_pids} if drv else {},
-                           "rss_bytes": sum(_rss_bytes(p) for p in tpids),
-                           "net_namespace": discovery.net_namespace(int(tree_of)),
-                           "bound_sockets": discovery.bound_sockets(tpids),
-                           "gpu_bytes": sum(gpu_mem.get(p, 0) for p in tpids)}
-    if check_pids:
-        out["pids_in_use"] = [int(p) for p in check_pids if discovery.read_stat(int(p)) is not None]
-    drv_info = {"available": drv is not None, "driver_version": discovery.driver_version()}
-    if drv:
-        drv_info.update(drv.info())
-    else:
-        drv_info.update(checkpoint_api=False, reason=problem.msg)
-    gpus, source = discovery.gpus()
-    if gpus and not drv_info["driver_version"]:
-        drv_info["driver_version"] = gpus[0].get("driver_version")
-    out["driver"] = drv_info
-    out["gpus"] = gpus
-    out["gpu_source"] = source
-    out["cuda_device_uuids"] = drv.device_uuids() if drv else []
-    if pids:
-        candidates = [int(p) for p in pids]
-    else:
-        candidates = [p for p in discovery.all_pids() if discovery.nvidia_fds(p)]
-        if drv:  # checkpointed processes hold no /dev/nvidia fd: ask the driver about the rest
-            candidates = sorted(set(candidates) | {p for p in discovery.all_pids()
-                                                   if p != os.getpid() and drv.state_or_error(p) is not None})
-    procs = []
-    for p in candidates:
-        if discovery.read_stat(p) is None:
-            procs.append({"pid": p, "exists": False})
-            continue
-        info = discovery.process_info(p, drv)
-        info["exists"] = True
-        procs.append(info)
-    out["cuda_processes"] = procs
-    criu = {"installed": False}
-    try:
-        from .criu import Criu
-        c = Criu(criu_path)
-        criu.update(installed=True, path=c.path, version=c.version())
-        criu["supported"] = tuple(int(x) for x in criu["version"].split(".")[:2]) >= (4, 0)
-        if check_criu:
-            ok, text = c.check()
-            criu.update(check_ok=ok, check_output=text)
-    except GpuCkptError as exc:
-        criu["error"] = exc.msg
-    out["criu"] = criu
-    out["ready"] = bool(criu.get("supported") and criu.get("check_ok", True) and
-                        (drv is not None or not gpus))
-    return out

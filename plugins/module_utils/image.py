@@ -4,12 +4,18 @@
 """The image: one 0700 directory per checkpoint.
 
   <image>/manifest.json   written last (its presence means the image is complete): schema version,
-                          host facts, runtime, processes, sizes, stage timings, and per-file checksums
-  <image>/...             the runtime's files (CRIU's *.img, ...)
-  <image>/.gpuckpt/       logs and the restore marker: ours, not part of the image, not checksummed
+                          host facts, runtime, processes, sizes, stage timings, per-file checksums
+  <image>/...             the runtime's files (CRIU's *.img, ...): regular files only
+  <image>/.gpuckpt/       logs, receipts of a transfer, the restore marker: ours, not part of the image
 
-Checksums are SHA-256 per 64 MiB chunk, so a 50 GB image hashes on all cores in parallel and a
-transfer can later be verified (and resumed) chunk by chunk; verification names the file and offset.
+Checksums are SHA-256 per 64 MiB chunk, so a 50 GB image hashes on all cores in parallel, and a
+transfer can be verified, resumed and repaired chunk by chunk; verification names the file and offset.
+
+``walk`` is the one walker of an image: every reader (checksums, verification, the transfer) takes
+the image's files from it, and it refuses what a restore must never read through: a symlink, a device,
+a fifo. Files are opened with O_NOFOLLOW.
+
+Plain Python with the standard library only: the receiving end of a transfer carries it too.
 """
 from __future__ import annotations
 
@@ -17,90 +23,138 @@ import hashlib
 import hmac
 import json
 import os
-import shutil
+import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from .errors import ImageError, InvalidTarget
+try:  # a package import; the transfer's receiver program defines these names before this code
+    from .errors import ImageError, InvalidTarget
+    from .fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir,
+                         read_json, remove_tree, same_dir)
+except ImportError:  # pragma: no cover - only in the receiver program
+    pass
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"
 STATE_DIR = ".gpuckpt"
 RESTORED_MARK = "restored.json"
+FIXED = "fixed.json"          # the identity of each file as a transfer left it (see receipts())
+RECEIPT_PREFIX = "receipt-"   # <STATE_DIR>/receipt-*.jsonl: the hash of each range a receiver wrote
 CHUNK = 64 * 2**20
 
 
 def state_dir(image_dir):
+    """The image's own state dir (created 0700); a symlink there is refused."""
     path = os.path.join(image_dir, STATE_DIR)
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        st = os.lstat(path)
+        if not stat.S_ISDIR(st.st_mode):
+            raise ImageError("%s is not a directory (a symlink or a file stands there); refusing to use it" % path,
+                             stage="preflight")
     return path
 
 
 def has_manifest(image_dir):
-    return os.path.isfile(os.path.join(image_dir, MANIFEST))
+    try:
+        return stat.S_ISREG(os.lstat(os.path.join(image_dir, MANIFEST)).st_mode)
+    except OSError:
+        return False
 
 
-def list_files(image_dir):
-    """Relative paths of the image's files (not the manifest, not our state dir)."""
-    out = []
+def walk(image_dir):
+    """{relpath: lstat} of the image's files: every regular file below ``image_dir`` except the
+    manifest, its temporary files and our state dir. Raises ImageError on anything else (a symlink,
+    a fifo, a device): no reader of an image follows one."""
+    out = {}
     for root, dirs, files in os.walk(image_dir):
         rel_root = os.path.relpath(root, image_dir)
         if rel_root == ".":
             dirs[:] = [d for d in dirs if d != STATE_DIR]
-        for f in files:
-            rel = os.path.normpath(os.path.join(rel_root, f))
-            if rel != MANIFEST and not rel.startswith(MANIFEST + ".tmp"):
-                out.append(rel)
-    return sorted(out)
+        for name in list(dirs) + files:
+            full = os.path.join(root, name)
+            rel = os.path.normpath(os.path.join(rel_root, name))
+            st = os.lstat(full)
+            if stat.S_ISDIR(st.st_mode):
+                continue
+            if rel_root == "." and (name == MANIFEST or (name.startswith(".") and name.endswith(".tmp"))):
+                continue
+            if not stat.S_ISREG(st.st_mode):
+                raise ImageError("%s in image %s is not a regular file (%s); refusing to read through it"
+                                 % (rel, image_dir, "a symlink" if stat.S_ISLNK(st.st_mode) else "a special file"),
+                                 stage="verify", details={"bad_files": [rel]})
+            out[rel] = st
+    return out
+
+
+def list_files(image_dir):
+    """Relative paths of the image's files (see walk)."""
+    return sorted(walk(image_dir))
+
+
+def check_dir(image_dir):
+    """Refuse, touching nothing, an image dir that is not new or an empty directory of ours.
+    Returns its lstat, or None when it does not exist."""
+    try:
+        st = os.lstat(image_dir)
+    except FileNotFoundError:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        raise InvalidTarget("image_dir %s exists and is not a directory (%s)"
+                            % (image_dir, "a symlink" if stat.S_ISLNK(st.st_mode) else "a file"), stage="preflight")
+    entries = os.listdir(image_dir)
+    if entries:
+        raise InvalidTarget("image_dir %s is not empty (%s); refusing to mix a new image with other files"
+                            % (image_dir, ", ".join(sorted(entries)[:5])), stage="preflight",
+                            hint="give a new or empty directory")
+    if st.st_uid != os.geteuid():
+        raise InvalidTarget("image_dir %s belongs to uid %d, not to us; another user could read or replace "
+                            "the image" % (image_dir, st.st_uid), stage="preflight",
+                            hint="give a new directory; it is created with mode 0700")
+    return st
 
 
 def prepare_dir(image_dir):
-    """Create the image dir (0700) or accept an existing empty one. Returns True when created.
-
-    Raises InvalidTarget, touching nothing, when the dir holds anything.
-    """
-    if os.path.lexists(image_dir) and not os.path.isdir(image_dir):
-        raise InvalidTarget("image_dir %s exists and is not a directory" % image_dir, stage="preflight")
-    if os.path.isdir(image_dir):
-        entries = os.listdir(image_dir)
-        if entries:
-            raise InvalidTarget("image_dir %s is not empty (%s); refusing to mix a new image with other files"
-                                % (image_dir, ", ".join(sorted(entries)[:5])), stage="preflight",
-                                hint="give a new or empty directory")
+    """Create the image dir (0700, below safe parents) or take an existing empty one of ours.
+    Returns {"created": bool, "identity": [dev, ino]}. Raises InvalidTarget, touching nothing, when
+    it holds anything, is not a directory, or is not ours."""
+    st = check_dir(image_dir)
+    if st is not None:
         os.chmod(image_dir, 0o700)
-        return False
-    parent = os.path.dirname(os.path.abspath(image_dir))
-    os.makedirs(parent, exist_ok=True)
-    os.mkdir(image_dir, 0o700)
-    return True
+        return {"created": False, "identity": identity(st)}
+    try:
+        return {"created": True, "identity": create_private_dir(image_dir)}
+    except (UnsafePath, FileExistsError) as exc:
+        raise InvalidTarget("cannot create image_dir %s: %s" % (image_dir, exc), stage="preflight",
+                            hint="use a directory below root-owned parents that others cannot write")
 
 
-def discard(image_dir, created):
-    """Remove a partial image: the whole dir when we created it, else only its content."""
-    if created:
-        shutil.rmtree(image_dir, ignore_errors=True)
+def discard(image_dir, made):
+    """Remove a partial image: the whole dir when we created it (``made`` from prepare_dir), else only
+    its content."""
+    if made.get("created"):
+        remove_tree(image_dir, made.get("identity"))
+        return
+    if not same_dir(image_dir, made.get("identity")):
         return
     for entry in os.listdir(image_dir):
         p = os.path.join(image_dir, entry)
         if os.path.isdir(p) and not os.path.islink(p):
-            shutil.rmtree(p, ignore_errors=True)
+            remove_tree(p, identity(os.lstat(p)))
         else:
             os.unlink(p)
 
 
-def _hash_chunk(path, offset, length):
+def _hash_range(fd, offset, length):
     h = hashlib.sha256()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        pos, end = offset, offset + length
-        while pos < end:
-            buf = os.pread(fd, min(8 * 2**20, end - pos), pos)
-            if not buf:
-                break
-            h.update(buf)
-            pos += len(buf)
-    finally:
-        os.close(fd)
+    pos, end = offset, offset + length
+    while pos < end:
+        buf = os.pread(fd, min(8 * 2**20, end - pos), pos)
+        if not buf:
+            break
+        h.update(buf)
+        pos += len(buf)
     return h.hexdigest()
 
 
@@ -109,20 +163,36 @@ def _workers():
 
 
 def checksum_files(image_dir, files=None):
-    """{relpath: {"size": n, "sha256_chunks": [...]}} computed on all cores."""
-    files = list_files(image_dir) if files is None else files
-    jobs = []
-    sizes = {}
-    for rel in files:
-        size = os.path.getsize(os.path.join(image_dir, rel))
-        sizes[rel] = size
-        for off in range(0, max(size, 1), CHUNK):
-            jobs.append((rel, off, min(CHUNK, size - off) if size else 0))
-    with ThreadPoolExecutor(_workers()) as pool:
-        digests = list(pool.map(lambda j: _hash_chunk(os.path.join(image_dir, j[0]), j[1], j[2]), jobs))
-    out = {rel: {"size": sizes[rel], "sha256_chunks": []} for rel in files}
-    for (rel, _off, _len), d in zip(jobs, digests):
-        out[rel]["sha256_chunks"].append(d)
+    """{relpath: {"size": n, "sha256_chunks": [...]}} computed on all cores, each file opened without
+    following a symlink; a file of ``files`` that is absent maps to None."""
+    files = list_files(image_dir) if files is None else list(files)
+    dir_fd = open_dir(image_dir)
+    fds, jobs, out = {}, [], {}
+    try:
+        for rel in files:
+            try:
+                fd = open_beneath(dir_fd, rel)
+            except FileNotFoundError:
+                out[rel] = None
+                continue
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                os.close(fd)
+                raise ImageError("%s in image %s is not a regular file" % (rel, image_dir), stage="verify",
+                                 details={"bad_files": [rel]})
+            fds[rel] = fd
+            size = st.st_size
+            out[rel] = {"size": st.st_size, "sha256_chunks": [None] * len(range(0, max(size, 1), CHUNK))}
+            for i, off in enumerate(range(0, max(size, 1), CHUNK)):
+                jobs.append((rel, i, off, max(0, min(CHUNK, size - off)) if size else 0))
+        with ThreadPoolExecutor(_workers()) as pool:
+            digests = list(pool.map(lambda j: _hash_range(fds[j[0]], j[2], j[3]), jobs))
+        for (rel, i, _off, _len), d in zip(jobs, digests):
+            out[rel]["sha256_chunks"][i] = d
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+        os.close(dir_fd)
     return out
 
 
@@ -137,14 +207,21 @@ def write_manifest(image_dir, manifest, sign_key=None):
     manifest["chunk_size"] = CHUNK
     if sign_key:
         manifest["signature"] = {"alg": "hmac-sha256", "value": _signature(manifest, sign_key)}
-    path = os.path.join(image_dir, MANIFEST)
-    tmp = path + ".tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump(manifest, fh, indent=1, sort_keys=True)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.rename(tmp, path)
+    atomic_write(os.path.join(image_dir, MANIFEST), manifest)
+    return manifest
+
+
+def parse_manifest(data, where):
+    try:
+        manifest = json.loads(data)
+    except ValueError as exc:
+        raise ImageError("%s is not valid JSON: %s" % (where, exc), stage="verify")
+    if not isinstance(manifest, dict):
+        raise ImageError("%s is not a gpuckpt manifest" % where, stage="verify")
+    if manifest.get("schema_version", 0) > SCHEMA_VERSION:
+        raise ImageError("%s has manifest schema %s; this collection reads up to %s"
+                         % (where, manifest.get("schema_version"), SCHEMA_VERSION), stage="verify",
+                         hint="upgrade gpuckpt.fleet on this host")
     return manifest
 
 
@@ -152,23 +229,20 @@ def load_manifest(image_dir):
     path = os.path.join(image_dir, MANIFEST)
     if not os.path.isdir(image_dir):
         raise ImageError("image_dir %s does not exist" % image_dir, stage="verify")
-    if not os.path.isfile(path):
+    if not has_manifest(image_dir):
         raise ImageError("%s has no %s: not a gpuckpt image, or the checkpoint did not complete"
                          % (image_dir, MANIFEST), stage="verify")
     try:
-        with open(path) as fh:
-            manifest = json.load(fh)
-    except ValueError as exc:
-        raise ImageError("%s is not valid JSON: %s" % (path, exc), stage="verify")
-    if manifest.get("schema_version", 0) > SCHEMA_VERSION:
-        raise ImageError("image %s has manifest schema %s; this collection reads up to %s"
-                         % (image_dir, manifest.get("schema_version"), SCHEMA_VERSION), stage="verify",
-                         hint="upgrade gpuckpt.fleet on this host")
-    return manifest
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as exc:
+        raise ImageError("cannot read %s: %s" % (path, exc), stage="verify")
+    with os.fdopen(fd, "rb") as fh:
+        return parse_manifest(fh.read().decode("utf-8", "replace"), path)
 
 
 def verify(image_dir, manifest=None, sign_key=None):
-    """Check every file against the manifest before anything is touched. Raises ImageError naming the file."""
+    """Check every file against the manifest before anything is touched. Raises ImageError naming the
+    file. Returns the seconds spent on the checksums."""
     manifest = manifest or load_manifest(image_dir)
     if sign_key:
         sig = (manifest.get("signature") or {}).get("value")
@@ -176,65 +250,78 @@ def verify(image_dir, manifest=None, sign_key=None):
             raise ImageError("manifest signature of %s does not match the configured key" % image_dir,
                              stage="verify", hint="the image was altered or signed with another key")
     expected = manifest.get("files") or {}
-    present = set(list_files(image_dir))
-    missing = sorted(set(expected) - present)
+    present = walk(image_dir)
+    missing = sorted(set(expected) - set(present))
     if missing:
         raise ImageError("image %s is missing %s" % (image_dir, ", ".join(missing[:5])), stage="verify",
                          details={"bad_files": missing})
-    extra = sorted(present - set(expected))
+    extra = sorted(set(present) - set(expected))
     if extra:
         raise ImageError("image %s holds files the manifest does not list: %s" % (image_dir, ", ".join(extra[:5])),
                          stage="verify", details={"bad_files": extra})
     for rel, meta in expected.items():
-        size = os.path.getsize(os.path.join(image_dir, rel))
-        if size != meta["size"]:
-            raise ImageError("%s in image %s has %d bytes, the manifest says %d" % (rel, image_dir, size, meta["size"]),
+        if present[rel].st_size != meta["size"]:
+            raise ImageError("%s in image %s has %d bytes, the manifest says %d"
+                             % (rel, image_dir, present[rel].st_size, meta["size"]),
                              stage="verify", details={"bad_files": [rel]})
     start = time.monotonic()
-    received = {} if sign_key else push_receipts(image_dir, expected)
+    received = {} if sign_key else receipts(image_dir, expected)
     actual = checksum_files(image_dir, sorted(set(expected) - set(received)))
     actual.update(received)
     for rel, meta in sorted(expected.items()):
         if rel in received and actual[rel]["sha256_chunks"] != meta["sha256_chunks"]:
-            # The verdict on a mismatch always comes from the file itself (a repair may have fixed it
-            # since, keeping the mtime).
-            actual[rel] = checksum_files(image_dir, [rel])[rel]
+            actual[rel] = checksum_files(image_dir, [rel])[rel]  # the verdict always comes from the file
         for i, (want, got) in enumerate(zip(meta["sha256_chunks"], actual[rel]["sha256_chunks"])):
             if want != got:
                 raise ImageError("checksum mismatch in %s of image %s (bytes %d-%d): the image is corrupt"
                                  % (rel, image_dir, i * CHUNK, min((i + 1) * CHUNK, meta["size"]) - 1),
-                                 stage="verify", details={"bad_files": [rel]},
+                                 stage="verify", details={"bad_files": [rel], "bad_chunks": {rel: [i]}},
                                  hint="re-transfer or re-take the checkpoint; nothing was restored")
     return time.monotonic() - start
 
 
-def push_receipts(image_dir, expected):
-    """{relpath: {"sha256_chunks": [...]}} from a push's receipts (transfer.RECEIVER), for the files
-    that the receipts cover chunk by chunk and that are unchanged since the push gave them their size
-    and mtime. Those hashes were taken on this host, of the bytes written into these files, so the
+def file_identity(st):
+    """What a receipt is checked against: any write, truncate or utime changes the ctime, which no
+    user-space call can set back (a changed byte with its mtime put back shows here)."""
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def receipts(image_dir, expected):
+    """{relpath: {"size", "sha256_chunks"}} from a transfer's receipts (transfer receivers hash every
+    range they write, on this host), for the files that the receipts cover chunk by chunk and whose
+    identity (file_identity) is still the one the transfer recorded when it finished them. Those
     files need not be read again; any other file is hashed from disk. Not used with a sign_key: a
     signed image is read in full."""
-    d = os.path.join(image_dir, STATE_DIR)
+    state = os.path.join(image_dir, STATE_DIR)
     try:
-        with open(os.path.join(d, "push-fixed.json")) as fh:
-            fixed = json.load(fh)
+        st = os.lstat(state)
+        if not stat.S_ISDIR(st.st_mode):
+            return {}
+        fixed = read_json(os.path.join(state, FIXED)) or {}
         ranges = {}
-        for name in os.listdir(d):
-            if name.startswith("push-receipt-") and name.endswith(".json"):
-                with open(os.path.join(d, name)) as fh:
-                    for rel, items in json.load(fh).items():
-                        for off, length, digest in items:
-                            ranges.setdefault(rel, {})[off] = (length, digest)
-    except (OSError, ValueError):
+        for name in os.listdir(state):
+            if not (name.startswith(RECEIPT_PREFIX) and name.endswith(".jsonl")):
+                continue
+            fd = os.open(os.path.join(state, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as fh:
+                for line in fh:
+                    try:
+                        r = json.loads(line)
+                        seen = ranges.setdefault(r["path"], {})
+                        got = (r["len"], r["sha256"])
+                        seen[r["off"]] = got if seen.get(r["off"], got) == got else None  # disagreeing: no trust
+                    except (ValueError, KeyError, TypeError):
+                        continue  # a torn last line of a receiver that was killed
+    except OSError:
         return {}
     out = {}
     for rel, meta in expected.items():
         try:
-            st = os.stat(os.path.join(image_dir, rel))
+            now = file_identity(os.lstat(os.path.join(image_dir, rel)))
         except OSError:
             continue
-        if fixed.get(rel) != [st.st_size, st.st_mtime_ns] or st.st_size != meta["size"]:
-            continue  # written again since the push (a repair, a copy by hand): read it
+        if fixed.get(rel) != now or now[2] != meta["size"]:
+            continue  # written since the transfer finished it (a repair, a copy by hand, a flipped byte)
         chunks, have = [], ranges.get(rel, {})
         for off in range(0, max(meta["size"], 1), CHUNK):
             got = have.get(off)
@@ -252,15 +339,8 @@ def image_bytes(manifest):
 
 
 def read_restored_mark(image_dir):
-    try:
-        with open(os.path.join(image_dir, STATE_DIR, RESTORED_MARK)) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
+    return read_json(os.path.join(image_dir, STATE_DIR, RESTORED_MARK))
 
 
 def write_restored_mark(image_dir, data):
-    path = os.path.join(state_dir(image_dir), RESTORED_MARK)
-    with open(path + ".tmp", "w") as fh:
-        json.dump(data, fh)
-    os.rename(path + ".tmp", path)
+    atomic_write(os.path.join(state_dir(image_dir), RESTORED_MARK), data)

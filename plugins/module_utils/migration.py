@@ -1,244 +1,257 @@
 # -*- coding: utf-8 -*-
 # Copyright: gpuckpt.fleet contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Migration as a transaction: a journal on each host, and the commit/rollback steps that finish it.
+"""Migration as a transaction, and how it ends: exactly one copy runs, and none runs twice.
 
-The source stays stopped (not killed) until the target is restored and validated; then the source
-is released. If anything fails, the target is cleaned and the source resumed. Every step is
-idempotent and reads the journal first, so re-running migrate.yml or recover.yml with the same
-migration id finishes or rolls back, and exactly one copy ends up running.
+The journals (journal.py) hold each host's phase. The rules that make a migration end well whatever
+dies when (the controller, a module, the target host):
 
-Journal: <journal_dir>/<migration_id>.<role>.json, rewritten atomically at each phase.
-  source: freezing -> frozen -> checkpointed -> transferred -> committed | resumed
-  target: receiving -> restoring -> restored -> committed | cleaned
+1. The target decides. A migration commits when, and only when, the target's journal says its
+   restore ended well (``restored``) and those very processes still run; it rolls back otherwise.
+   ``settle_target`` takes that decision under the target's lock, after any restore still running
+   there has ended, and carries out the target's half at once: ``committed``, or ``cleaned`` (what a
+   restore brought up is killed, what the transfer wrote is removed, and no receiver or restore of this
+   migration can start there again). Every way out uses it: the end of migrate.yml, its rescue, a
+   re-run with the same id, recover.yml.
+2. The source follows. It is released (``commit_source``) only when the target says committed, and
+   resumed (``rollback_source``) only when the target cannot run the workload: the target said
+   cleaned, or the image never left the source (the source's journal never reached ``delivering``),
+   or an operator declared the target lost. A recovery fences the source first, so a checkpoint
+   of a dead controller still running there stops at its next step.
+3. Nothing is removed that this migration did not create: directories are removed by the identity
+   (device, inode) recorded when they were created, processes are killed by identity.
+
+  source: planned -> freezing -> frozen -> checkpointed -> delivering -> delivered -> committed | resumed
+          (a checkpoint that fails undoes itself: rolled_back)
+  target: receiving -> received -> restoring -> restored -> committed | cleaned
+          (restore_failed -> received again after a repair)
 When source and target share one pid namespace (one kernel seen as two hosts), the source cannot
-stay stopped while the target reuses its pids: the source then exits after the dump and its own
-image is the way back (hold 'image' instead of 'stopped').
+stay stopped while the target reuses its pids: it exits after the dump and its own image is the way
+back (restored from it on rollback).
 """
 from __future__ import annotations
 
-import fcntl
-import json
 import os
-import re
-import shutil
-import time
+import uuid
 
-from . import discovery, engine, image
+from . import engine, image
 from .errors import InvalidTarget, TransactionError
+from .fsutil import UnsafePath, create_private_dir, remove_tree, same_dir
+from .journal import DEFAULT_JOURNAL_DIR, Journal, alive_pids, check_id, process_identity, same_process  # noqa: F401
 
-DEFAULT_JOURNAL_DIR = "/var/lib/gpuckpt/journal"
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
-
-
-def check_id(migration_id):
-    if not migration_id or not ID_RE.match(migration_id):
-        raise InvalidTarget("migration_id %r must be 1-128 letters, digits, '.', '_' or '-'" % (migration_id,),
-                            stage="preflight")
-    return migration_id
+RESTORE_WAIT = 1800.0  # how long a settlement waits for a restore that is still running
 
 
-class Journal(object):
-    def __init__(self, journal_dir, migration_id, role):
-        self.dir = journal_dir or DEFAULT_JOURNAL_DIR
-        self.id = check_id(migration_id)
-        self.role = role
-        self.path = os.path.join(self.dir, "%s.%s.json" % (self.id, role))
-
-    def read(self):
-        try:
-            with open(self.path) as fh:
-                return json.load(fh)
-        except (OSError, ValueError):
-            return None
-
-    # A restore that began before the image arrived (gpu_restore wait_for_image) holds the journal's
-    # lock from its start to its end; a rollback of the target first asks it to stop waiting (the
-    # cancel mark), then takes the lock, so it never cleans up under a restore that is bringing the
-    # workload up, and never leaves one behind that would bring it up after the rollback.
-    @property
-    def cancel_path(self):
-        return self.path[:-len(".json")] + ".cancel"
-
-    def cancel(self):
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        with open(self.cancel_path, "w") as fh:
-            fh.write("%f\n" % time.time())
-
-    def cancelled(self):
-        return os.path.exists(self.cancel_path)
-
-    def lock(self, wait=None):
-        """Take the journal's lock (an open file with an exclusive flock; closing it releases the lock).
-        ``wait``: seconds to wait for it (None: for ever). Returns the file, or None when it timed out."""
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        fh = open(self.path[:-len(".json")] + ".lock", "a")
-        deadline = None if wait is None else time.monotonic() + wait
-        while True:
-            try:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return fh
-            except OSError:
-                if deadline is not None and time.monotonic() > deadline:
-                    fh.close()
-                    return None
-                time.sleep(0.05)
-
-    @property
-    def phase(self):
-        return (self.read() or {}).get("phase")
-
-    def write(self, phase, **data):
-        os.makedirs(self.dir, mode=0o700, exist_ok=True)
-        doc = self.read() or {"id": self.id, "role": self.role, "history": []}
-        doc.update(data)
-        doc["phase"] = phase
-        doc["history"].append({"phase": phase, "time": time.time()})
-        tmp = self.path + ".tmp"
-        with open(tmp, "w") as fh:
-            json.dump(doc, fh, indent=1, default=str)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.rename(tmp, self.path)
-        return doc
-
-
-def _alive_same(pids, identities=None):
-    out = []
-    for p in pids or []:
-        st = discovery.read_stat(int(p))
-        if st and st["state"] not in ("Z", "X"):
-            ident = (identities or {}).get(str(p))
-            if ident is None or ident.get("starttime") == st["starttime"]:
-                out.append(int(p))
-    return out
-
-
-def status(journal, wait=0.0):
-    """The journal, plus which of its pids run now. ``wait``: seconds to wait for a phase in flight
-    (freezing, restoring) to settle, when a module is still at work after the controller died."""
-    deadline = time.monotonic() + wait
+def status(journal):
+    """The journal as read, plus which of its processes still run (by identity)."""
     doc = journal.read()
-    while doc and doc.get("phase") in ("freezing", "restoring") and time.monotonic() < deadline:
-        time.sleep(0.5)
-        doc = journal.read()
     if not doc:
-        return {"exists": False, "phase": None, "role": journal.role, "id": journal.id}
-    pids = doc.get("pids") or []
-    running = _alive_same(pids, doc.get("identities") if journal.role == "source" else None)
-    stopped = [p for p in running if (discovery.read_stat(p) or {}).get("state") in ("T", "t")]
-    doc.update(exists=True, alive_pids=running, stopped_pids=stopped,
-               running_pids=[p for p in running if p not in stopped])
+        return {"exists": False, "phase": None, "role": journal.role, "id": journal.id,
+                "fenced": bool(journal.fenced())}
+    alive = alive_pids(doc.get("identities"))
+    stopped = [p for p in alive if same_process((doc.get("identities") or {}).get(str(p))) in ("T", "t")]
+    doc.update(exists=True, alive_pids=alive, stopped_pids=stopped, running_pids=[p for p in alive if p not in stopped],
+               holder=journal.holder(), fenced=bool(journal.fenced()))
     return doc
 
 
+# ---- the target ---------------------------------------------------------------------------------
+def begin_target(journal, image_dir, wait=30.0):
+    """Before anything is frozen: create the directory this migration's image will arrive in (new,
+    0700, below safe parents) and record it with a fresh nonce, the id the source's checkpoint must
+    carry. A path that exists already (another job's image, a leftover, a symlink) is refused.
+    Returns (changed, journal document)."""
+    image_dir = os.path.abspath(image_dir)
+    with journal.hold(wait=wait, purpose="the start of migration %s" % journal.id):
+        doc = journal.read()
+        if doc:
+            if doc.get("phase") == "receiving" and doc.get("image_dir") == image_dir and \
+                    same_dir(image_dir, doc.get("image_dir_identity")):
+                return False, doc
+            raise TransactionError("migration %s was started on this host before (phase %s); settle it with "
+                                   "recover.yml, or use a new migration id" % (journal.id, doc.get("phase")),
+                                   stage="preflight")
+        if os.path.lexists(image_dir):
+            raise InvalidTarget("the target path %s exists already (%s); refusing to receive this migration's image "
+                                "there: nothing was frozen" % (image_dir, _describe(image_dir)), stage="preflight",
+                                hint="remove it if it is a leftover, or use another migration id or image root")
+        try:
+            ident = create_private_dir(image_dir)
+        except (UnsafePath, FileExistsError, OSError) as exc:
+            raise InvalidTarget("cannot create the target path %s: %s; nothing was frozen" % (image_dir, exc),
+                                stage="preflight", hint="the image root must be owned by root and not writable by "
+                                                        "other users")
+        try:
+            doc = journal.transition("receiving", image_dir=image_dir, image_dir_identity=ident,
+                                     nonce=uuid.uuid4().hex, receivers={})
+        except Exception:
+            os.rmdir(image_dir)
+            raise
+    return True, doc
+
+
+def _describe(path):
+    if os.path.islink(path):
+        return "a symlink to %s" % os.readlink(path)
+    if not os.path.isdir(path):
+        return "a file"
+    entries = sorted(os.listdir(path))
+    if image.has_manifest(path):
+        return "a complete image"
+    return "a directory holding %s" % (", ".join(entries[:5]) or "nothing")
+
+
+def settle_target(journal, backend=None, mode="settle", remove_image=True, wait=RESTORE_WAIT):
+    """Decide the migration on the target (rule 1 of the module doc) and carry out the target's half.
+    Returns {"decision": "commit"|"rollback", "changed": bool, "phase": the target's phase, "msg"}.
+    ``mode``: settle (either way), commit (refuse, changing nothing, when it cannot commit), or rollback
+    (refuse, changing nothing, when the workload runs here)."""
+    from .runtimes.process import ProcessBackend
+    backend = backend or ProcessBackend()
+    with journal.hold(wait=wait, purpose="the settlement of migration %s" % journal.id):
+        doc = journal.read()
+        if not doc:
+            # Nothing began here. The tombstone keeps a start of a dead controller from beginning later.
+            journal.transition("cleaned", note="settled before anything began on this host")
+            return _decision("rollback", True, "cleaned", "nothing of migration %s was on this host" % journal.id)
+        phase = doc.get("phase")
+        if phase == "committed":
+            if mode == "rollback":
+                raise TransactionError("migration %s is committed on this host; refusing to kill the only copy"
+                                       % journal.id, stage="rollback-target")
+            return _decision("commit", False, phase, "already committed: the workload runs here")
+        if phase == "cleaned":
+            if mode == "commit":
+                raise TransactionError("migration %s was rolled back on this host; it cannot commit" % journal.id,
+                                       stage="commit-target")
+            return _decision("rollback", False, phase, "already rolled back on this host")
+        alive = alive_pids(doc.get("identities")) if phase == "restored" else []
+        if phase == "restored" and doc.get("pids") and len(alive) == len(doc["pids"]):
+            if mode == "rollback":
+                raise TransactionError("migration %s runs on this host (restored, pids %s): rolling it back would "
+                                       "throw away what it did since; settle it instead (recover.yml)"
+                                       % (journal.id, alive), stage="rollback-target")
+            removed = remove_tree(doc.get("image_dir") or "", doc.get("image_dir_identity")) if remove_image else False
+            journal.transition("committed", image_removed=removed)
+            return _decision("commit", True, "committed", "the target runs the workload (pids %s)" % alive)
+        if mode == "commit":
+            raise TransactionError("the target has not restored migration %s, or its copy no longer runs (phase %s); "
+                                   "nothing was changed" % (journal.id, phase), stage="commit-target")
+        # Anything else: nothing runs here that may go on. A restore whose module died holds no lock
+        # (the phase still says restoring): what it recorded is killed.
+        killed = _clean(journal, doc, backend)
+        return _decision("rollback", True, "cleaned", "target cleaned (%s)" % killed)
+
+
+def _decision(decision, changed, phase, msg):
+    return {"decision": decision, "changed": changed, "phase": phase, "msg": msg}
+
+
+def _clean(journal, doc, backend):
+    receivers = alive_pids(doc.get("receivers"))
+    for p in receivers:  # a transfer still writing here (a controller that died): stop it first
+        try:
+            os.kill(p, 9)
+        except OSError:
+            pass
+    restored = alive_pids(doc.get("identities"))
+    if doc.get("container") and doc.get("phase") in ("restoring", "restored") and hasattr(backend, "container"):
+        backend.container = doc["container"]
+    if restored or (doc.get("container") and doc.get("phase") in ("restoring", "restored")):
+        backend.kill(restored)
+    image_dir = doc.get("image_dir") or ""
+    removed = remove_tree(image_dir, doc.get("image_dir_identity"))
+    journal.transition("cleaned", killed_pids=restored, killed_receivers=receivers, image_removed=removed)
+    return "killed %s, removed %s" % (restored or "nothing", image_dir if removed else "nothing")
+
+
+# ---- the source ---------------------------------------------------------------------------------
 def _source_manifest(doc):
     image_dir = doc.get("image_dir")
-    if image_dir and image.has_manifest(image_dir):
+    if image_dir and same_dir(image_dir, doc.get("image_dir_identity")) and image.has_manifest(image_dir):
         return image.load_manifest(image_dir)
     return {"target": {"pids": doc.get("pids") or [], "cuda_pids": doc.get("cuda_pids") or [],
-                       "identities": doc.get("identities") or {}}}
+                       "identities": doc.get("identities") or {}, "states": doc.get("states") or {}},
+            "runtime": {"backend": doc.get("runtime"), "container": doc.get("container")}}
 
 
-def commit_source(journal, backend=None, remove_image=False):
-    """The target runs: release the stopped source (kill it), optionally remove the source image."""
-    doc = journal.read()
-    if doc is None:
-        raise InvalidTarget("no journal for migration %s on this host (%s)" % (journal.id, journal.path),
-                            stage="commit-source")
-    if doc["phase"] == "committed":
-        return False, "already committed"
-    if doc["phase"] in ("resumed", "rolled_back"):
-        raise TransactionError("migration %s was rolled back on the source (phase %s); it cannot be committed"
-                               % (journal.id, doc["phase"]), stage="commit-source")
-    changed, killed = False, []
-    if doc.get("after") == "stopped":
-        changed, killed = engine.release_stopped(_source_manifest(doc), backend)
-    if remove_image and doc.get("image_dir") and os.path.isdir(doc["image_dir"]):
-        shutil.rmtree(doc["image_dir"])
-    journal.write("committed", released_pids=killed)
+def commit_source(journal, backend=None, target_phase=None, remove_image=False, wait=RESTORE_WAIT):
+    """The target runs the workload (``target_phase`` must be what settle_target reported: committed):
+    release the held source (kill it, by identity), optionally remove the source image."""
+    with journal.hold(wait=wait, purpose="the commit of migration %s" % journal.id):
+        doc = journal.read()
+        if doc is None:
+            raise InvalidTarget("no journal for migration %s on this host (%s)" % (journal.id, journal.path),
+                                stage="commit-source")
+        if doc["phase"] == "committed":
+            return False, "already committed"
+        if doc["phase"] in ("resumed", "rolled_back"):
+            raise TransactionError("migration %s was rolled back on the source (phase %s); it cannot be committed"
+                                   % (journal.id, doc["phase"]), stage="commit-source")
+        if target_phase != "committed":
+            raise TransactionError("migration %s: the target has not committed (it says %s); releasing the source "
+                                   "could leave no copy running" % (journal.id, target_phase or "nothing"),
+                                   stage="commit-source")
+        killed = []
+        if doc.get("after") == "stopped":
+            _changed, killed = engine.release_stopped(_source_manifest(doc), backend)
+        removed = False
+        if remove_image and doc.get("image_dir"):
+            removed = remove_tree(doc["image_dir"], doc.get("image_dir_identity"))
+        journal.transition("committed", released_pids=killed, image_removed=removed)
     return True, "source released (pids %s)" % killed
 
 
-def rollback_source(journal, backend=None, libcuda_path=None):
-    """Bring the source back to running: resume a stopped source, or restore it from its own image
-    when it exited. Idempotent."""
-    doc = journal.read()
-    if doc is None:
-        return False, "no journal: nothing was frozen on this host"
-    if doc["phase"] == "committed":
-        raise TransactionError("migration %s is committed: the workload runs on the target; rolling the source "
-                               "back would start a second copy" % journal.id, stage="rollback-source")
-    if doc["phase"] in ("resumed", "rolled_back"):
-        return False, "already rolled back"
-    manifest = _source_manifest(doc)
-    target = manifest["target"]
-    alive = _alive_same(target["pids"], target.get("identities"))
-    if alive:
-        changed, pids = engine.resume_stopped(manifest, backend, libcuda_path=libcuda_path)
-        journal.write("resumed", resumed_pids=pids)
-        return changed, "source resumed (pids %s)" % pids
-    if doc.get("image_dir") and image.has_manifest(doc["image_dir"]):
-        res = engine.restore(doc["image_dir"], backend=backend, libcuda_path=libcuda_path, force=True)
-        journal.write("resumed", resumed_pids=res.get("pids"))
-        return True, "source restored from its image %s (pids %s)" % (doc["image_dir"], res.get("pids"))
-    raise TransactionError("the source's processes are gone and no complete image is in %s: cannot roll back"
-                           % doc.get("image_dir"), stage="rollback-source")
+def rollback_source(journal, backend=None, target_phase=None, target_lost=False, libcuda_path=None,
+                    wait=RESTORE_WAIT):
+    """Bring the source back to running (rule 2 of the module doc): resume a held source, or restore
+    it from its own image when it exited. Idempotent. ``target_phase``: what settle_target reported
+    (cleaned proves the target cannot run it); ``target_lost``: an operator's word that the target is
+    gone for good."""
+    journal.fence("a rollback of migration %s" % journal.id)
+    with journal.hold(wait=wait, purpose="the rollback of migration %s" % journal.id):
+        doc = journal.read()
+        if doc is None:
+            return False, "nothing was frozen on this host"
+        phase = doc["phase"]
+        if phase == "committed":
+            raise TransactionError("migration %s is committed: the workload runs on the target; rolling the source "
+                                   "back would start a second copy" % journal.id, stage="rollback-source")
+        if phase in ("resumed", "rolled_back"):
+            return False, "already rolled back"
+        if phase in ("delivering", "delivered") and target_phase != "cleaned" and not target_lost:
+            raise TransactionError(
+                "migration %s: the image may have reached the target (the source was %s it), and the target has not "
+                "been shown to be clean (it said %s): resuming the source could start a second copy, so it stays "
+                "held" % (journal.id, phase, target_phase or "nothing, or could not be reached"),
+                stage="rollback-source",
+                hint="run recover.yml once the target answers; if the target is gone for good, run it with "
+                     "-e gpuckpt_target_lost=true")
+        manifest = _source_manifest(doc)
+        target = manifest["target"]
+        alive = alive_pids(target.get("identities"))
+        if alive:
+            changed, pids = engine.resume_stopped(manifest, backend, libcuda_path=libcuda_path)
+            how = "source resumed (pids %s)" % pids
+        elif doc.get("image_dir") and image.has_manifest(doc["image_dir"]) and \
+                same_dir(doc["image_dir"], doc.get("image_dir_identity")):
+            res = engine.restore(doc["image_dir"], backend=backend, libcuda_path=libcuda_path, force=True)
+            changed, pids = True, res.get("pids")
+            how = "source restored from its image %s (pids %s)" % (doc["image_dir"], pids)
+        else:
+            raise TransactionError("the source's processes are gone and no complete image of this migration is in %s: "
+                                   "cannot roll back" % doc.get("image_dir"), stage="rollback-source")
+        try:
+            journal.transition("resumed", resumed_pids=pids, resumed_identities=engine.identities(pids or []))
+        except (OSError, TransactionError) as exc:  # it runs; a full disk must not undo that
+            how += " (its journal could not be written: %s)" % exc
+    return changed, how
 
 
-def rollback_target(journal, image_dir=None, backend=None, restore_wait=1800.0):
-    """Leave the target clean: kill what this migration restored there, remove its image copy.
-    A restore still waiting for the image is told to stop first; one already restoring is waited for
-    (up to ``restore_wait`` seconds), then what it brought up is killed."""
-    from .runtimes.process import ProcessBackend
-    backend = backend or ProcessBackend()
-    if (journal.read() or {}).get("phase") != "committed":
-        journal.cancel()
-    held = journal.lock(wait=restore_wait)
-    if held is None:
-        raise TransactionError("a restore of migration %s is still running on the target after %s s; roll back "
-                               "again once it has ended" % (journal.id, restore_wait), stage="rollback-target")
-    try:
-        return _rollback_target(journal, image_dir, backend)
-    finally:
-        held.close()
+def owner_alive(doc):
+    """True when the module that last moved the journal on still runs."""
+    return bool(same_process((doc or {}).get("owner")))
 
 
-def _rollback_target(journal, image_dir, backend):
-    doc = journal.read() or {}
-    if doc.get("phase") == "committed":
-        raise TransactionError("migration %s is committed on the target; refusing to kill the only copy" % journal.id,
-                               stage="rollback-target")
-    changed = False
-    image_dir = image_dir or doc.get("image_dir")
-    if image_dir and image.has_manifest(image_dir):
-        backend.bind(image.load_manifest(image_dir))  # a container runtime needs the container's id
-    alive = _alive_same(doc.get("pids") or [])
-    if alive:
-        backend.kill(alive)
-        changed = True
-    if image_dir and os.path.isdir(image_dir):
-        shutil.rmtree(image_dir)
-        changed = True
-    if doc:
-        if doc.get("phase") != "cleaned" or changed:
-            journal.write("cleaned", killed_pids=alive)
-    return changed, "target cleaned (killed %s, removed %s)" % (alive, image_dir)
-
-
-def commit_target(journal, remove_image=False, image_dir=None):
-    doc = journal.read()
-    if doc is None or doc.get("phase") not in ("restored", "committed"):
-        raise TransactionError("the target has not restored migration %s (phase %s)"
-                               % (journal.id, (doc or {}).get("phase")), stage="commit-target")
-    if doc["phase"] == "committed":
-        return False, "already committed"
-    alive = _alive_same(doc.get("pids"))
-    if len(alive) != len(doc.get("pids") or []):
-        raise TransactionError("restored pids %s are not all alive on the target" % doc.get("pids"),
-                               stage="commit-target")
-    image_dir = image_dir or doc.get("image_dir")
-    if remove_image and image_dir and os.path.isdir(image_dir):
-        shutil.rmtree(image_dir)
-    journal.write("committed")
-    return True, "target committed"
+__all__ = ["Journal", "begin_target", "settle_target", "commit_source", "rollback_source", "status", "check_id",
+           "DEFAULT_JOURNAL_DIR", "process_identity"]

@@ -11,6 +11,7 @@ TOOL_ARGS = dict(
     criu_options=dict(type="list", elements="str", default=[]),
     libcuda_path=dict(type="path"),
     runtime_timeout=dict(type="float", default=0),
+    tcp_established=dict(type="bool", default=False),
 )
 
 RUNTIME_ARGS = dict(
@@ -32,6 +33,12 @@ def _timeout(params):
 
 def make_backend(name, params, bundle=None):
     """The runtime backend ``name`` built from a module's parameters."""
+    backend = _make_backend(name, params, bundle)
+    backend.tcp_established = bool(params.get("tcp_established"))
+    return backend
+
+
+def _make_backend(name, params, bundle):
     if name == "docker":
         from .runtimes.docker import DockerBackend
         return DockerBackend(params.get("docker_path"), params.get("docker_host"), params.get("criu_path"),
@@ -72,8 +79,18 @@ def journal_for(params, role):
     """The migration journal for this host's role, or None outside a migration."""
     if not params.get("migration_id"):
         return None
-    from .migration import Journal
+    from .journal import Journal
     return Journal(params["journal_dir"], params["migration_id"], role)
+
+
+def check_path_arg(module, name, value):
+    """An absolute path without control characters (it may reach a remote command), or fail."""
+    if value is None:
+        return None
+    if not value.startswith("/") or any(ord(c) < 32 for c in value):
+        module.fail_json(msg="%s must be an absolute path without control characters, got %r; nothing was done"
+                         % (name, value), stage="preflight")
+    return value
 
 
 def run_engine(module, fn, *args, **kwargs):

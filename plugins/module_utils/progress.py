@@ -8,10 +8,12 @@ file and print a line per change, so a user watching a 70 GB job in AWX sees it 
 """
 from __future__ import annotations
 
-import json
 import os
+import stat
 import threading
 import time
+
+from .fsutil import atomic_write
 
 
 STALE_PREFIX = ".gpuckpt-progress-"  # the action plugins' names, in /tmp
@@ -48,13 +50,13 @@ class ProgressFile(object):
         if not self.path:
             return
         with self._lock:
-            data = dict(self.fields(), updated=time.time())
-            tmp = "%s.%d.tmp" % (self.path, os.getpid())
+            # Who writes it: a controller waiting on this module can tell a dead job from a slow one.
+            data = dict(self.fields(), updated=time.time(), pid=os.getpid(), starttime=_starttime())
             try:
-                with open(tmp, "w") as fh:
-                    json.dump(data, fh)
-                os.chmod(tmp, 0o644)  # the controller may poll it without become
-                os.replace(tmp, self.path)
+                # A new file with a random name, renamed over the path: a symlink planted at the path (or
+                # at any name beside it) is replaced, never written through. World-readable: the
+                # controller may poll it without become; it holds stage names and byte counts only.
+                atomic_write(self.path, data, mode=0o644)
             except OSError:
                 pass  # progress is a courtesy; it never fails the job
 
@@ -73,15 +75,17 @@ class ProgressFile(object):
 
     def _remove_stale(self, age=3600):
         """Progress files of runs that were killed (a controller gone mid-transfer) are left behind;
-        the next run removes those not updated for an hour."""
+        the next run removes those not updated for an hour: only our own regular files."""
         folder, name = os.path.split(self.path)
         if not name.startswith(STALE_PREFIX):
             return
         try:
             for other in os.listdir(folder or "."):
                 full = os.path.join(folder, other)
-                if other.startswith(STALE_PREFIX) and full != self.path and \
-                        time.time() - os.lstat(full).st_mtime > age:
+                if not other.startswith(STALE_PREFIX) or full == self.path:
+                    continue
+                st = os.lstat(full)
+                if stat.S_ISREG(st.st_mode) and st.st_uid == os.geteuid() and time.time() - st.st_mtime > age:
                     os.unlink(full)
         except OSError:
             pass
@@ -95,6 +99,15 @@ class ProgressFile(object):
                 os.unlink(self.path)
             except OSError:
                 pass
+
+
+def _starttime():
+    try:
+        with open("/proc/self/stat") as fh:
+            data = fh.read()
+        return int(data[data.rindex(")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 class StageProgress(ProgressFile):

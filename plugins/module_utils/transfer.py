@@ -1,43 +1,54 @@
 # -*- coding: utf-8 -*-
 # Copyright: gpuckpt.fleet contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Moving an image from this host to another over the hosts' own ssh: no extra port or daemon.
+"""Moving an image from this host to another: one path, over the hosts' own ssh.
 
-Two ways, used together:
-- Large files (the pages of GPU memory and RAM) go as byte ranges over several ssh streams at once.
-  One ssh stream is bound by one core's cipher (0.45 GB/s with chacha20 on the GPU machine, about
-  1 GB/s with AES-GCM), far below a datacenter link or a local disk; several streams add up. Each
-  range is written in place on the target by ``dd`` (coreutils, on every node); a range that fails is
-  sent again whole.
-- Everything else goes through rsync, which keeps partial files and resumes them (--append-verify,
-  from the second attempt on); its repair pass (--checksum) re-sends only the blocks that differ
-  after a checksum mismatch.
-The manifest's chunked SHA-256 checksums, verified by gpu_restore on the target before anything is
-restored, are what prove the copy; ssh's MAC protects each stream in transit.
+A Sender opens ``streams`` ssh connections to the target, each ending in the receiver program
+(receiver.py, sent as the stream's first bytes: the target needs Python 3 and nothing of ours
+installed). It sends the image's files as 64 MiB pieces, each one chunk of the manifest's checksums,
+spread over the streams: one ssh stream is bound by one core's cipher (0.45 GB/s with chacha20 on the
+GPU machine, about 1 GB/s with AES-GCM), so several add up. Then, on the first stream alone, once every
+other stream has ended: the files' exact sizes (``fix``), then the manifest (``deliver``), so the
+target holds a complete image or none.
+
+Used two ways, the same code:
+- during a checkpoint (gpu_checkpoint's ``push``): the streams open before anything is frozen;
+  ``watch`` sends each completed piece of the page files while CRIU writes them, ``complete`` the
+  rest once the dump ended, ``finish`` the manifest;
+- after it (``send_image``, gpu_image_sync): what the target lacks, found by asking it for the
+  checksums of what it holds (``sums``): a transfer that was cut resumes, and a repair after a
+  verification failure sends only the chunks that differ.
+
+In a migration the receivers check the target's journal (see receiver.py): the image goes only into
+the directory that this migration created there, and only while the journal is receiving its image.
+The manifest's checksums, verified on the target before any restore, prove the copy.
 """
 from __future__ import annotations
 
 import json
 import os
+import queue
 import re
 import shlex
 import subprocess
+import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
-from .errors import CommandError, GpuCkptError
-from .image import CHUNK, MANIFEST
+# The receiver program's modules, imported here (not by name at run time) so that Ansible packs them
+# with every module that sends an image.
+from . import errors, fsutil, image, journal, receiver
+from .errors import GpuCkptError, InvalidTarget, TransactionError
 from .progress import BytesProgress
-from .run import Result, find_binary, run
 
-STATE_EXCLUDE = "/.gpuckpt/"  # logs and the restore marker of the source stay there
+CHUNK = image.CHUNK
 FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
-
-
-def _stat(text, label):
-    m = re.search(r"^%s:\s*([\d,]+)" % re.escape(label), text, re.M)
-    return int(m.group(1).replace(",", "")) if m else 0
+GROWING = re.compile(r"^pages-\d+\.img$")  # CRIU appends page data to these while it dumps
+# The receiver program: these modules' sources, in this order (each needs only those before it).
+RECEIVER_MODULES = (errors, fsutil, journal, image, receiver)
+HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\[\]-]+$")
+USER_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
+PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")
 
 
 def auto_streams(cpus=None):
@@ -47,434 +58,303 @@ def auto_streams(cpus=None):
     return min(8, max(1, (cpus or os.cpu_count() or 1) // 4))
 
 
-STREAM_MIN_BYTES = 256 * 2**20  # smaller files are not worth a stream of their own
-PIECE_ALIGN = 2**20
+class Target(object):
+    """Where an image goes: a host reached with ssh as ``user`` on ``port``, and the receiver's Python.
+    Every value is checked here, since it becomes part of an ssh command line."""
+
+    def __init__(self, host, user="root", port=22, ssh_args=(), python="python3", io_timeout=120):
+        host = str(host or "")
+        if host.startswith("[") and host.endswith("]"):
+            host = host[1:-1]  # an IPv6 address as an inventory may write it; ssh wants it bare
+        if not HOST_RE.match(host) or host.startswith("-"):
+            raise InvalidTarget("transfer host %r is not a host name or address" % host, stage="preflight")
+        if not USER_RE.match(str(user or "")):
+            raise InvalidTarget("transfer user %r is not a user name" % user, stage="preflight")
+        if not PYTHON_RE.match(str(python or "")) or str(python).startswith("-"):
+            raise InvalidTarget("transfer python %r must be a command name or an absolute path" % python,
+                                stage="preflight")
+        if not 0 < int(port) < 65536:
+            raise InvalidTarget("transfer port %r is out of range" % port, stage="preflight")
+        if int(io_timeout) < 1:
+            raise InvalidTarget("io_timeout must be at least 1 second, got %r" % io_timeout, stage="preflight")
+        self.host, self.user, self.port = host, str(user), int(port)
+        self.ssh_args, self.python, self.io_timeout = [str(a) for a in ssh_args or ()], str(python), int(io_timeout)
+
+    def ssh(self):
+        # The user's ssh arguments first: for ssh, the first value given for an option wins. AES-GCM is
+        # preferred over OpenSSH's default chacha20-poly1305: on the CI kind of machine (AES-NI) one ssh
+        # stream moved 1.06 GB/s with aes128-gcm against 0.69 GB/s with chacha20 (docs/benchmarks).
+        # A target that stops answering is given up after about io_timeout seconds (the source may be
+        # frozen meanwhile); one that does not answer at all, after the connect timeout.
+        interval = max(1, min(15, self.io_timeout // 3))
+        return ["ssh"] + self.ssh_args + [
+            "-p", str(self.port), "-l", self.user, "-o", "BatchMode=yes", "-o", "Compression=no",
+            "-o", "Ciphers=" + FAST_CIPHERS, "-o", "ServerAliveInterval=%d" % interval,
+            "-o", "ServerAliveCountMax=%d" % max(1, self.io_timeout // interval),
+            "-o", "ConnectTimeout=%d" % min(30, max(5, self.io_timeout)), "--", self.host]
+
+    def __str__(self):
+        return self.host
 
 
-Progress = BytesProgress  # the name the streams and tests use
+def _module_source(mod):
+    """The source of one of our module_utils, also from inside an AnsiballZ zip."""
+    loader = getattr(mod, "__loader__", None)
+    if loader is not None and hasattr(loader, "get_source"):
+        src = loader.get_source(mod.__name__)
+        if src:
+            return src
+    with open(mod.__file__) as fh:
+        return fh.read()
 
 
-def ssh_command(ssh_args=(), port=22, io_timeout=120):
-    # The user's ssh arguments first: for ssh, the first value given for an option wins. AES-GCM is
-    # preferred over OpenSSH's default chacha20-poly1305: on the CI kind of machine (AES-NI) one ssh
-    # stream moved 1.06 GB/s with aes128-gcm against 0.69 GB/s with chacha20 (see docs/benchmarks).
-    alive = max(1, int(io_timeout) // 15)
-    return ["ssh"] + list(ssh_args) + ["-p", str(port), "-o", "BatchMode=yes", "-o", "Compression=no",
-                                       "-o", "Ciphers=" + FAST_CIPHERS, "-o", "ServerAliveInterval=15",
-                                       "-o", "ServerAliveCountMax=%d" % alive,
-                                       # a target that does not answer fails fast (the source is frozen)
-                                       "-o", "ConnectTimeout=%d" % min(30, max(5, int(io_timeout)))]
+def receiver_program():
+    """The receiver as one Python program: RECEIVER_MODULES concatenated (their package imports fail
+    there and fall back to the names defined before them), ending in receiver.main()."""
+    parts = ["from __future__ import annotations\n"]
+    for mod in RECEIVER_MODULES:
+        name = mod.__name__.rsplit(".", 1)[-1]
+        src = _module_source(mod)
+        lines = [ln for ln in src.splitlines() if not ln.startswith("from __future__ import")]
+        text = "\n".join(lines)
+        if name == "receiver":
+            text = text.replace('if __name__ == "__main__":', "if True:")
+        else:
+            text = text.replace('if __name__ == "__main__":', "if False:")
+        parts.append("# ---- %s.py ----\n%s\n" % (name, text))
+    return "".join(parts).encode("utf-8")
 
 
-def _pieces(files, streams):
-    """Split (rel, size) files into about ``streams`` ranges each, aligned to PIECE_ALIGN."""
-    out = []
-    for rel, size in files:
-        step = -(-size // streams)
-        step = -(-step // PIECE_ALIGN) * PIECE_ALIGN
-        for off in range(0, size, step):
-            out.append((rel, off, min(step, size - off)))
-    # Largest first: the pool then ends its streams at about the same time.
-    return sorted(out, key=lambda p: -p[2])
+_BOOTSTRAP = "import sys; exec(compile(sys.stdin.buffer.read(%d), 'gpuckpt-receiver', 'exec'))"
 
 
-def _send_piece(ssh, target, src, dest, piece, progress, io_timeout):
-    rel, off, length = piece
-    remote = ("mkdir -p %s && exec dd of=%s bs=4M seek=%d oflag=seek_bytes conv=notrunc status=none"
-              % (shlex.quote(os.path.dirname(os.path.join(dest, rel))), shlex.quote(os.path.join(dest, rel)), off))
-    cmd = ssh + [target, remote]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    sent, err = 0, None
-    try:
-        with open(os.path.join(src, rel), "rb") as fh:
-            fd, out = fh.fileno(), proc.stdin.fileno()
-            while sent < length:
-                n = os.sendfile(out, fd, off + sent, min(8 * 2**20, length - sent))
-                if n <= 0:
-                    raise OSError("short read of %s at %d" % (rel, off + sent))
-                sent += n
-                progress.add(n)
-    except OSError as exc:  # the stream broke (ssh died); its stderr says why
-        err = exc
-    try:
-        proc.stdin.close()
-    except OSError:
-        pass
-    proc.stdin = None  # closed: end of the range; communicate() must not flush it
-    try:
-        stdout, stderr = proc.communicate(timeout=io_timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        stdout, stderr = proc.communicate()
-    if proc.returncode != 0 or err is not None or sent != length:
-        progress.add(-sent)
-        why = ": %s" % err if err else ""
-        raise CommandError("sending %s bytes %d-%d to %s failed (rc=%s)%s"
-                           % (rel, off, off + length - 1, target, proc.returncode, why),
-                           stage="transfer", cmd=cmd, rc=proc.returncode,
-                           stdout=stdout.decode("utf-8", "replace"), stderr=stderr.decode("utf-8", "replace"))
-    return length
+class TokenBucket(object):
+    """A bandwidth limit shared by every stream: ``rate`` bytes per second (0: none)."""
+
+    def __init__(self, rate):
+        self.rate = float(rate or 0)
+        self._lock = threading.Lock()
+        self._next = time.monotonic()
+
+    def take(self, n):
+        if self.rate <= 0:
+            return
+        with self._lock:
+            now = time.monotonic()
+            self._next = max(self._next, now) + n / self.rate
+            wait = self._next - n / self.rate - now
+        if wait > 0:
+            time.sleep(wait)
 
 
-def _remote(ssh, target, script, io_timeout):
-    return run(ssh + [target, script], stage="transfer", check=True, timeout=io_timeout,
-               hint="check that this host reaches %s over ssh" % target)
+class TransferError(TransactionError):
+    """A transfer failed: which stream, the ssh command, and the receiver's own words."""
 
 
-def stream_files(src, dest_host, dest, files, user="root", port=22, ssh_args=(), streams=4, io_timeout=120,
-                 retries=3, retry_delay=1.0, progress=None):
-    """Send the large ``files`` (relative paths) as byte ranges over ``streams`` parallel ssh streams.
-    Files the target already holds with the same size and mtime are skipped. Returns bytes sent."""
-    ssh = ssh_command(ssh_args, port, io_timeout)
-    target = "%s@%s" % (user, dest_host)
-    local = {rel: os.stat(os.path.join(src, rel)) for rel in files}
-    # The mtime is set on the target once a file is whole; the same size and mtime there means a
-    # finished earlier transfer (a re-run), so nothing is sent again.
-    probe = "cd %s 2>/dev/null && stat -c '%%s %%Y %%n' -- %s 2>/dev/null; true" % (
-        shlex.quote(dest), " ".join(shlex.quote(r) for r in files))
-    have = {}
-    for line in _remote(ssh, target, probe, io_timeout).stdout.splitlines():
-        size, mtime, name = line.split(" ", 2)
-        have[name] = (int(size), int(mtime))
-    todo = [(rel, st.st_size) for rel, st in local.items() if have.get(rel) != (st.st_size, int(st.st_mtime))]
-    if not todo:
-        return 0
-    pending = _pieces(todo, streams)
-    sent = 0
-    for attempt in range(retries + 1):
-        failed, errors = [], []
-        with ThreadPoolExecutor(max_workers=streams) as pool:
-            futures = [(p, pool.submit(_send_piece, ssh, target, src, dest, p, progress, io_timeout))
-                       for p in pending]
-            for piece, fut in futures:
-                try:
-                    sent += fut.result()
-                except GpuCkptError as exc:
-                    failed.append(piece)
-                    errors.append(exc)
-        if not failed:
-            break
-        if any("No space left on device" in (e.stderr or "") for e in errors):
-            raise _disk_full(errors[0], dest_host, dest)
-        if attempt == retries:
-            exc = errors[0]
-            exc.msg = "transfer to %s:%s failed after %d attempts: %s" % (dest_host, dest, attempt + 1, exc.msg)
-            raise exc
-        time.sleep(retry_delay)
-        pending = failed
-    # Whole now: cut each file to its exact size and give it the source's mtime (the re-run probe).
-    fix = " && ".join("truncate -s %d %s && touch -m -d @%d %s" % (
-        local[rel].st_size, shlex.quote(rel), int(local[rel].st_mtime), shlex.quote(rel)) for rel, _s in todo)
-    _remote(ssh, target, "cd %s && %s" % (shlex.quote(dest), fix), io_timeout)
-    return sent
+class Stream(object):
+    """One ssh connection to the target, ending in a receiver."""
 
+    def __init__(self, target, config, program, index):
+        self.target, self.index = target, index
+        self.err = tempfile.TemporaryFile()
+        remote = "exec %s -c %s %s" % (shlex.quote(target.python), shlex.quote(_BOOTSTRAP % len(program)),
+                                       shlex.quote(json.dumps(config, sort_keys=True)))
+        self.cmd = target.ssh() + [remote]
+        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
+                                     start_new_session=True)
+        self._write(program)
+        self.ready = None
 
-_PROGRESS2 = re.compile(r"^\s*([\d,]+)\s+\d+%")
+    def _write(self, data):
+        fd = self.proc.stdin.fileno()
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
 
-
-def _rsync(cmd, progress, hint):
-    """Run rsync with --info=progress2 and feed its running byte count to ``progress`` (rsync's own
-    count of this run, added to what the streams sent before). Raises CommandError like run()."""
-    cmd = list(cmd[:1]) + ["--info=progress2"] + list(cmd[1:])
-    base = progress.done
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=subprocess.DEVNULL)
-    err = []
-    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()))
-    reader.daemon = True
-    reader.start()
-    out, pending = [], b""
-    while True:
-        chunk = os.read(proc.stdout.fileno(), 65536)
-        if not chunk:
-            break
-        out.append(chunk)
-        pending += chunk
-        parts = re.split(rb"[\r\n]", pending)
-        pending = parts.pop()
-        for part in reversed(parts):
-            m = _PROGRESS2.match(part.decode("utf-8", "replace"))
-            if m:
-                progress.set(base + int(m.group(1).replace(",", "")))
-                break
-    proc.wait()
-    reader.join()
-    stdout = b"".join(out).decode("utf-8", "replace")
-    stderr = (err[0] if err else b"").decode("utf-8", "replace")
-    if proc.returncode != 0:
-        raise CommandError("rsync exited with rc=%d" % proc.returncode, stage="transfer", cmd=cmd,
-                           rc=proc.returncode, stdout=stdout[-4000:], stderr=stderr[-4000:], hint=hint)
-    progress.set(base + _stat(stdout, "Total transferred file size"), force=True)
-    return Result(cmd, proc.returncode, stdout, stderr, 0.0)
-
-
-def _disk_full(exc, dest_host, dest):
-    exc.msg = "transfer to %s:%s failed: the target's disk is full" % (dest_host, dest)
-    exc.hint = "free space on the target (the image needs what the manifest's sizes say)"
-    return exc
-
-
-def push(src, dest_host, dest, user="root", port=22, ssh_args=(), rsync_path=None, repair=False,
-         bwlimit=0, io_timeout=120, retries=3, retry_delay=1.0, progress_file=None, streams=0,
-         stream_min_bytes=STREAM_MIN_BYTES):
-    """Send ``src``/ to ``user@dest_host:dest``/: large files over ``streams`` parallel ssh streams,
-    the rest (and everything, in repair mode or with a bandwidth limit) through rsync; retried (and
-    resumed) up to ``retries`` times."""
-    rsync = find_binary("rsync", what="install rsync on both hosts")
-    start = time.monotonic()
-    streams = streams if streams and streams > 0 else auto_streams()
-    sizes = {}
-    for root, dirs, names in os.walk(src):
-        if os.path.relpath(root, src) == ".":
-            dirs[:] = [d for d in dirs if "/%s/" % d != STATE_EXCLUDE]
-        for n in names:
-            rel = os.path.normpath(os.path.relpath(os.path.join(root, n), src))
-            sizes[rel] = os.path.getsize(os.path.join(src, rel))
-    progress = Progress(sum(sizes.values()), progress_file)
-    progress.start()
-    try:
-        return _push(src, dest_host, dest, user, port, ssh_args, rsync_path, repair, bwlimit, io_timeout, retries,
-                     retry_delay, streams, stream_min_bytes, rsync, start, sizes, progress)
-    finally:
-        progress.close()
-
-
-def _push(src, dest_host, dest, user, port, ssh_args, rsync_path, repair, bwlimit, io_timeout, retries,
-          retry_delay, streams, stream_min_bytes, rsync, start, sizes, progress):
-    big = []
-    if streams > 1 and not repair and not bwlimit:
-        big = sorted(rel for rel, size in sizes.items() if size >= stream_min_bytes)
-    streamed = 0
-    if big:
-        streamed = stream_files(src, dest_host, dest, big, user=user, port=port, ssh_args=ssh_args,
-                                streams=streams, io_timeout=io_timeout, retries=retries,
-                                retry_delay=retry_delay, progress=progress)
-    ssh = ssh_command(ssh_args, port, io_timeout)
-    cmd = [rsync, "-a", "--mkpath", "--stats", "--exclude", STATE_EXCLUDE, "--timeout", str(io_timeout),
-           "-e", " ".join(shlex.quote(a) for a in ssh)]
-    for rel in big:  # already there, whole
-        cmd += ["--exclude", "/" + rel]
-    # The manifest goes last, alone, once everything else is there: its presence on the target means
-    # the image is complete (a restore that waits for the image begins when it lands).
-    cmd += ["--exclude", "/" + MANIFEST]
-    only_manifest = ["--include", "/" + MANIFEST, "--exclude", "*"]
-    if repair:
-        cmd += ["--checksum", "--inplace", "--no-whole-file"]
-    else:
-        cmd += ["--partial", "--whole-file"]
-    if bwlimit:
-        cmd += ["--bwlimit", str(bwlimit)]
-    if rsync_path:
-        cmd += ["--rsync-path", rsync_path]
-    cmd += [src.rstrip("/") + "/", "%s@%s:%s/" % (user, dest_host, dest.rstrip("/"))]
-    attempts, moved, last = 0, streamed, None
-    while attempts <= retries:
-        attempts += 1
+    def reply(self, what):
+        """The receiver's next reply line (JSON); its stderr in the error when the stream ends instead."""
+        line = self.proc.stdout.readline()
+        if not line:
+            raise self.failure("the receiver ended while %s" % what)
         try:
-            hint = "check that this host reaches %s over ssh and that the target has free disk" % dest_host
-            res = _rsync(cmd, progress, hint)
-            moved += _stat(res.stdout, "Total transferred file size")
-            i = cmd.index("/" + MANIFEST)
-            res = _rsync(cmd[:i - 1] + cmd[i + 1:-2] + only_manifest + cmd[-2:], progress, hint)
-            moved += _stat(res.stdout, "Total transferred file size")
-            return {"attempts": attempts, "bytes_transferred": moved, "seconds": round(time.monotonic() - start, 3),
-                    "bytes_total": sum(sizes.values()), "streams": streams if big else 1,
-                    "bytes_streamed": streamed, "cmd": cmd}
-        except CommandError as exc:
-            last = exc
-            text = (exc.stderr or "") + (exc.stdout or "")
-            if "No space left on device" in text:
-                raise _disk_full(exc, dest_host, dest)
-            if attempts <= retries:
-                time.sleep(retry_delay)
-                # Resume what the cut transfer left: append to the partial files and check each whole
-                # file's checksum (rsync's own) once it is complete.
-                cmd = [c for c in cmd if c != "--whole-file"]
-                if "--append-verify" not in cmd and not repair:
-                    cmd.insert(cmd.index("--partial") + 1, "--append-verify")
-    last.msg = "transfer to %s:%s failed after %d attempts: %s" % (dest_host, dest, attempts, last.msg)
-    raise last
+            doc = json.loads(line)
+        except ValueError:
+            raise self.failure("the receiver answered %r while %s" % (line[:200], what))
+        if doc.get("error"):
+            raise self.failure("the receiver refused (%s)" % doc["error"])
+        return doc
+
+    def wait_ready(self):
+        self.ready = self.reply("starting")
+        return self.ready
+
+    def send(self, header, path=None, off=0, length=0, bucket=None, fence=None):
+        self._write((json.dumps(header) + "\n").encode())
+        if path is None:
+            return
+        with open(path, "rb") as fh:
+            done = 0
+            while done < length:
+                n = min(8 * 2**20, length - done)
+                if bucket is not None:
+                    n = min(n, 2**20)
+                    bucket.take(n)
+                if fence is not None:
+                    fence()
+                sent = os.sendfile(self.proc.stdin.fileno(), fh.fileno(), off + done, n)
+                if sent <= 0:
+                    raise OSError("%s is shorter than expected at byte %d" % (path, off + done))
+                done += sent
+
+    def stderr(self):
+        self.err.seek(0)
+        return self.err.read().decode("utf-8", "replace").strip()[-3000:]
+
+    def failure(self, msg):
+        try:
+            self.proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            pass
+        err = self.stderr()
+        disk_full = "No space left on device" in err
+        said = [ln for ln in err.splitlines() if ln.startswith("gpuckpt receiver: ")]
+        if said:  # the receiver's own words say more than the broken stream
+            msg += " (%s)" % said[-1][len("gpuckpt receiver: "):]
+        return TransferError("transfer to %s, stream %d: %s%s" % (self.target, self.index, msg,
+                                                                  ": the target's disk is full" if disk_full else ""),
+                             stage="transfer", cmd=self.cmd[:-1] + ["<receiver>"], rc=self.proc.returncode,
+                             stderr=err, hint="free space on the target" if disk_full else
+                             "check that this host reaches %s over ssh and that its Python 3 runs" % self.target)
+
+    def close(self, timeout):
+        """Send the end mark and wait for the receiver to exit; raises its failure."""
+        try:
+            self._write(b'{"op": "end"}\n')
+            self.proc.stdin.close()
+        except OSError as exc:
+            raise self.failure("the stream broke (%s)" % exc)
+        try:
+            rc = self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise self.failure("the receiver did not end within %s s" % timeout)
+        if rc != 0:
+            raise self.failure("the receiver exited with rc=%s" % rc)
+
+    def kill(self):
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, 9)
+            except OSError:
+                pass
+        self.proc.wait()
 
 
-# The receiving end of a push: run on the target as ``python3 -c RECEIVER <dest>`` at the end of each
-# ssh stream. It reads framed operations from stdin: a JSON header line, then for "data" that many
-# bytes, written in place (pwrite) into the file under dest. A stream that ends without its "end"
-# mark exits non-zero, so a cut stream is never taken for a finished one. It keeps the SHA-256 of
-# every range it wrote (a receipt in dest/.gpuckpt/), and the exact size and mtime it gave each file:
-# image.verify() takes a chunk's hash from the receipt when its file is unchanged since, instead of
-# reading the whole image again.
-RECEIVER = r'''
-import hashlib, json, os, sys
-dest = sys.argv[1]
-inp = sys.stdin.buffer
-fds, receipt = {}, {}
-def path(rel):
-    if rel.startswith("/") or ".." in rel.split("/"):
-        sys.exit("refusing path %r" % rel)
-    return os.path.join(dest, rel)
-def fd(rel):
-    if rel not in fds:
-        p = path(rel)
-        os.makedirs(os.path.dirname(p), mode=0o700, exist_ok=True)
-        fds[rel] = os.open(p, os.O_WRONLY | os.O_CREAT, 0o600)
-    return fds[rel]
-def save(name, data):
-    d = os.path.join(dest, ".gpuckpt")
-    os.makedirs(d, mode=0o700, exist_ok=True)
-    with open(os.path.join(d, name + ".tmp"), "w") as fh:
-        json.dump(data, fh)
-    os.rename(os.path.join(d, name + ".tmp"), os.path.join(d, name))
-while True:
-    line = inp.readline()
-    if not line:
-        sys.exit("the stream ended before its end mark")
-    m = json.loads(line)
-    if m["op"] == "data":
-        f, off, n = fd(m["path"]), m["off"], m["len"]
-        h, start, total = hashlib.sha256(), off, n
-        while n:
-            b = inp.read(min(n, 4 << 20))
-            if not b:
-                sys.exit("the stream was cut in %s at byte %d" % (m["path"], off))
-            os.pwrite(f, b, off)
-            h.update(b)
-            off += len(b)
-            n -= len(b)
-        receipt.setdefault(m["path"], []).append([start, total, h.hexdigest()])
-    elif m["op"] == "fix":
-        for rel, size, mtime_ns in m["files"]:
-            os.truncate(path(rel), size)
-            os.utime(path(rel), ns=(mtime_ns, mtime_ns))
-        save("push-fixed.json", {rel: [size, mtime_ns] for rel, size, mtime_ns in m["files"]})
-    elif m["op"] == "rename":
-        save("push-receipt-%d.json" % os.getpid(), receipt)  # before the manifest lands: a restore may begin at once
-        os.rename(path(m["src"]), path(m["dst"]))
-    elif m["op"] == "end":
-        break
-for f in fds.values():
-    os.close(f)
-save("push-receipt-%d.json" % os.getpid(), receipt)
-'''
+class Sender(object):
+    """Send one image to ``dest`` on ``target`` (see the module doc).
 
-GROWING = re.compile(r"^pages-\d+\.img$")  # CRIU appends page data to these while it dumps
-PUSH_PIECE = CHUNK  # one piece is one checksum chunk of the manifest, so a receipt's hashes are its chunks'
+    ``receiver``: what the receivers check: {"migration_id", "journal_dir", "nonce"} in a migration,
+    else {"image_id"}. ``before_deliver``: called right before the manifest is sent (the source's
+    journal records that the image may reach the target from here on). ``fence``: called often;
+    raises to stop the transfer (a recovery fenced the migration)."""
 
-
-class Pusher(object):
-    """Send an image to another host WHILE it is being written, over ``streams`` persistent ssh streams.
-
-    start() opens the streams before anything is frozen (their handshakes cost no downtime).
-    watch(image_dir) then sends each completed 64 MiB piece of the page files (``pages-*.img``,
-    which CRIU only appends to) during the dump; finish(image_dir) sends everything else once the
-    image is complete (the rest of the page files and every other file), gives each file its exact
-    size and mtime, and writes the manifest last (as a rename), so the target holds a complete image
-    or none. The manifest's checksums, taken from the finished files on the source and verified on
-    the target before any restore, catch any difference. Any failure leaves the image on the source
-    intact and is reported, not raised: a later gpu_image_sync sends what is missing."""
-
-    def __init__(self, dest_host, dest, user="root", port=22, ssh_args=(), streams=0, python="python3",
-                 io_timeout=120, piece=PUSH_PIECE, manifest="manifest.json", exclude_dir=".gpuckpt"):
-        self.target = "%s@%s" % (user, dest_host)
-        self.dest_host, self.dest = dest_host, dest
-        self.ssh = ssh_command(ssh_args, port, io_timeout)
+    def __init__(self, target, dest, streams=0, receiver=None, bwlimit_kbps=0, progress=None,
+                 before_deliver=None, fence=None, piece=None):
+        self.target, self.dest = target, dest
         self.streams = streams if streams and streams > 0 else auto_streams()
-        self.python, self.io_timeout, self.piece = python, io_timeout, piece
-        self.manifest, self.exclude_dir = manifest, exclude_dir
-        self.procs, self.threads, self.errors = [], [], []
-        self.queue = None
+        self.config = dict(receiver or {}, dest=dest, chunk=CHUNK)
+        self.bucket = TokenBucket(bwlimit_kbps * 1024) if bwlimit_kbps else None
+        self.progress = progress
+        self.before_deliver, self.fence = before_deliver, fence
+        self.piece = piece or CHUNK
+        self.open_streams = []
+        self.queue = queue.Queue()
+        self.threads, self.errors = [], []
         self.sent_upto = {}  # rel -> bytes queued from the start of the file
-        self.bytes_sent = 0
-        self.bytes_before_complete = 0
+        self.skip = {}       # rel -> chunk offsets the target already holds (from sums)
+        self.bytes_sent = self.bytes_before_complete = 0
         self._final = None
         self._lock = threading.Lock()
         self._watching = None
         self._stop_watch = threading.Event()
         self.started = None
 
-    def _cmd(self):
-        remote = "exec %s -c %s %s" % (shlex.quote(self.python), shlex.quote(RECEIVER), shlex.quote(self.dest))
-        return self.ssh + [self.target, remote]
-
+    # -- streams ------------------------------------------------------------------------------------
     def start(self):
-        import queue
-        import tempfile
-        self.queue = queue.Queue()
+        """Open the streams and wait until every receiver is ready (the first alone first: outside a
+        migration it creates the destination)."""
         self.started = time.monotonic()
-        for i in range(self.streams):
-            err = tempfile.TemporaryFile()
-            proc = subprocess.Popen(self._cmd(), stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=err)
-            proc.err_file = err
-            self.procs.append(proc)
-            t = threading.Thread(target=self._sender, args=(proc,), name="gpuckpt-push-%d" % i)
+        program = receiver_program()
+        try:
+            for i in range(self.streams):
+                s = Stream(self.target, self.config, program, i)
+                self.open_streams.append(s)
+                if i == 0:
+                    s.wait_ready()
+            for s in self.open_streams[1:]:
+                s.wait_ready()
+        except (OSError, GpuCkptError) as exc:
+            self.abort()
+            if isinstance(exc, GpuCkptError):
+                raise
+            raise TransferError("transfer to %s could not start: %s" % (self.target, exc), stage="transfer")
+        for s in self.open_streams:
+            t = threading.Thread(target=self._sender, args=(s,), name="gpuckpt-send-%d" % s.index)
             t.daemon = True
             t.start()
             self.threads.append(t)
         return self
 
-    def _send(self, proc, header, src=None, off=0, length=0):
-        out = proc.stdin.fileno()
-        data = (json.dumps(header) + "\n").encode()
-        while data:
-            data = data[os.write(out, data):]
-        if src is None:
-            return
-        with open(src, "rb") as fh:
-            done = 0
-            while done < length:
-                n = os.sendfile(out, fh.fileno(), off + done, min(8 * 2**20, length - done))
-                if n <= 0:
-                    raise OSError("%s is shorter than expected at byte %d" % (src, off + done))
-                done += n
-
-    def _sender(self, proc):
+    def _sender(self, stream):
         while True:
             item = self.queue.get()
             try:
                 if item is None:
                     return
                 if self.errors:
-                    continue  # a stream failed: the push is lost anyway, drain the queue
+                    continue  # a stream failed: this attempt is lost anyway, drain the queue
                 root, rel, off, length = item
-                self._send(proc, {"op": "data", "path": rel, "off": off, "len": length},
-                           os.path.join(root, rel), off, length)
+                stream.send({"op": "data", "path": rel, "off": off, "len": length}, os.path.join(root, rel), off,
+                            length, self.bucket, self.fence)
                 with self._lock:
                     self.bytes_sent += length
+                if self.progress is not None:
+                    self.progress.add(length)
             except (OSError, ValueError) as exc:
-                self.errors.append("stream to %s failed: %s" % (self.target, exc))
+                self.errors.append(stream.failure("the stream broke (%s)" % exc))
+            except GpuCkptError as exc:
+                self.errors.append(exc)
             finally:
                 self.queue.task_done()
 
-    def _files(self, image_dir):
-        out = {}
-        for root, dirs, names in os.walk(image_dir):
-            if os.path.relpath(root, image_dir) == ".":
-                dirs[:] = [d for d in dirs if d != self.exclude_dir]
-            for n in names:
-                rel = os.path.normpath(os.path.relpath(os.path.join(root, n), image_dir))
-                if rel != self.manifest and not rel.startswith(self.manifest + "."):
-                    out[rel] = os.stat(os.path.join(root, n))
-        return out
+    def _raise_first_error(self):
+        if self.errors:
+            raise self.errors[0]
 
+    # -- what to send -------------------------------------------------------------------------------
     def _queue_ranges(self, image_dir, rel, upto, during):
         start = self.sent_upto.get(rel, 0)
+        skip = self.skip.get(rel, ())
         while start < upto:
             n = min(self.piece, upto - start)
             if during and n < self.piece:
                 break  # only whole pieces while the file still grows
-            self.queue.put((image_dir, rel, start, n))
+            if start not in skip:
+                self.queue.put((image_dir, rel, start, n))
             start += n
         self.sent_upto[rel] = start
 
     def watch(self, image_dir):
-        """Send the completed pieces of the growing page files until finish() or abort()."""
+        """Send the completed pieces of the growing page files until complete() or abort()."""
         def loop():
             while not self._stop_watch.wait(0.02):
                 try:
-                    for rel, st in self._files(image_dir).items():
+                    for rel, st in image.walk(image_dir).items():
                         if GROWING.match(os.path.basename(rel)):
                             self._queue_ranges(image_dir, rel, st.st_size - st.st_size % self.piece, True)
-                except OSError:
+                except (OSError, GpuCkptError):
                     pass  # a file went away (a failed dump is being discarded)
-        self._watching = threading.Thread(target=loop, name="gpuckpt-push-watch")
+        self._watching = threading.Thread(target=loop, name="gpuckpt-send-watch")
         self._watching.daemon = True
         self._watching.start()
 
@@ -483,83 +363,101 @@ class Pusher(object):
         if self._watching is not None:
             self._watching.join()
 
-    def _wait(self, proc):
-        try:
-            proc.stdin.close()
-        except OSError:
-            pass
-        try:
-            rc = proc.wait(timeout=self.io_timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        if rc != 0:
-            proc.err_file.seek(0)
-            err = proc.err_file.read().decode("utf-8", "replace").strip()
-            self.errors.append("stream to %s ended with rc=%s: %s" % (self.target, rc, err[-2000:]))
+    def resume(self, manifest):
+        """Ask the target what it already holds of the image (the checksums of its chunks) and send
+        only the chunks that differ or are missing: a cut transfer resumes, a repair sends what is bad."""
+        files = manifest.get("files") or {}
+        s = self.open_streams[0]
+        s.send({"op": "sums", "files": sorted(files)})
+        have = s.reply("reading what the target holds").get("sums") or {}
+        for rel, meta in files.items():
+            got = (have.get(rel) or {}).get("sha256_chunks") or []
+            self.skip[rel] = {i * CHUNK for i, (want, h) in enumerate(zip(meta["sha256_chunks"], got)) if want == h
+                              and (have[rel]["size"] >= min((i + 1) * CHUNK, meta["size"]))}
+        return sum(min(CHUNK, files[r]["size"] - off) for r in self.skip for off in self.skip[r] if files[r]["size"])
 
-    def complete(self, image_dir):
-        """The image's files are final (the dump ended): queue all that is not sent yet, largest
-        first, while the engine hashes them and writes the manifest."""
+    def complete(self, image_dir, files=None):
+        """The image's files are final (the dump ended): queue all that is not sent yet, largest first."""
         if self._final is not None:
             return
         self._stop_watching()
         self.bytes_before_complete = self.bytes_sent
-        try:
-            self._final = self._files(image_dir)
-            for rel, st in sorted(self._final.items(), key=lambda kv: -kv[1].st_size):
-                self._queue_ranges(image_dir, rel, st.st_size, False)
-        except OSError as exc:  # never fail the checkpoint for its push
-            self._final = {}
-            self.errors.append("push to %s failed: %s" % (self.target, exc))
+        self._final = {rel: st.st_size for rel, st in image.walk(image_dir).items()} if files is None else files
+        for rel, size in sorted(self._final.items(), key=lambda kv: -kv[1]):
+            self._queue_ranges(image_dir, rel, size, False)
 
-    def finish(self, image_dir):
-        """Send the rest of the complete image, then its manifest. Returns the push's report."""
-        report = {"pushed": False, "dest_host": self.dest_host, "dest": self.dest, "streams": self.streams}
-        try:
-            self.complete(image_dir)
-            files = self._final
-            for _p in self.procs:
-                self.queue.put(None)
-            self.queue.join()
-            for t in self.threads:
-                t.join()
-            first, rest = self.procs[0], self.procs[1:]
-            for proc in rest:  # every other stream has written all it carried
-                if not self.errors:
-                    self._send(proc, {"op": "end"})
-                self._wait(proc)
-            if not self.errors:
-                mpath = os.path.join(image_dir, self.manifest)
-                mst = os.stat(mpath)
-                part = self.manifest + ".part"
-                self._send(first, {"op": "data", "path": part, "off": 0, "len": mst.st_size}, mpath, 0, mst.st_size)
-                fix = [[rel, st.st_size, st.st_mtime_ns] for rel, st in sorted(files.items())]
-                fix.append([part, mst.st_size, mst.st_mtime_ns])
-                self._send(first, {"op": "fix", "files": fix})
-                self._send(first, {"op": "rename", "src": part, "dst": self.manifest})
-                self._send(first, {"op": "end"})
-                self.bytes_sent += mst.st_size
-            self._wait(first)
-        except (OSError, ValueError) as exc:
-            self.errors.append("push to %s failed: %s" % (self.target, exc))
-            self.abort()
-        report.update(pushed=not self.errors, bytes=self.bytes_sent,
-                      bytes_sent_during_dump=self.bytes_before_complete,
-                      seconds=round(time.monotonic() - self.started, 3))
-        if self.errors:
-            report["error"] = self.errors[0]
-            if any("No space left on device" in e for e in self.errors):
-                report["error"] = "the target's disk is full (%s)" % self.errors[0]
-        return report
+    def finish(self, image_dir, files=None):
+        """Send the rest of the complete image, then its sizes, then its manifest. Returns a report."""
+        self.complete(image_dir, files)
+        for _s in self.open_streams:
+            self.queue.put(None)
+        self.queue.join()
+        for t in self.threads:
+            t.join()
+        self._raise_first_error()
+        first, rest = self.open_streams[0], self.open_streams[1:]
+        for s in rest:  # every other stream has written all it carried
+            s.close(self.target.io_timeout)
+        if self.fence is not None:
+            self.fence()
+        first.send({"op": "fix", "files": sorted([rel, size] for rel, size in self._final.items())})
+        mpath = os.path.join(image_dir, image.MANIFEST)
+        size = os.path.getsize(mpath)
+        if self.before_deliver is not None:
+            self.before_deliver()
+        first.send({"op": "deliver", "len": size}, mpath, 0, size)
+        first.reply("delivering the manifest")
+        first.close(self.target.io_timeout)
+        self.bytes_sent += size
+        return self.report()
+
+    def report(self):
+        return {"dest_host": self.target.host, "dest": self.dest, "streams": self.streams,
+                "bytes": self.bytes_sent, "bytes_sent_during_dump": self.bytes_before_complete,
+                "seconds": round(time.monotonic() - (self.started or time.monotonic()), 3)}
 
     def abort(self):
-        """Stop at once (the checkpoint failed): kill the streams; the receivers exit without a manifest."""
+        """Stop at once: kill the streams; the receivers exit without delivering a manifest."""
         self._stop_watching()
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.kill()
-        for proc in self.procs:
-            proc.wait()
-            if self.queue is not None:
-                self.queue.put(None)  # let its sender thread end
+        for s in self.open_streams:
+            s.kill()
+        for _t in self.threads:
+            self.queue.put(None)  # let each sender thread end
+
+
+def send_image(image_dir, target, dest, receiver=None, streams=0, bwlimit_kbps=0, retries=3, retry_delay=1.0,
+               progress_file=None, before_deliver=None, fence=None):
+    """Send the complete image ``image_dir`` to ``dest`` on ``target``: what the target lacks, then
+    the manifest; retried (and resumed) up to ``retries`` times. Returns a report."""
+    manifest = image.load_manifest(image_dir)
+    files = {rel: meta["size"] for rel, meta in (manifest.get("files") or {}).items()}
+    total = sum(files.values())
+    progress = BytesProgress(total, progress_file)
+    progress.start()
+    start, attempts, last = time.monotonic(), 0, None
+    try:
+        while attempts <= retries:
+            attempts += 1
+            sender = Sender(target, dest, streams, receiver, bwlimit_kbps, progress, before_deliver, fence)
+            try:
+                sender.start()
+                held = sender.resume(manifest)
+                progress.set(held, force=True)
+                report = sender.finish(image_dir, files)
+                report.update(attempts=attempts, bytes_total=total, bytes_transferred=sender.bytes_sent,
+                              bytes_already_there=held, seconds=round(time.monotonic() - start, 3))
+                return report
+            except (OSError, TransferError) as exc:
+                sender.abort()
+                last = exc if isinstance(exc, GpuCkptError) else TransferError(str(exc), stage="transfer")
+                text = (getattr(last, "stderr", "") or "") + last.msg
+                if "disk is full" in text or "refused" in last.msg or attempts > retries:
+                    break
+                time.sleep(retry_delay)
+            except GpuCkptError:
+                sender.abort()
+                raise
+    finally:
+        progress.close()
+    last.msg = "transfer to %s:%s failed after %d attempt(s): %s" % (target, dest, attempts, last.msg)
+    raise last

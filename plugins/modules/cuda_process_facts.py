@@ -76,7 +76,7 @@ ansible_facts:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import facts as host_facts
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
 
 
@@ -92,7 +92,7 @@ def main():
     ), supports_check_mode=True)
     p = module.params
     try:
-        facts = engine.facts(pids=p["pids"], libcuda_path=p["libcuda_path"], criu_path=p["criu_path"],
+        facts = host_facts.facts(pids=p["pids"], libcuda_path=p["libcuda_path"], criu_path=p["criu_path"],
                              check_criu=p["check_criu"], paths=p["paths"], tree_of=p["tree_of"],
                              check_pids=p["check_pids"])
     except GpuCkptError as exc:

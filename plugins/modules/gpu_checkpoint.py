@@ -105,13 +105,26 @@ options:
         type: int
         default: 0
       python:
-        description: The Python 3 interpreter on the target that writes the received data.
+        description: The Python 3 interpreter on the target that writes the received data (a command name or an absolute path).
         type: str
         default: python3
       io_timeout:
-        description: Seconds without progress after which a stream is given up.
+        description: Seconds without an answer from the target after which a stream is given up.
         type: int
         default: 120
+      journal_dir:
+        description:
+          - The migration journals' directory on the target. With O(migration_id), the receivers write only into
+            the directory that this migration's journal on the target says it created (gpuckpt.fleet.gpu_migration
+            C(begin)), and only while that journal is receiving this checkpoint's image (O(nonce)).
+        type: path
+        default: /var/lib/gpuckpt/journal
+  nonce:
+    description:
+      - In a migration, the id that the target's journal expects of this checkpoint (gpuckpt.fleet.gpu_migration
+        C(begin) returns it). It is recorded in the source's journal before anything is frozen and in the manifest;
+        the target restores only an image that carries it. A new one is made when not given.
+    type: str
 extends_documentation_fragment:
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
@@ -190,6 +203,14 @@ rolled_back:
   description: On failure after the first lock, whether the workload was brought back to running.
   returned: failure
   type: bool
+nonce:
+  description: The checkpoint's id in a migration (see O(nonce)).
+  returned: with O(migration_id)
+  type: str
+frozen_at:
+  description: When the workload was frozen (seconds since the epoch), the start of its downtime.
+  returned: when changed
+  type: float
 push:
   description:
     - With O(push), its report. C(pushed) is true when the whole image and its manifest are on the target.
@@ -199,17 +220,24 @@ push:
   type: dict
 """
 
+import re
+
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, TOOL_ARGS, journal_for, make_backend, run_engine)
+    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, RUNTIMES, TOOL_ARGS, check_path_arg, journal_for, make_backend,
+    run_engine)
+
+NONCE_RE = re.compile(r"^[A-Za-z0-9]{8,64}$")
 
 
 def main():
     spec = dict(
         pid=dict(type="int"),
-        runtime=dict(type="str", choices=["process", "runc", "podman", "docker"], default="process"),
+        runtime=dict(type="str", choices=RUNTIMES, default="process"),
         container=dict(type="str"),
         image_dir=dict(type="path", required=True),
         leave_running=dict(type="bool", default=False),
@@ -217,6 +245,7 @@ def main():
         lock_timeout=dict(type="float", default=30),
         sign_key=dict(type="str", no_log=True),
         parallel=dict(type="bool", default=True),
+        nonce=dict(type="str"),
         push=dict(type="dict", options=dict(
             host=dict(type="str", required=True),
             dest=dict(type="path", required=True),
@@ -226,6 +255,7 @@ def main():
             streams=dict(type="int", default=0),
             python=dict(type="str", default="python3"),
             io_timeout=dict(type="int", default=120),
+            journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
         )),
     )
     spec.update(TOOL_ARGS)
@@ -237,21 +267,28 @@ def main():
                            required_if=[("runtime", "process", ["pid"]), ("runtime", "runc", ["container"]),
                                         ("runtime", "podman", ["container"]), ("runtime", "docker", ["container"])])
     p = module.params
-    if p["lock_timeout"] <= 0:
-        module.fail_json(msg="lock_timeout must be positive, got %s" % p["lock_timeout"])
-    pusher = None
+    check_path_arg(module, "image_dir", p["image_dir"])
+    if p["nonce"] is not None and not NONCE_RE.match(p["nonce"]):
+        module.fail_json(msg="nonce must be 8-64 letters or digits, got %r; nothing was frozen" % p["nonce"])
+    sender = None
     if p["push"]:
         q = p["push"]
-        if q["streams"] < 0:
-            module.fail_json(msg="push.streams must be 0 (automatic) or more, got %s" % q["streams"])
-        pusher = transfer.Pusher(q["host"], q["dest"], user=q["user"], port=q["port"], ssh_args=q["ssh_args"],
-                                 streams=q["streams"], python=q["python"], io_timeout=q["io_timeout"])
+        check_path_arg(module, "push.dest", q["dest"])
+        if not 0 <= q["streams"] <= 64:
+            module.fail_json(msg="push.streams must be 0 (automatic) to 64, got %s; nothing was frozen" % q["streams"])
+        receiver = {"migration_id": p["migration_id"], "journal_dir": q["journal_dir"], "nonce": p["nonce"]} \
+            if p["migration_id"] else {"image_id": None}
+        try:
+            target = transfer.Target(q["host"], q["user"], q["port"], q["ssh_args"], q["python"], q["io_timeout"])
+        except GpuCkptError as exc:
+            module.fail_json(**exc.to_dict())
+        sender = transfer.Sender(target, q["dest"], streams=q["streams"], receiver=receiver)
+    options = {k: p[k] for k in ("leave_running", "leave_stopped", "lock_timeout", "libcuda_path", "sign_key",
+                                 "parallel", "progress_file", "nonce")}
     run_engine(module, lambda: engine.checkpoint(
         p["pid"] if p["runtime"] == "process" else p["container"], p["image_dir"],
-        leave_running=p["leave_running"], lock_timeout=p["lock_timeout"], backend=make_backend(p["runtime"], p),
-        libcuda_path=p["libcuda_path"], check_mode=module.check_mode, sign_key=p["sign_key"],
-        leave_stopped=p["leave_stopped"], journal=journal_for(p, "source"), parallel=p["parallel"],
-        progress_file=p["progress_file"], pusher=pusher))
+        backend=make_backend(p["runtime"], p), journal=journal_for(p, "source"), sender=sender,
+        check_mode=module.check_mode, **options))
 
 
 if __name__ == "__main__":

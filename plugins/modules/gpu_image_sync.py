@@ -7,26 +7,33 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 module: gpu_image_sync
-short_description: Push a checkpoint image from this host to another host of the inventory
+short_description: Send a checkpoint image from this host to another host of the inventory
 version_added: "0.1.0"
 description:
-  - Runs on the host that holds the image. It copies the image with rsync over ssh straight to the
-    other host, so the data does not pass through the controller (as ansible.posix.synchronize does with delegate_to).
-  - Partial files are kept and resumed when a transfer is cut, and the transfer is retried.
-  - With O(repair), only the blocks that differ are sent again. Use it after the target found a checksum mismatch.
-  - The copy is proven by gpuckpt.fleet.gpu_restore, which verifies every checksum of the manifest on the target before it restores anything.
+  - Runs on the host that holds the image. It sends the image over ssh straight to the other host, so the
+    data does not pass through the controller (as ansible.posix.synchronize does with delegate_to).
+  - The same transfer as gpuckpt.fleet.gpu_checkpoint's C(push), over parallel ssh streams ending in a small
+    Python receiver on the target (it needs Python 3 there and nothing else). It first asks the target for
+    the checksums of what it already holds, and sends only the 64 MiB chunks that are missing or differ,
+    so a cut transfer resumes and a repair after a checksum mismatch sends only what is bad. Then the
+    files' sizes, then the manifest, last.
+  - The target's files are created with mode 0600 in a 0700 directory, never through a symlink.
+  - The copy is proven by gpuckpt.fleet.gpu_restore, which verifies every checksum of the manifest on the
+    target before it restores anything.
+  - With O(migration_id), the receivers write only into the directory that the migration's target journal says
+    the migration created, and the source's journal records C(delivering) before the manifest goes.
 author: gpuckpt.fleet maintainers (@gpuckpt)
 options:
   src:
-    description: The image directory on this host.
+    description: The image directory on this host (a complete image, with its manifest).
     type: path
     required: true
   dest_host:
-    description: Address of the target as this host reaches it over ssh (usually its ansible_host).
+    description: Address of the target as this host reaches it over ssh (usually its ansible_host); an IPv6 address may be bracketed.
     type: str
     required: true
   dest:
-    description: The image directory on the target. It is created with the image's mode (0700).
+    description: The image directory on the target. Outside a migration it is created (mode 0700) and must not hold anything else.
     type: path
     required: true
   dest_user:
@@ -42,15 +49,12 @@ options:
     type: list
     elements: str
     default: []
-  rsync_path:
-    description: Program to run as rsync on the target (rsync's --rsync-path).
+  python:
+    description: The Python 3 interpreter on the target that writes the received data (a command name or an absolute path).
     type: str
-  repair:
-    description: Compare full checksums and re-send only what differs, instead of resuming partial files.
-    type: bool
-    default: false
+    default: python3
   bwlimit:
-    description: Bandwidth limit in KiB/s (0 is none).
+    description: Bandwidth limit in KiB/s for all streams together (0 is none).
     type: int
     default: 0
   retries:
@@ -58,27 +62,30 @@ options:
     type: int
     default: 3
   io_timeout:
-    description: Seconds without I/O after which rsync gives up (and the transfer is retried).
+    description: Seconds without an answer from the target after which a stream is given up (and the transfer retried).
     type: int
     default: 120
   streams:
     description:
-      - Parallel ssh streams for files of at least O(stream_min_bytes) (the pages of GPU memory and RAM).
-      - One ssh stream is bound by one core's cipher; several add up to what the link and disks allow.
-      - Each stream writes its byte range in place on the target with C(dd). 1 sends everything through rsync.
-      - A O(bwlimit), or O(repair=true), sends everything through rsync.
+      - Parallel ssh streams. One ssh stream is bound by one core's cipher; several add up to what the link and disks allow.
       - 0 picks a quarter of this host's cores, 1 to 8 (each stream costs a core for its cipher on each end).
     type: int
     default: 0
-  stream_min_bytes:
-    description: Files at least this large go over the parallel streams; smaller ones through rsync.
-    type: int
-    default: 268435456
+  migration_id:
+    description: The migration this transfer belongs to (see gpuckpt.fleet.gpu_migration).
+    type: str
+  journal_dir:
+    description: Directory of the migration journals on this host (the source).
+    type: path
+    default: /var/lib/gpuckpt/journal
+  dest_journal_dir:
+    description: Directory of the migration journals on the target.
+    type: path
+    default: /var/lib/gpuckpt/journal
 extends_documentation_fragment:
   - gpuckpt.fleet.common.progress
 notes:
   - This host must reach the target over ssh non-interactively (a key, or agent forwarding).
-  - Needs rsync 3.2.3 or newer (--mkpath) on both hosts.
   - Check mode reports what would be sent without sending it.
 """
 
@@ -92,11 +99,15 @@ EXAMPLES = r"""
 
 RETURN = r"""
 bytes_transferred:
-  description: Bytes sent (0 when the target already held the image).
+  description: Bytes sent (0 when the target already held the whole image).
   returned: success
   type: int
 bytes_total:
   description: Size of the image.
+  returned: success
+  type: int
+bytes_already_there:
+  description: Bytes the target held already, with the right checksums, and were not sent again.
   returned: success
   type: int
 seconds:
@@ -104,25 +115,40 @@ seconds:
   returned: success
   type: float
 attempts:
-  description: rsync runs it took.
+  description: Attempts it took.
   returned: success
   type: int
 streams:
-  description: Parallel ssh streams used for the large files (1 when everything went through rsync).
-  returned: success
-  type: int
-bytes_streamed:
-  description: Bytes sent over the parallel streams.
+  description: Parallel ssh streams used.
   returned: success
   type: int
 """
 
-import os
-
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import image, transfer
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError, TransactionError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.journal import DEFAULT_JOURNAL_DIR, Journal
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import check_path_arg
+
+
+def _source_journal_hooks(journal):
+    """In a migration: the receivers' checks, and the source journal's 'delivering' (under its lock)
+    right before the manifest goes, refused once the source was rolled back."""
+    doc = journal.read() or {}
+    if doc.get("phase") not in ("checkpointed", "delivering", "delivered"):
+        raise TransactionError("migration %s has no checkpoint to send on this host (journal phase %s); nothing was "
+                               "sent" % (journal.id, doc.get("phase") or "absent"), stage="transfer")
+
+    def before_deliver():
+        with journal.hold(wait=60, purpose="the delivery of migration %s" % journal.id):
+            journal.check_fence("deliver")
+            journal.transition("delivering")
+
+    def fence():
+        journal.check_fence("transfer")
+
+    return doc.get("nonce"), before_deliver, fence
 
 
 def main():
@@ -133,37 +159,50 @@ def main():
         dest_user=dict(type="str", default="root"),
         dest_port=dict(type="int", default=22),
         ssh_args=dict(type="list", elements="str", default=[]),
-        rsync_path=dict(type="str"),
-        repair=dict(type="bool", default=False),
+        python=dict(type="str", default="python3"),
         bwlimit=dict(type="int", default=0),
         retries=dict(type="int", default=3),
         io_timeout=dict(type="int", default=120),
         streams=dict(type="int", default=0),
-        stream_min_bytes=dict(type="int", default=transfer.STREAM_MIN_BYTES),
+        migration_id=dict(type="str"),
+        journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
+        dest_journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
         progress_file=dict(type="path"),
     ), supports_check_mode=True)
     p = module.params
-    if p["streams"] < 0 or p["streams"] > 64:
+    check_path_arg(module, "dest", p["dest"])
+    if not 0 <= p["streams"] <= 64:
         module.fail_json(msg="streams must be between 0 (automatic) and 64, got %d; nothing was sent" % p["streams"],
                          stage="transfer")
-    if not image.has_manifest(p["src"]):
-        module.fail_json(msg="%s is not a complete gpuckpt image (no manifest.json); nothing was sent" % p["src"],
-                         stage="transfer")
-    if module.check_mode:
-        size = sum(os.path.getsize(os.path.join(p["src"], f)) for f in image.list_files(p["src"]))
-        module.exit_json(changed=True, bytes_total=size, msg="would send %d bytes" % size)
+    if p["bwlimit"] < 0 or p["retries"] < 0:
+        module.fail_json(msg="bwlimit and retries must not be negative; nothing was sent", stage="transfer")
     try:
-        res = transfer.push(p["src"], p["dest_host"], p["dest"], user=p["dest_user"], port=p["dest_port"],
-                            ssh_args=p["ssh_args"], rsync_path=p["rsync_path"], repair=p["repair"],
-                            bwlimit=p["bwlimit"], io_timeout=p["io_timeout"], retries=p["retries"],
-                            streams=p["streams"], stream_min_bytes=p["stream_min_bytes"],
-                            progress_file=p["progress_file"])
+        target = transfer.Target(p["dest_host"], p["dest_user"], p["dest_port"], p["ssh_args"], p["python"],
+                                 p["io_timeout"])
+        manifest = image.load_manifest(p["src"])
+        if module.check_mode:
+            size = image.image_bytes(manifest)
+            module.exit_json(changed=True, bytes_total=size, msg="would send up to %d bytes" % size)
+        before_deliver = fence = None
+        if p["migration_id"]:
+            journal = Journal(p["journal_dir"], p["migration_id"], "source")
+            nonce, before_deliver, fence = _source_journal_hooks(journal)
+            receiver = {"migration_id": p["migration_id"], "journal_dir": p["dest_journal_dir"], "nonce": nonce}
+        else:
+            journal, receiver = None, {"image_id": manifest.get("id")}
+        res = transfer.send_image(p["src"], target, p["dest"], receiver=receiver, streams=p["streams"],
+                                  bwlimit_kbps=p["bwlimit"], retries=p["retries"], progress_file=p["progress_file"],
+                                  before_deliver=before_deliver, fence=fence)
+        if journal is not None:
+            with journal.hold(wait=60, purpose="the delivery of migration %s" % journal.id):
+                journal.transition("delivered")
     except GpuCkptError as exc:
         module.fail_json(**exc.to_dict())
     rate = res["bytes_transferred"] / res["seconds"] if res["seconds"] else 0
-    module.exit_json(changed=res["bytes_transferred"] > 0, msg="sent %d of %d bytes in %.2fs (%.0f MB/s), %d attempt(s)"
+    module.exit_json(changed=res["bytes_transferred"] > 0,
+                     msg="sent %d of %d bytes in %.2fs (%.0f MB/s), %d attempt(s)"
                      % (res["bytes_transferred"], res["bytes_total"], res["seconds"], rate / 1e6, res["attempts"]),
-                     **{k: v for k, v in res.items() if k != "cmd"})
+                     **res)
 
 
 if __name__ == "__main__":

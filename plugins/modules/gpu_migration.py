@@ -7,13 +7,17 @@ from __future__ import annotations
 DOCUMENTATION = r"""
 ---
 module: gpu_migration
-short_description: Read and finish a migration's journal on one host (commit or roll back)
+short_description: Start, settle, commit or roll back a migration on one host, from its journal
 version_added: "0.1.0"
 description:
-  - Each host of a migration keeps a journal of its phase (see gpuckpt.fleet.migrate).
-  - This module reads that journal and takes one idempotent step.
-  - It is what migrate.yml and recover.yml use to make sure that exactly one copy of the workload
-    ends up running.
+  - Each host of a migration keeps a journal of its phase (see gpuckpt.fleet.migrate). Every action reads it under
+    its lock and moves it on only as its rules allow, so that exactly one copy of the workload ends up running and
+    no copy that ran is thrown away.
+  - The target decides. C(settle) on the target commits when the restore there ended well and those very processes
+    still run (checked by pid, start time and boot), and rolls back otherwise. It waits for a restore that is still
+    running there (O(wait)). Then the source follows the target's word (O(target_phase)).
+  - Nothing is removed that the migration did not create (directories are checked by device and inode), and
+    processes are killed only when they are still the ones recorded.
 author: gpuckpt.fleet maintainers (@gpuckpt)
 options:
   migration_id:
@@ -27,31 +31,46 @@ options:
     required: true
   action:
     description:
-      - C(status) reports the journal and which of its pids run now (stopped or running).
-      - C(begin) starts this host's journal (target side, before the image arrives).
-      - C(commit) on the source releases the stopped source (kills it); on the target it marks the restored workload as the one copy.
-      - C(rollback) on the source resumes it (or restores it from its own image when it exited).
-      - C(rollback) on the target kills what was restored there and removes the image copy. A restore of the
-        migration still waiting there for its image (gpuckpt.fleet.gpu_restore O(gpuckpt.fleet.gpu_restore#module:wait_for_image))
-        is stopped first; one that is restoring is waited for (up to 1800 s), then what it restored is killed.
+      - C(status) reports the journal and which of its processes run now (by identity).
+      - C(begin) (target) creates the directory the image will arrive in (new, mode 0700; an existing path is refused)
+        and records it with a fresh nonce, returned as C(journal.nonce), which the source's checkpoint must carry.
+      - C(settle) (target) decides the migration and carries out the target's half. It commits when the restore here
+        ended well and its processes still run; otherwise it kills what a restore brought up (by identity), stops the
+        transfer's receivers, removes the image directory the migration created, and marks the journal C(cleaned):
+        nothing of this migration can start here afterwards. It returns C(decision) (commit or rollback) and C(phase).
+      - C(commit) on the target is C(settle) that refuses to roll back; on the source it releases the held source
+        (kills it, by identity). The source needs O(target_phase=committed).
+      - C(rollback) on the target is C(settle) that refuses to commit (it fails when the workload runs here). On the
+        source it resumes the workload, or restores it from its own image when it exited, once the target is shown
+        not to run it (O(target_phase=cleaned)), or when the image never left the source, or with O(target_lost).
+        It first fences the source, so a checkpoint of a controller that died stops at its next step.
     type: str
-    choices: [status, begin, commit, rollback]
+    choices: [status, begin, settle, commit, rollback]
     default: status
   journal_dir:
     description: Directory of the journals.
     type: path
     default: /var/lib/gpuckpt/journal
   image_dir:
-    description: This host's image directory for the migration (recorded by C(begin); removed by target rollback).
+    description: For C(begin), the directory the image will arrive in (it must not exist).
     type: path
   remove_image:
-    description: On commit, remove this host's image directory.
+    description: On commit, remove this host's image directory (only the one this migration created).
+    type: bool
+    default: false
+  target_phase:
+    description: For the source's C(commit) and C(rollback), the target's phase as its C(settle) reported it.
+    type: str
+  target_lost:
+    description:
+      - For the source's C(rollback), the operator's word that the target is gone for good (its copy will never run).
+        Without it, a source whose image may have reached a target that cannot be asked stays held.
     type: bool
     default: false
   wait:
-    description: For C(status), seconds to wait for a phase still in flight (freezing, restoring) to settle.
+    description: Seconds to wait for the journal's lock, held by a step still running (a restore, a checkpoint).
     type: float
-    default: 0
+    default: 1800
   libcuda_path:
     description: Path of libcuda.so.1 when the dynamic loader cannot find it.
     type: path
@@ -64,7 +83,7 @@ options:
 extends_documentation_fragment:
   - gpuckpt.fleet.common.runtime
 notes:
-  - C(status) supports check mode; the other actions report what they would do in check mode without doing it.
+  - C(status) supports check mode; the other actions change nothing in check mode and report the journal.
 """
 
 EXAMPLES = r"""
@@ -74,11 +93,19 @@ EXAMPLES = r"""
     role: source
   register: src_status
 
-- name: Roll the source back
+- name: Settle it on the target (commit if the target runs it, else clean the target)
+  gpuckpt.fleet.gpu_migration:
+    migration_id: m-42
+    role: target
+    action: settle
+  register: settled
+
+- name: Then the source follows
   gpuckpt.fleet.gpu_migration:
     migration_id: m-42
     role: source
-    action: rollback
+    action: "{{ 'commit' if settled.decision == 'commit' else 'rollback' }}"
+    target_phase: "{{ settled.phase }}"
 """
 
 RETURN = r"""
@@ -86,6 +113,14 @@ journal:
   description: The journal as read (phase, history, pids, image_dir...), with alive_pids, stopped_pids and running_pids.
   returned: always
   type: dict
+decision:
+  description: For C(settle), C(commit) or C(rollback).
+  returned: for settle, commit and rollback on the target
+  type: str
+phase:
+  description: This host's phase after the action.
+  returned: always
+  type: str
 msg:
   description: What was done.
   returned: always
@@ -95,49 +130,62 @@ msg:
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import migration
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError, InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    RUNTIME_ARGS, backend_of_image, make_backend)
+    RUNTIME_ARGS, backend_of_image, check_path_arg, make_backend)
+
+
+def _backend(journal, params):
+    image_dir = (journal.read() or {}).get("image_dir")
+    return make_backend(backend_of_image(image_dir) if image_dir else "process", params)
 
 
 def main():
     module = AnsibleModule(argument_spec=dict(
         migration_id=dict(type="str", required=True),
         role=dict(type="str", required=True, choices=["source", "target"]),
-        action=dict(type="str", default="status", choices=["status", "begin", "commit", "rollback"]),
+        action=dict(type="str", default="status", choices=["status", "begin", "settle", "commit", "rollback"]),
         journal_dir=dict(type="path", default=migration.DEFAULT_JOURNAL_DIR),
         image_dir=dict(type="path"),
         remove_image=dict(type="bool", default=False),
-        wait=dict(type="float", default=0),
+        target_phase=dict(type="str"),
+        target_lost=dict(type="bool", default=False),
+        wait=dict(type="float", default=migration.RESTORE_WAIT),
         libcuda_path=dict(type="path"),
         runtime_timeout=dict(type="float", default=0),
         **RUNTIME_ARGS
     ), supports_check_mode=True)
     p = module.params
+    action, role = p["action"], p["role"]
+    check_path_arg(module, "image_dir", p["image_dir"])
     try:
-        journal = migration.Journal(p["journal_dir"], p["migration_id"], p["role"])
-        action, role = p["action"], p["role"]
+        journal = migration.Journal(p["journal_dir"], p["migration_id"], role)
         if action == "status" or module.check_mode:
-            st = migration.status(journal, wait=p["wait"])
-            module.exit_json(changed=False, journal=st, msg="phase %s" % st.get("phase"))
+            st = migration.status(journal)
+            module.exit_json(changed=False, journal=st, phase=st.get("phase"), msg="phase %s" % st.get("phase"))
+        if action in ("begin", "settle") and role != "target":
+            raise InvalidTarget("%s is an action of the target's journal" % action, stage="preflight")
+        out = {}
         if action == "begin":
-            doc = journal.read()
-            if doc:
-                module.exit_json(changed=False, journal=doc, msg="journal exists (phase %s)" % doc["phase"])
-            doc = journal.write("receiving", image_dir=p["image_dir"])
-            module.exit_json(changed=True, journal=doc, msg="journal started")
-        # The runtime the workload was taken with is in its image's manifest.
-        image_dir = (journal.read() or {}).get("image_dir") or p["image_dir"]
-        backend = make_backend(backend_of_image(image_dir) if image_dir else "process", p)
-        if role == "source" and action == "commit":
-            changed, msg = migration.commit_source(journal, backend=backend, remove_image=p["remove_image"])
-        elif role == "source":
-            changed, msg = migration.rollback_source(journal, backend=backend, libcuda_path=p["libcuda_path"])
+            if not p["image_dir"]:
+                raise InvalidTarget("begin needs image_dir", stage="preflight")
+            changed, doc = migration.begin_target(journal, p["image_dir"])
+            msg = "ready to receive migration %s in %s" % (journal.id, doc["image_dir"])
+        elif role == "target":
+            mode = {"settle": "settle", "commit": "commit", "rollback": "rollback"}[action]
+            res = migration.settle_target(journal, _backend(journal, p), mode=mode, remove_image=p["remove_image"],
+                                          wait=p["wait"])
+            changed, msg = res["changed"], res["msg"]
+            out = {"decision": res["decision"]}
         elif action == "commit":
-            changed, msg = migration.commit_target(journal, remove_image=p["remove_image"], image_dir=p["image_dir"])
+            changed, msg = migration.commit_source(journal, _backend(journal, p), target_phase=p["target_phase"],
+                                                   remove_image=p["remove_image"], wait=p["wait"])
         else:
-            changed, msg = migration.rollback_target(journal, image_dir=p["image_dir"], backend=backend)
-        module.exit_json(changed=changed, msg=msg, journal=migration.status(journal))
+            changed, msg = migration.rollback_source(journal, _backend(journal, p), target_phase=p["target_phase"],
+                                                     target_lost=p["target_lost"], libcuda_path=p["libcuda_path"],
+                                                     wait=p["wait"])
+        st = migration.status(journal)
+        module.exit_json(changed=changed, msg=msg, journal=st, phase=st.get("phase"), **out)
     except GpuCkptError as exc:
         module.fail_json(**exc.to_dict())
 

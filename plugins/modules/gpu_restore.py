@@ -125,7 +125,8 @@ from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, TOOL_ARGS, backend_of_image, journal_for, make_backend, run_engine)
+    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, TOOL_ARGS, backend_of_image, check_path_arg, journal_for, make_backend,
+    run_engine)
 
 
 def main():
@@ -150,29 +151,34 @@ def main():
     if p["attach"]:
         module.fail_json(msg="attach is handled by the gpuckpt.fleet.gpu_restore action plugin; run this module as a task")
     if p["wait_for_image"] and not p["migration_id"]:
-        module.fail_json(msg="wait_for_image needs migration_id: only a migration's rollback can stop the wait")
-    journal = journal_for(p, "target")
-    held = []
+        module.fail_json(msg="wait_for_image needs migration_id: the image it waits for is the migration's")
+    if p["wait_for_image"] < 0 or p["validate_wait"] < 0:
+        module.fail_json(msg="wait_for_image and validate_wait must not be negative")
+    check_path_arg(module, "image_dir", p["image_dir"])
 
     def restore():
-        waited = None
-        if p["wait_for_image"]:
-            # Held until this module exits (exit_json ends the process): a rollback of the target waits
-            # for it (see migration.Journal).
-            held.append(journal.lock())
-        if p["wait_for_image"] and not module.check_mode:
-            waited = engine.wait_for_image(p["image_dir"], p["wait_for_image"], journal, p["libcuda_path"])
-        res = engine.restore(
-            p["image_dir"], gpu_map=p["gpu_map"], force=p["force"], verify=p["verify"],
-            backend=make_backend(backend_of_image(p["image_dir"]), p, bundle=p["bundle"]),
-            libcuda_path=p["libcuda_path"], check_mode=module.check_mode, sign_key=p["sign_key"],
-            validate_wait=p["validate_wait"], journal=journal, parallel=p["parallel"],
-            progress_file=p["progress_file"])
-        if waited is not None and res.get("timings") is not None:
-            res["timings"] = dict(res["timings"], wait_for_image=round(waited, 6))
-        return res
+        # In a migration the image may not be there yet (wait_for_image): the backend is chosen from
+        # the manifest once it has arrived.
+        journal = journal_for(p, "target")
+        options = {k: p[k] for k in ("gpu_map", "force", "verify", "libcuda_path", "sign_key", "validate_wait",
+                                     "parallel", "progress_file", "wait_for_image")}
+        return engine.restore(p["image_dir"], backend=LazyBackend(p), journal=journal,
+                              check_mode=module.check_mode, **options)
 
     run_engine(module, restore)
+
+
+class LazyBackend(object):
+    """The backend of the image's runtime, made once its manifest can be read (see restore())."""
+
+    def __init__(self, params):
+        self._params, self._backend = params, None
+
+    def __getattr__(self, name):
+        if self._backend is None:
+            self._backend = make_backend(backend_of_image(self._params["image_dir"]), self._params,
+                                         bundle=self._params["bundle"])
+        return getattr(self._backend, name)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@ connection, without become, so it never touches the become plugin's per-command 
 from __future__ import annotations
 
 import json
+import re
+import shlex
 import threading
 import time
 import uuid
@@ -22,6 +24,12 @@ from ansible.plugins.action import ActionBase
 from ansible.utils.display import Display
 
 display = Display()
+
+# What may reach the remote shell: an async job id as Ansible makes them, and a progress file's path.
+JOB_ID_RE = re.compile(r"^j?[0-9]+\.[0-9]+$")
+PROGRESS_PATH_RE = re.compile(r"^/[A-Za-z0-9._/-]+$")
+LOST_AFTER = 120  # seconds without any sign of the job's module (no progress file) before it counts as lost
+RESULT_GRACE = 15  # seconds for the async wrapper to write the result once its module has exited
 
 STAGE_LABELS = {
     "cuda_lock": "locking the CUDA processes",
@@ -93,6 +101,10 @@ class ProgressActionBase(ActionBase):
             interval = float(task_vars.get("gpuckpt_progress_interval", 5))
         except (TypeError, ValueError):
             interval = 5.0
+        bad = self._bad_args(args)
+        if bad:
+            result.update(failed=True, msg=bad)
+            return result
         if args.get("attach"):
             result.update(self._attach(args["attach"], args.get("progress_file"), interval, task_vars))
             return result
@@ -137,6 +149,16 @@ class ProgressActionBase(ActionBase):
         result.update(box["result"])
         return result
 
+    @staticmethod
+    def _bad_args(args):
+        """Arguments that would reach a shell on the managed host are checked first."""
+        if args.get("attach") is not None and not JOB_ID_RE.match(str(args["attach"])):
+            return "attach must be an async job id (ansible_job_id), got %r" % (args["attach"],)
+        path = args.get("progress_file")
+        if path is not None and (not PROGRESS_PATH_RE.match(str(path)) or "/../" in str(path) + "/"):
+            return "progress_file must be an absolute path of letters, digits, '.', '_', '-' and '/', got %r" % (path,)
+        return None
+
     def _who(self, task_vars):
         host = task_vars.get("inventory_hostname", "?")
         delegated = self._task.delegate_to or ""
@@ -146,24 +168,23 @@ class ProgressActionBase(ActionBase):
         """Wait for the job ``jid`` of this module, started earlier with async, and return its result;
         meanwhile print its progress file's lines. Reads the job's result file (what async_status
         reads) with a plain ``cat`` through the task's become, as the job ran: the result is there the
-        moment the module ends, and no retry loop fills the output."""
+        moment the module ends, and no retry loop fills the output.
+
+        A job killed as a whole (the OOM killer, a reboot) never writes its result: the module's pid and
+        start time, which its progress file carries, tell that it is gone, and the task fails with
+        ``job_lost`` instead of waiting for ever."""
         async_dir = self._remote_expand_user(self.get_shell_option("async_dir", default="~/.ansible_async"))
         job_file = self._connection._shell.join_path(async_dir, jid)
+        quoted = shlex.quote(job_file)
         who, label = self._who(task_vars), self._task.get_name().split(":")[0]
         last, next_poll, pause = None, time.monotonic() + (interval if interval > 0 else float("inf")), 0.1
+        started, next_check, owner = time.monotonic(), time.monotonic() + 2, None
         while True:
-            res = self._low_level_execute_command("cat %s 2>/dev/null || echo MISSING" % job_file)
-            text = to_text(res.get("stdout", "")).strip()
-            if text.endswith("MISSING") and "{" not in text:
+            data = self._job_result(quoted)
+            if data == "missing":
                 return {"failed": True, "msg": "no job %s on this host (its result file %s is gone)" % (jid, job_file)}
-            data = None
-            if "{" in text:
-                try:
-                    data = json.loads(text[text.index("{"):])
-                except ValueError:
-                    data = None  # being written
             if data is not None and "started" not in data:  # the module's own result: the job has ended
-                self._low_level_execute_command("rm -f %s" % job_file)
+                self._low_level_execute_command("rm -f %s" % quoted)
                 return {k: v for k, v in data.items() if not k.startswith("_ansible")}
             if progress_path and time.monotonic() >= next_poll:
                 line = self._poll(progress_path)
@@ -171,12 +192,66 @@ class ProgressActionBase(ActionBase):
                     display.display("  [%s] %s: %s" % (who, label, line))
                     last = line
                 next_poll = time.monotonic() + interval
+            if time.monotonic() >= next_check:
+                next_check = time.monotonic() + 2
+                owner = self._progress_owner(progress_path) or owner
+                if self._job_gone(owner, started):
+                    # The async wrapper writes the result a moment after its module exits: give it that.
+                    deadline = time.monotonic() + RESULT_GRACE
+                    while time.monotonic() < deadline:
+                        data = self._job_result(quoted)
+                        if data is not None and data != "missing" and "started" not in data:
+                            break
+                        time.sleep(0.5)
+                    else:
+                        data = None
+                    if data is not None:
+                        continue
+                    return {"failed": True, "job_lost": True,
+                            "msg": "the job %s of this module ended without a result (killed as a whole: the OOM "
+                                   "killer, a reboot?)%s" % (jid, " (its module was pid %s)" % owner[0] if owner else "")}
             time.sleep(pause)
             pause = min(1.0, pause * 1.2)  # quick at first (a restore's end is the migration's commit)
 
+    def _job_result(self, quoted_job_file):
+        res = self._low_level_execute_command("cat %s 2>/dev/null || echo MISSING" % quoted_job_file)
+        text = to_text(res.get("stdout", "")).strip()
+        if text.endswith("MISSING") and "{" not in text:
+            return "missing"
+        if "{" in text:
+            try:
+                return json.loads(text[text.index("{"):])
+            except ValueError:
+                return None  # being written
+        return None
+
+    def _progress_owner(self, path):
+        """(pid, starttime) of the module writing the progress file ``path``, or None."""
+        if not path:
+            return None
+        try:
+            res = self._low_level_execute_command("cat %s 2>/dev/null || true" % shlex.quote(path), sudoable=False)
+            data = json.loads(to_text(res.get("stdout", "")).strip() or "{}")
+            return (int(data["pid"]), data.get("starttime")) if data.get("pid") else None
+        except (ValueError, KeyError, TypeError):
+            return None
+
+    def _job_gone(self, owner, started):
+        if owner is None:
+            return time.monotonic() - started > LOST_AFTER
+        res = self._low_level_execute_command("cat /proc/%d/stat 2>/dev/null || true" % owner[0])
+        text = to_text(res.get("stdout", "")).strip()
+        if not text:
+            return True
+        try:
+            rest = text[text.rindex(")") + 2:].split()
+            return rest[0] in ("Z", "X") or (owner[1] is not None and int(rest[19]) != owner[1])
+        except (ValueError, IndexError):
+            return False
+
     def _poll(self, path):
         try:
-            res = self._low_level_execute_command("cat %s 2>/dev/null || true" % path, sudoable=False)
+            res = self._low_level_execute_command("cat %s 2>/dev/null || true" % shlex.quote(path), sudoable=False)
             text = to_text(res.get("stdout", "")).strip()
             return format_progress(json.loads(text)) if text else None
         except Exception:  # noqa: BLE001 - a missed progress line never fails the task

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import driver as cuda
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, facts as host_facts
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import DriverError, DriverUnavailable, InvalidTarget
 
 
@@ -103,6 +103,6 @@ def test_facts_report_an_unexpected_driver_answer_instead_of_failing(fakecuda, c
     drv = cuda.CudaDriver()
     with pytest.raises(DriverError):
         drv.cuda_state(cuda_child)  # the engine must not take it for a CPU process
-    facts = engine.facts(pids=[cuda_child], check_criu=False, tree_of=cuda_child)
+    facts = host_facts.facts(pids=[cuda_child], check_criu=False, tree_of=cuda_child)
     assert facts["cuda_processes"][0]["cuda_state"] == "CUDA_ERROR_UNKNOWN"
     assert facts["tree"]["cuda_states"] == {str(cuda_child): "CUDA_ERROR_UNKNOWN"}

@@ -1,6 +1,7 @@
 """Image directory, manifest and checksums."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -11,7 +12,7 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import ImageE
 
 def _make(tmp_path, size=3 * 2**20):
     d = tmp_path / "img"
-    assert image.prepare_dir(str(d)) is True
+    assert image.prepare_dir(str(d))["created"] is True
     (d / "pages-1.img").write_bytes(os.urandom(size))
     (d / "core-1.img").write_bytes(b"core")
     os.makedirs(d / "sub")
@@ -78,7 +79,70 @@ def test_prepare_refuses_non_empty_and_files(tmp_path):
     with pytest.raises(InvalidTarget, match="not a directory"):
         image.prepare_dir(str(tmp_path / "file"))
     (tmp_path / "e").mkdir()
-    assert image.prepare_dir(str(tmp_path / "e")) is False
+    assert image.prepare_dir(str(tmp_path / "e"))["created"] is False
+    (tmp_path / "l").symlink_to(tmp_path / "e")
+    with pytest.raises(InvalidTarget, match="a symlink"):
+        image.prepare_dir(str(tmp_path / "l"))
+    # A parent that other users can write (and is not sticky) could have the image swapped under us.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(InvalidTarget, match="writable by other users"):
+        image.prepare_dir(str(shared / "img"))
+    assert not (shared / "img").exists()
+
+
+def test_no_reader_follows_a_symlink_in_an_image(tmp_path):
+    d = _make(tmp_path)
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"secret")
+    os.unlink(d / "core-1.img")
+    (d / "core-1.img").symlink_to(victim)
+    with pytest.raises(ImageError, match="core-1.img.*a symlink"):
+        image.verify(str(d))
+    with pytest.raises(ImageError, match="a symlink"):
+        image.checksum_files(str(d))
+    os.unlink(d / "core-1.img")
+    os.mkfifo(d / "core-1.img")
+    with pytest.raises(ImageError, match="a special file"):
+        image.verify(str(d))
+    # Our state dir planted as a symlink is refused, not written through.
+    os.unlink(d / "core-1.img")
+    (d / ".gpuckpt").rename(tmp_path / "moved") if (d / ".gpuckpt").exists() else None
+    (d / ".gpuckpt").symlink_to(tmp_path)
+    with pytest.raises(ImageError, match="not a directory"):
+        image.state_dir(str(d))
+    with pytest.raises(Exception):
+        image.write_restored_mark(str(d), {"pids": [1]})
+    assert not (tmp_path / "restored.json").exists()
+
+
+def test_a_changed_byte_with_its_mtime_put_back_is_found_despite_receipts(tmp_path, monkeypatch):
+    """Receipts (the hashes a transfer's receiver took of what it wrote) stand for a file only while its
+    identity, ctime included, is the one recorded when the transfer finished it."""
+    monkeypatch.setattr(image, "CHUNK", 2**20)
+    d = _make(tmp_path)
+    m = image.load_manifest(str(d))
+    state = image.state_dir(str(d))
+    with open(os.path.join(state, "receipt-1.jsonl"), "w") as fh:
+        for rel, meta in m["files"].items():
+            for i, h in enumerate(meta["sha256_chunks"]):
+                fh.write(json.dumps({"path": rel, "off": i * 2**20, "len": min(2**20, meta["size"] - i * 2**20),
+                                     "sha256": h}) + "\n")
+    fixed = {rel: image.file_identity(os.lstat(d / rel)) for rel in m["files"]}
+    with open(os.path.join(state, "fixed.json"), "w") as fh:
+        json.dump(fixed, fh)
+    assert set(image.receipts(str(d), m["files"])) == set(m["files"])
+    st = os.stat(d / "pages-1.img")
+    with open(d / "pages-1.img", "r+b") as fh:
+        fh.seek(5)
+        b = fh.read(1)
+        fh.seek(5)
+        fh.write(bytes([b[0] ^ 1]))
+    os.utime(d / "pages-1.img", ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert "pages-1.img" not in image.receipts(str(d), m["files"])
+    with pytest.raises(ImageError, match="checksum mismatch in pages-1.img"):
+        image.verify(str(d))
 
 
 def test_missing_and_bad_manifest(tmp_path):

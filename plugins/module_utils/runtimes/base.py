@@ -12,8 +12,9 @@ import os
 import shutil
 import signal
 
+from .. import discovery
 from ..criu import Criu
-from ..errors import GpuCkptError
+from ..errors import GpuCkptError, InvalidTarget
 
 
 def _state(pid):
@@ -54,6 +55,52 @@ def map_by_ns_pid(manifest, new_pids):
 
 class Backend(object):
     name = "base"
+    extra = ()           # the user's CRIU options
+    auto_flags = ()      # CRIU options the tree needs, found by plan_tree
+    tcp_established = False
+    # CRIU options this runtime can pass on (None: any); the others make plan_tree refuse the tree
+    passes_criu_flags = None
+
+    def plan_tree(self, pids):
+        """Before anything is frozen: find what CRIU must be told for this tree, or cannot do, and
+        set ``auto_flags`` (recorded in the image; a restore passes them again), or refuse.
+        - file locks: --file-locks (without it CRIU's dump fails after the GPU stage ran);
+        - a datagram unix socket connected to a named peer outside the tree (/dev/log): --ext-unix-sk;
+        - one end of a unix stream connection to a process outside the tree: refused (CRIU cannot);
+        - established TCP connections: --tcp-established when ``tcp_established``, else refused."""
+        needs = discovery.criu_needs(pids)
+        flags = []
+        if needs["ext_unix_stream"]:
+            raise InvalidTarget("the workload holds %s; CRIU cannot checkpoint one end of a unix stream connection; "
+                                "nothing was frozen" % needs["ext_unix_stream"][0], stage="preflight",
+                                hint="checkpoint a tree that holds both ends (their common parent), or close that "
+                                     "connection first")
+        if needs["tcp"] and not self.tcp_established:
+            raise InvalidTarget("the workload holds established TCP connections (%s); nothing was frozen"
+                                % ", ".join(needs["tcp"][:3]), stage="preflight",
+                                hint="set tcp_established: true to checkpoint them (CRIU --tcp-established: the "
+                                     "connections are restored where the workload is restored, with the same addresses)")
+        if needs["file_locks"]:
+            flags.append("--file-locks")
+        if needs["ext_unix_dgram"]:
+            flags.append("--ext-unix-sk")
+        if self.tcp_established:
+            flags.append("--tcp-established")
+        flags = [f for f in flags if f not in (self.extra or ())]
+        if self.passes_criu_flags is not None:
+            blocked = [f for f in flags if f not in self.passes_criu_flags]
+            if blocked:
+                raise InvalidTarget("the workload needs CRIU's %s (%s), which the %s runtime cannot pass to CRIU; "
+                                    "nothing was frozen" % (" ".join(blocked), _why(needs), self.name),
+                                    stage="preflight")
+        self.auto_flags = flags
+        self.criu_needs = needs
+        return flags
+
+    def criu_flags(self, manifest=None):
+        """The CRIU options for a dump (``manifest`` None) or for the restore of ``manifest``."""
+        auto = self.auto_flags if manifest is None else ((manifest.get("runtime") or {}).get("auto_flags") or [])
+        return list(self.extra or ()) + [f for f in auto if f not in (self.extra or ())]
 
     def bind(self, manifest):
         """Take what the backend needs to act on a workload (its container id...) from a manifest."""
@@ -93,6 +140,17 @@ class Backend(object):
     def kill(self, pids):
         """Stop what a failed restore brought up, so the target is left clean."""
         raise NotImplementedError
+
+
+def _why(needs):
+    out = []
+    if needs["file_locks"]:
+        out.append("file locks")
+    if needs["ext_unix_dgram"]:
+        out.append(needs["ext_unix_dgram"][0])
+    if needs["tcp"]:
+        out.append("TCP connections")
+    return ", ".join(out)
 
 
 def criu_preflight(criu, full=True):

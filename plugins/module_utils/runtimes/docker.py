@@ -57,6 +57,7 @@ def _api(sock_path, method, path, body=None, timeout=60):
 
 class DockerBackend(ContainerBackend):
     name = "docker"
+    passes_criu_flags = ()  # docker checkpoint takes no CRIU options
 
     def __init__(self, docker_path=None, docker_host=None, criu_path=None, criu_options=(), timeout=None):
         super(DockerBackend, self).__init__(criu_path, criu_options, timeout)

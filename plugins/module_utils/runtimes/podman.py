@@ -63,14 +63,14 @@ class PodmanBackend(ContainerBackend):
                                 stage="preflight", hint="check the name (podman ps) and podman_root")
         return json.loads(res.stdout)[0]
 
-    def _criu_flags(self):
-        out = []
-        for opt in self.extra:
-            if opt in ("--tcp-established", "--file-locks"):
-                out.append(opt)
-            else:
-                raise InvalidTarget("criu option %s cannot be passed through podman (podman accepts "
-                                    "--tcp-established, --file-locks)" % opt, stage="preflight")
+    passes_criu_flags = ("--tcp-established", "--file-locks")
+
+    def _criu_flags(self, manifest=None):
+        out = self.criu_flags(manifest)
+        for opt in out:
+            if opt not in self.passes_criu_flags:
+                raise InvalidTarget("criu option %s cannot be passed through podman (podman accepts %s)"
+                                    % (opt, ", ".join(self.passes_criu_flags)), stage="preflight")
         return out
 
     def runtime_facts(self):
@@ -112,7 +112,7 @@ class PodmanBackend(ContainerBackend):
             run(self._cmd("container", "rm", "--force", self.container), stage="runtime-dump", check=False)
         return {"backend": self.name, "container": self.container, "container_id": self._id,
                 "root_pid": int(target), "podman_root": self.root, "ns_pids": self._ns, "export": EXPORT,
-                "criu_options": self.extra, "criu_seconds": round(res.seconds, 6)}
+                "criu_options": self.extra, "auto_flags": list(self.auto_flags), "criu_seconds": round(res.seconds, 6)}
 
     def restore(self, image_dir, work_dir, manifest):
         self.bind(manifest)
@@ -121,7 +121,7 @@ class PodmanBackend(ContainerBackend):
             raise InvalidTarget("a podman container %s already exists on this host (%s); refusing to start a second "
                                 "copy" % (self.container, (existing.get("State") or {}).get("Status")),
                                 stage="preflight", hint="remove it (podman rm) if it is a leftover, or restore elsewhere")
-        args = ["container", "restore", "--import", os.path.join(image_dir, EXPORT)] + self._criu_flags()
+        args = ["container", "restore", "--import", os.path.join(image_dir, EXPORT)] + self._criu_flags(manifest)
         res = run(self._cmd(*args), stage="runtime-restore", timeout=self.timeout, check=False)
         if res.rc != 0:
             raise CommandError("podman container restore exited with rc=%d" % res.rc, stage="runtime-restore",

@@ -51,14 +51,14 @@ class ProcessBackend(Backend):
     def dump(self, target, image_dir, work_dir, after):
         shell_job = getattr(self, "_shell_job", False)
         res = self.criu.dump(int(target), image_dir, work_dir, after=after,
-                             shell_job=shell_job, extra=self.extra, timeout=self.timeout)
+                             shell_job=shell_job, extra=self.criu_flags(), timeout=self.timeout)
         return {"backend": self.name, "root_pid": int(target), "shell_job": shell_job,
-                "criu_options": self.extra, "criu_seconds": res.seconds}
+                "criu_options": self.extra, "auto_flags": list(self.auto_flags), "criu_seconds": res.seconds}
 
     def restore(self, image_dir, work_dir, manifest):
         rt = manifest.get("runtime") or {}
         root, _res = self.criu.restore(image_dir, work_dir, shell_job=rt.get("shell_job", False),
-                                       extra=self.extra, timeout=self.timeout)
+                                       extra=self.criu_flags(manifest), timeout=self.timeout)
         return discovery.process_tree(root)
 
     def resume(self, pids):

@@ -89,16 +89,16 @@ class RuncBackend(ContainerBackend):
                                 stage="preflight", hint="check the id (runc list) and runc_root")
         return json.loads(res.stdout)
 
-    def _criu_flags(self):
-        # runc passes its own options to CRIU; ours go through a CRIU configuration file only, so
-        # only the flags runc knows are offered here.
-        out = []
-        for opt in self.extra:
-            if opt in ("--tcp-established", "--ext-unix-sk", "--shell-job", "--file-locks"):
-                out.append(opt)
-            else:
-                raise InvalidTarget("criu option %s cannot be passed through runc (runc accepts --tcp-established, "
-                                    "--ext-unix-sk, --shell-job, --file-locks)" % opt, stage="preflight")
+    # runc passes its own options to CRIU; ours go through a CRIU configuration file only, so only
+    # the flags runc knows are offered here.
+    passes_criu_flags = ("--tcp-established", "--ext-unix-sk", "--shell-job", "--file-locks")
+
+    def _criu_flags(self, manifest=None):
+        out = self.criu_flags(manifest)
+        for opt in out:
+            if opt not in self.passes_criu_flags:
+                raise InvalidTarget("criu option %s cannot be passed through runc (runc accepts %s)"
+                                    % (opt, ", ".join(self.passes_criu_flags)), stage="preflight")
         return out
 
     # -- Backend ---------------------------------------------------------------------------------
@@ -142,7 +142,7 @@ class RuncBackend(ContainerBackend):
             raise
         return {"backend": self.name, "container": self.container, "root_pid": int(target),
                 "bundle": self._bundle_seen, "runc_root": self.root, "ns_pids": self._ns,
-                "cgroup_v2_path": self._cgroup_seen, "criu_options": self.extra,
+                "cgroup_v2_path": self._cgroup_seen, "criu_options": self.extra, "auto_flags": list(self.auto_flags),
                 "criu_seconds": round(res.seconds, 6)}
 
     def cgroup_env(self, bundle, manifest, work_dir):
@@ -196,7 +196,7 @@ class RuncBackend(ContainerBackend):
         log.close()
         try:
             args = ["restore", "--detach", "--image-path", image_dir, "--work-path", work_dir, "--bundle", bundle]
-            args += self._criu_flags() + [self.container]
+            args += self._criu_flags(manifest) + [self.container]
             # A session of its own: a restore that runs past runtime_timeout is killed with its CRIU.
             proc = subprocess.Popen(self._cmd(*args), stdin=subprocess.DEVNULL, stdout=relay.stdin,
                                     stderr=relay.stdin, start_new_session=True, env=env)

@@ -1,0 +1,109 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Facts of one host for cuda_process_facts and a migration's preflight: the driver and its checkpoint
+API, the GPUs, the CUDA processes, CRIU, free disk, and a workload's tree (its pids, CUDA pids, bound
+sockets, file locks and external unix sockets: what decides how it can be checkpointed)."""
+from __future__ import annotations
+
+import os
+import socket
+
+from . import discovery
+from . import driver as cuda
+from .errors import GpuCkptError
+
+
+def _read(path):
+    try:
+        with open(path) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _rss_bytes(pid):
+    text = _read("/proc/%d/status" % pid) or ""
+    for line in text.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def _free_bytes(path):
+    """Free bytes of the filesystem that holds ``path`` (or its nearest existing parent)."""
+    p = os.path.abspath(path)
+    while not os.path.exists(p):
+        p = os.path.dirname(p)
+    st = os.statvfs(p)
+    return st.f_bavail * st.f_frsize
+
+
+def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=None, tree_of=None,
+          check_pids=None):
+    drv, problem = cuda.load(libcuda_path)
+    out = {"host": {"hostname": socket.gethostname(), "kernel": os.uname().release,
+                    "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+                    "pid_namespace": os.readlink("/proc/self/ns/pid"),
+                    "net_namespace": discovery.net_namespace()}}
+    if paths:
+        out["disk"] = {p: {"free_bytes": _free_bytes(p)} for p in paths}
+    if tree_of:
+        st = discovery.read_stat(int(tree_of))
+        if st is None:
+            out["tree"] = {"root": int(tree_of), "exists": False, "pids": []}
+        else:
+            tpids = discovery.process_tree(int(tree_of))
+            gpu_mem = discovery.gpu_memory_by_pid()
+            cuda_pids = [p for p in tpids if drv.state_or_error(p) is not None] if drv else []
+            out["tree"] = {"root": int(tree_of), "exists": True, "pids": tpids, "cuda_pids": cuda_pids,
+                           "cuda_states": {str(p): drv.state_or_error(p) for p in cuda_pids} if drv else {},
+                           "rss_bytes": sum(_rss_bytes(p) for p in tpids),
+                           "net_namespace": discovery.net_namespace(int(tree_of)),
+                           "bound_sockets": discovery.bound_sockets(tpids),
+                           "gpu_bytes": sum(gpu_mem.get(p, 0) for p in tpids)}
+    if check_pids:
+        out["pids_in_use"] = [int(p) for p in check_pids if discovery.read_stat(int(p)) is not None]
+    drv_info = {"available": drv is not None, "driver_version": discovery.driver_version()}
+    if drv:
+        drv_info.update(drv.info())
+    else:
+        drv_info.update(checkpoint_api=False, reason=problem.msg)
+    gpus, source = discovery.gpus()
+    if gpus and not drv_info["driver_version"]:
+        drv_info["driver_version"] = gpus[0].get("driver_version")
+    out["driver"] = drv_info
+    out["gpus"] = gpus
+    out["gpu_source"] = source
+    out["cuda_device_uuids"] = drv.device_uuids() if drv else []
+    if pids:
+        candidates = [int(p) for p in pids]
+    else:
+        candidates = [p for p in discovery.all_pids() if discovery.nvidia_fds(p)]
+        if drv:  # checkpointed processes hold no /dev/nvidia fd: ask the driver about the rest
+            candidates = sorted(set(candidates) | {p for p in discovery.all_pids()
+                                                   if p != os.getpid() and drv.state_or_error(p) is not None})
+    procs = []
+    for p in candidates:
+        if discovery.read_stat(p) is None:
+            procs.append({"pid": p, "exists": False})
+            continue
+        info = discovery.process_info(p, drv)
+        info["exists"] = True
+        procs.append(info)
+    out["cuda_processes"] = procs
+    criu = {"installed": False}
+    try:
+        from .criu import Criu
+        c = Criu(criu_path)
+        criu.update(installed=True, path=c.path, version=c.version())
+        criu["supported"] = tuple(int(x) for x in criu["version"].split(".")[:2]) >= (4, 0)
+        if check_criu:
+            ok, text = c.check()
+            criu.update(check_ok=ok, check_output=text)
+    except GpuCkptError as exc:
+        criu["error"] = exc.msg
+    out["criu"] = criu
+    out["ready"] = bool(criu.get("supported") and criu.get("check_ok", True) and
+                        (drv is not None or not gpus))
+    return out

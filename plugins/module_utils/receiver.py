@@ -1,0 +1,250 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The receiving end of an image transfer, run on the target at the end of each ssh stream.
+
+The sender (transfer.py) starts it as ``python3 -c <bootstrap> <config JSON>``; the bootstrap reads
+this program (errors, fsutil, journal and image, then this file: see transfer.receiver_program) from
+the stream's first bytes, then the stream carries framed operations: a JSON header line, and for
+``data`` and ``deliver`` that many bytes.
+
+  data     write a byte range in place (pwrite); its SHA-256 goes into this receiver's receipt
+  sums     reply with the SHA-256 of each 64 MiB chunk of the given files as they are here (resume, repair)
+  fix      cut each file to its exact size and record its identity (image.file_identity)
+  deliver  the manifest: checked, then written (atomically) as the image's last file
+  end      done
+
+What it refuses to do, whoever sends what:
+- write anywhere but below the image dir, which it opens once (O_NOFOLLOW) and checks: in a migration,
+  the dir the target's journal says this migration created (same device and inode), while the journal
+  is still receiving this migration's image (its nonce). A rollback that cleaned the target (phase
+  ``cleaned``) stops every receiver still running: new ones refuse to start, old ones are killed by it
+  (their pids are in the journal), and a straggler's writes go to a removed directory;
+- write through a symlink, into the state dir, or the manifest with ``data``;
+- deliver a manifest of another image (another migration's nonce, another image id).
+Files are created 0600 in a 0700 dir: nobody else reads the workload's memory while it arrives.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+import sys
+
+try:  # a package import; the receiver program defines these names before this code
+    from . import image
+    from .fsutil import UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json
+    from .journal import Journal, process_identity
+except ImportError:  # pragma: no cover - only in the receiver program, where they are globals
+    image = None
+
+RECEIVE_PHASES = ("receiving", "received", "restore_failed")
+TRANSFER_MARK = "transfer.json"  # outside a migration: which image this dir is receiving
+
+
+class Refused(Exception):
+    pass
+
+
+class Receiver(object):
+    def __init__(self, config, inp, out):
+        self.config, self.inp, self.out = config, inp, out
+        self.dest = os.path.abspath(config["dest"])
+        self.chunk = int(config.get("chunk") or _image().CHUNK)
+        _image().CHUNK = self.chunk  # the sender's chunks are the manifest's: hash the same ranges
+        self.fds, self.fixed = {}, {}
+        self.dir_fd = self.state_fd = self.receipt_fd = None
+        self.journal = None
+
+    # -- opening the destination ----------------------------------------------------------------------
+    def open(self):
+        if self.config.get("migration_id"):
+            self._open_for_migration()
+        else:
+            self._open_for_image()
+        try:
+            os.mkdir(_image().STATE_DIR, 0o700, dir_fd=self.dir_fd)
+        except FileExistsError:
+            pass
+        self.state_fd = open_beneath(self.dir_fd, _image().STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
+        name = "%s%d-%s.jsonl" % (_image().RECEIPT_PREFIX, os.getpid(), os.urandom(4).hex())
+        self.receipt_fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
+                                  0o600, dir_fd=self.state_fd)
+
+    def _open_for_migration(self):
+        c = self.config
+        self.journal = Journal(c.get("journal_dir"), c["migration_id"], "target")
+        with self.journal.hold(wait=60, purpose="a transfer's receiver"):
+            doc = self.journal.read()
+            if not doc or doc.get("phase") not in RECEIVE_PHASES:
+                raise Refused("migration %s is not receiving an image on this host (journal phase %s)"
+                              % (c["migration_id"], (doc or {}).get("phase")))
+            if doc.get("nonce") != c.get("nonce"):
+                raise Refused("migration %s on this host expects the image of another checkpoint (nonce differs)"
+                              % c["migration_id"])
+            if os.path.abspath(doc.get("image_dir") or "") != self.dest:
+                raise Refused("migration %s receives into %s on this host, not %s"
+                              % (c["migration_id"], doc.get("image_dir"), self.dest))
+            self.dir_fd = open_dir(self.dest)
+            if identity(os.fstat(self.dir_fd)) != list(doc.get("image_dir_identity") or []):
+                raise Refused("%s is not the directory migration %s created on this host" % (self.dest, c["migration_id"]))
+            receivers = dict(doc.get("receivers") or {})
+            receivers[str(os.getpid())] = process_identity(os.getpid())
+            self.journal.record(receivers=receivers)
+
+    def _open_for_image(self):
+        want = self.config.get("image_id")
+        try:
+            create_private_dir(self.dest)
+            self.dir_fd = open_dir(self.dest)
+            os.mkdir(_image().STATE_DIR, 0o700, dir_fd=self.dir_fd)
+            state = open_beneath(self.dir_fd, _image().STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                atomic_write(TRANSFER_MARK, {"image_id": want}, dir_fd=state)
+            finally:
+                os.close(state)
+            return
+        except FileExistsError:
+            pass
+        self.dir_fd = open_dir(self.dest)
+        st = os.fstat(self.dir_fd)
+        mark = read_json(os.path.join(_image().STATE_DIR, TRANSFER_MARK), dir_fd=self.dir_fd) or {}
+        if st.st_uid != os.geteuid():
+            raise Refused("%s belongs to uid %d; refusing to write an image into it" % (self.dest, st.st_uid))
+        if mark.get("image_id") != want and os.listdir(self.dir_fd):
+            raise Refused("%s holds something other than an unfinished transfer of image %s; refusing to mix them"
+                          % (self.dest, want))
+
+    # -- operations ----------------------------------------------------------------------------------
+    def _file(self, rel):
+        parts = [p for p in rel.split("/") if p]
+        if not parts or parts[0] == _image().STATE_DIR or (len(parts) == 1 and parts[0].startswith(_image().MANIFEST)):
+            raise Refused("refusing to write %r with a data operation" % rel)
+        if rel not in self.fds:
+            fd = open_beneath(self.dir_fd, rel, os.O_WRONLY | os.O_CREAT, 0o600, make_dirs=True)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise Refused("%s is not a regular file here" % rel)
+            self.fds[rel] = fd
+        return self.fds[rel]
+
+    def _read(self, n, what):
+        data = self.inp.read(n)
+        if len(data) != n:
+            raise Refused("the stream was cut in %s (%d of %d bytes)" % (what, len(data), n))
+        return data
+
+    def _reply(self, doc):
+        self.out.write((json.dumps(doc) + "\n").encode())
+        self.out.flush()
+
+    def data(self, op):
+        fd, off, left = self._file(op["path"]), int(op["off"]), int(op["len"])
+        h, start, total = hashlib.sha256(), off, left
+        while left:
+            buf = self.inp.read(min(left, 4 << 20))
+            if not buf:
+                raise Refused("the stream was cut in %s at byte %d" % (op["path"], off))
+            view = memoryview(buf)
+            while view:
+                n = os.pwrite(fd, view, off)
+                view, off = view[n:], off + n
+            h.update(buf)
+            left -= len(buf)
+        line = json.dumps({"path": op["path"], "off": start, "len": total, "sha256": h.hexdigest()}) + "\n"
+        os.write(self.receipt_fd, line.encode())
+
+    def sums(self, op):
+        files = [f for f in op["files"]]
+        for rel in files:
+            _split_checked(rel)
+        self._reply({"sums": _image().checksum_files(self.dest, files)})
+
+    def fix(self, op):
+        fixed = read_json(_image().FIXED, dir_fd=self.state_fd) or {}
+        for rel, size in op["files"]:
+            fd = self._file(rel)
+            if os.fstat(fd).st_size != size:
+                os.ftruncate(fd, size)
+            fixed[rel] = _image().file_identity(os.fstat(fd))
+        atomic_write(_image().FIXED, fixed, dir_fd=self.state_fd)
+
+    def deliver(self, op):
+        data = self._read(int(op["len"]), "the manifest")
+        manifest = _image().parse_manifest(data.decode("utf-8", "replace"), "the manifest sent to %s" % self.dest)
+        if self.journal is None:
+            if manifest.get("id") != self.config.get("image_id"):
+                raise Refused("the manifest is of image %s, not %s" % (manifest.get("id"), self.config.get("image_id")))
+            atomic_write(_image().MANIFEST, data, dir_fd=self.dir_fd)
+            self._reply({"delivered": True})
+            return
+        nonce = (manifest.get("migration") or {}).get("nonce")
+        if nonce != self.config.get("nonce"):
+            raise Refused("the manifest is not of this migration's checkpoint (nonce differs)")
+        with self.journal.hold(wait=60, purpose="a transfer's delivery"):
+            doc = self.journal.read() or {}
+            if doc.get("phase") not in RECEIVE_PHASES or doc.get("nonce") != nonce:
+                raise Refused("migration %s is no longer receiving on this host (phase %s): it was rolled back"
+                              % (self.journal.id, doc.get("phase")))
+            if identity(os.fstat(self.dir_fd)) != list(doc.get("image_dir_identity") or []) or \
+                    not os.path.samestat(os.fstat(self.dir_fd), os.lstat(self.dest)):
+                raise Refused("%s is no longer the directory migration %s created" % (self.dest, self.journal.id))
+            atomic_write(_image().MANIFEST, data, dir_fd=self.dir_fd)
+            self.journal.transition("received", manifest_id=manifest.get("id"))
+        self._reply({"delivered": True})
+
+    def run(self):
+        try:
+            self.open()
+        except (Refused, UnsafePath, OSError) as exc:
+            self._reply({"ready": False, "error": str(exc)})
+            return 2
+        self._reply({"ready": True, "pid": os.getpid()})
+        while True:
+            line = self.inp.readline()
+            if not line:
+                raise Refused("the stream ended before its end mark")
+            op = json.loads(line)
+            kind = op.get("op")
+            if kind == "end":
+                break
+            if kind not in ("data", "sums", "fix", "deliver"):
+                raise Refused("unknown operation %r" % kind)
+            getattr(self, kind)(op)
+        self.close()
+        return 0
+
+    def close(self):
+        for fd in list(self.fds.values()) + [self.receipt_fd, self.state_fd, self.dir_fd]:
+            if fd is not None:
+                os.close(fd)
+        self.fds = {}
+        self.receipt_fd = self.state_fd = self.dir_fd = None
+
+
+def _split_checked(rel):
+    if rel.startswith("/") or ".." in rel.split("/") or "\0" in rel:
+        raise Refused("refusing path %r" % rel)
+
+
+def _image():
+    """The image module: imported in the package, this program's own globals in the receiver."""
+    if image is not None:
+        return image
+    return sys.modules["__main__"]
+
+
+def main(argv=None):
+    argv = sys.argv if argv is None else argv
+    config = json.loads(argv[1])
+    receiver = Receiver(config, sys.stdin.buffer, sys.stdout.buffer)
+    try:
+        return receiver.run()
+    except Exception as exc:  # noqa: BLE001 - the sender reads this from the stream's stderr
+        sys.stderr.write("gpuckpt receiver: %s\n" % exc)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
