@@ -119,6 +119,22 @@ class CountingWorkload(object):
             assert self.read(r)["digest"] == self.digest0(r), "the memory pattern of %s changed" % r
         return after
 
+    def counted(self, role):
+        """Every count ``role`` wrote, in order (its <role>.counts log)."""
+        with open(os.path.join(self.dir, role + ".counts")) as fh:
+            return [int(x) for x in fh.read().split()]
+
+    def no_count_twice(self):
+        """No count was written twice: no copy ran and was thrown away while an older one went on
+        (a rewind). Returns the last counts."""
+        out = {}
+        for r in self.roles:
+            seen = self.counted(r)
+            twice = sorted({c for i, c in enumerate(seen[1:]) if c <= seen[i]})
+            assert not twice, "%s wrote counts %s twice (a copy ran and was thrown away)" % (r, twice[:10])
+            out[r] = seen[-1] if seen else 0
+        return out
+
     def is_counting(self, seconds=0.6):
         before = self.counts()
         time.sleep(seconds)
@@ -222,3 +238,69 @@ def podman_run_args(name, image, args, env=(), rw=()):
     for e in env:
         out += ["--env", e]
     return out + [image] + list(args)
+
+
+# TEST DOUBLES of a bad link, put in front of the target's Python that runs a transfer's receiver
+# (gpuckpt_transfer_python): the receiver program comes first on the stream (its length is in the
+# bootstrap, the -c argument), then framed operations (a JSON header line, then its bytes).
+_LINK = r'''#!/usr/bin/python3
+import json, os, re, subprocess, sys
+MODE, ARG, MARKER = %(mode)r, %(arg)r, %(marker)r
+inp, out = sys.stdin.buffer, None
+proc = subprocess.Popen(["/usr/bin/python3"] + sys.argv[1:], stdin=subprocess.PIPE)
+out = proc.stdin
+def first_time():
+    try:
+        os.close(os.open(MARKER, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
+def put(b):
+    out.write(b)
+    out.flush()
+if MODE == "cut" and first_time():  # ARG bytes get through, then the link dies
+    left = ARG
+    while left > 0:
+        b = inp.read1(min(left, 1 << 16)) if hasattr(inp, "read1") else inp.read(min(left, 1 << 16))
+        if not b:
+            break
+        put(b)
+        left -= len(b)
+    out.close()
+    proc.wait()
+    sys.exit(255)
+program = int(re.search(r"read\((\d+)\)", sys.argv[2]).group(1))
+put(inp.read(program))
+flip = MODE == "flip"
+while True:
+    head = inp.readline()
+    if not head:
+        break
+    put(head)
+    op = json.loads(head)
+    n = op.get("len", 0) if op.get("op") in ("data", "deliver") else 0
+    at = ARG if (flip and op.get("op") == "data" and "pages-" in op.get("path", "") and n > ARG
+                 and first_time()) else None
+    done = 0
+    while done < n:
+        b = inp.read(min(n - done, 1 << 20))
+        if not b:
+            break
+        if at is not None and done <= at < done + len(b):
+            b = b[:at - done] + bytes([b[at - done] ^ 1]) + b[at - done + 1:]
+            flip = False
+        put(b)
+        done += len(b)
+out.close()
+sys.exit(proc.wait())
+'''
+
+
+def bad_link_python(path, mode, arg, marker):
+    """An executable to give as the target's python: ``mode`` "cut" passes ``arg`` bytes of the first
+    stream, then cuts it; "flip" changes the byte at offset ``arg`` of the first pages file's data it
+    carries, once (``marker`` records that it happened)."""
+    with open(path, "w") as fh:
+        fh.write(_LINK % {"mode": mode, "arg": arg, "marker": str(marker)})
+    os.chmod(path, 0o755)
+    return str(path)

@@ -54,10 +54,12 @@ SOURCE_TRANSITIONS = {
     "rollback_failed": ("resumed",),
 }
 TARGET_TRANSITIONS = {
-    None: ("receiving",),
+    # cleaned from nothing: a settlement before the migration began here leaves a tombstone, so that
+    # a start of a controller that died cannot begin it afterwards
+    None: ("receiving", "cleaned"),
     "receiving": ("received", "cleaned"),
     # received: this migration's manifest landed (its nonce checked) under the lock
-    "received": ("received", "restoring", "cleaned"),
+    "received": ("received", "restoring", "restore_failed", "cleaned"),  # restore_failed: its verification
     # restoring: past this point the workload may run here; only a restore that ended badly, or
     # whose module died (the lock is free while the phase says restoring), is cleaned
     "restoring": ("restored", "restore_failed", "cleaned"),

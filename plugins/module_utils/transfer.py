@@ -188,7 +188,7 @@ class Stream(object):
         self.ready = self.reply("starting")
         return self.ready
 
-    def send(self, header, path=None, off=0, length=0, bucket=None, fence=None):
+    def send(self, header, path=None, off=0, length=0, bucket=None, fence=None, progress=None):
         self._write((json.dumps(header) + "\n").encode())
         if path is None:
             return
@@ -205,6 +205,8 @@ class Stream(object):
                 if sent <= 0:
                     raise OSError("%s is shorter than expected at byte %d" % (path, off + done))
                 done += sent
+                if progress is not None:
+                    progress.add(sent)
 
     def stderr(self):
         self.err.seek(0)
@@ -314,12 +316,12 @@ class Sender(object):
                 if self.errors:
                     continue  # a stream failed: this attempt is lost anyway, drain the queue
                 root, rel, off, length = item
+                # (a piece cut half-way was counted in progress; each attempt of send_image starts the
+                # count again from what the target holds)
                 stream.send({"op": "data", "path": rel, "off": off, "len": length}, os.path.join(root, rel), off,
-                            length, self.bucket, self.fence)
+                            length, self.bucket, self.fence, self.progress)
                 with self._lock:
                     self.bytes_sent += length
-                if self.progress is not None:
-                    self.progress.add(length)
             except (OSError, ValueError) as exc:
                 self.errors.append(stream.failure("the stream broke (%s)" % exc))
             except GpuCkptError as exc:

@@ -17,7 +17,9 @@
  *   fakeCudaSync()    blocks while the process is not running, like a real CUDA call under a lock.
  *
  * Errors are injected with lines "<call> <pid> <code>" in $FAKECUDA_STATE_DIR/inject, where <call>
- * is lock|checkpoint|restore|unlock|getstate (pid as the caller sees it; 0 matches any pid). Every
+ * is lock|checkpoint|restore|unlock|getstate (pid as the caller sees it; 0 matches any pid). A call is
+ * made slow (a big GPU memory, a hung driver) with lines "<call> <pid> <milliseconds>" in
+ * $FAKECUDA_STATE_DIR/delay: it sleeps that long after its state change, outside the big lock. Every
  * call is appended to $FAKECUDA_STATE_DIR/calls.log as "<call> <pid> <time>", so tests can check
  * the order (all locks before any checkpoint). $FAKECUDA_API_VERSION, or a number in
  * $FAKECUDA_STATE_DIR/api_version, overrides what cuDriverGetVersion reports (13000: driver 580).
@@ -130,10 +132,10 @@ static void log_call(const char *call, int pid) {
     fclose(f);
 }
 
-static int injected(const char *call, int pid) {
+static int lookup(const char *file, const char *call, int pid) {
     char p[4096], c[64];
     int ipid, code;
-    path_for(p, sizeof p, "inject");
+    path_for(p, sizeof p, file);
     FILE *f = fopen(p, "r");
     if (!f) return 0;
     int rc = 0;
@@ -143,6 +145,7 @@ static int injected(const char *call, int pid) {
     fclose(f);
     return rc;
 }
+static int injected(const char *call, int pid) { return lookup("inject", call, pid); }
 
 static int pid_exists(int pid) { return pid > 0 && (kill(pid, 0) == 0 || errno == EPERM); }
 
@@ -159,6 +162,8 @@ static int transition(const char *call, int pid, int from, int to) {
         else write_state(pid, to);
     }
     big_unlock(lk);
+    int ms = lookup("delay", call, pid);
+    if (ms > 0) usleep((useconds_t)ms * 1000);
     return rc;
 }
 

@@ -1,5 +1,7 @@
 """A CPU workload for the CI tests and the demo: a parent and N children that each hold a known
-memory pattern and count, once per tick, into <dir>/<role>.state (JSON: count, digest, pid).
+memory pattern and count, once per tick, into <dir>/<role>.state (JSON: count, digest, pid), and
+append each count to <dir>/<role>.counts (a side effect that survives a rewind: a copy thrown away
+after it ran, and an older copy resumed, write a count twice there).
 
 Each process checks its memory pattern every tick; a changed pattern writes <role>.corrupt.
 With --fakecuda LIB each process registers with the libcuda TEST DOUBLE and calls its blocking
@@ -42,6 +44,7 @@ def run(role, args):
     digest0 = hashlib.sha256(buf).hexdigest()
     write_atomic(os.path.join(args.dir, role + ".digest"), digest0)
     count = 0
+    counts = os.open(os.path.join(args.dir, role + ".counts"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     while True:
         if cuda is not None and cuda.fakeCudaSync() != 0:
             write_atomic(os.path.join(args.dir, role + ".corrupt"), "fake CUDA sync failed\n")
@@ -51,6 +54,7 @@ def run(role, args):
             write_atomic(os.path.join(args.dir, role + ".corrupt"), "pattern changed at count %d\n" % count)
         write_atomic(os.path.join(args.dir, role + ".state"),
                      json.dumps({"count": count, "digest": digest, "pid": os.getpid(), "t": time.time()}))
+        os.write(counts, b"%d\n" % count)
         time.sleep(args.interval)
 
 
