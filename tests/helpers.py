@@ -272,12 +272,14 @@ if MODE == "cut" and first_time():  # ARG bytes get through, then the link dies
 program = int(re.search(r"read\((\d+)\)", sys.argv[2]).group(1))
 put(inp.read(program))
 flip = MODE == "flip"
+delivered = False
 while True:
     head = inp.readline()
     if not head:
         break
     put(head)
     op = json.loads(head)
+    delivered = delivered or op.get("op") == "deliver"
     n = op.get("len", 0) if op.get("op") in ("data", "deliver") else 0
     at = ARG if (flip and op.get("op") == "data" and "pages-" in op.get("path", "") and n > ARG
                  and first_time()) else None
@@ -292,14 +294,29 @@ while True:
         put(b)
         done += len(b)
 out.close()
-sys.exit(proc.wait())
+rc = proc.wait()
+if MODE == "flip-after" and delivered and rc == 0 and first_time():
+    # the image has landed: change one byte of its largest pages file, then put its times back
+    dest = json.loads(sys.argv[3])["dest"]
+    pages = max((n for n in os.listdir(dest) if n.startswith("pages-")), key=lambda n: os.path.getsize(os.path.join(dest, n)))
+    path = os.path.join(dest, pages)
+    st = os.stat(path)
+    with open(path, "r+b") as fh:
+        fh.seek(ARG)
+        b = fh.read(1)
+        fh.seek(ARG)
+        fh.write(bytes([b[0] ^ 1]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+sys.exit(rc)
 '''
 
 
 def bad_link_python(path, mode, arg, marker):
     """An executable to give as the target's python: ``mode`` "cut" passes ``arg`` bytes of the first
     stream, then cuts it; "flip" changes the byte at offset ``arg`` of the first pages file's data it
-    carries, once (``marker`` records that it happened)."""
+    carries; "flip-after" changes the byte at offset ``arg`` of the largest pages file on the target
+    once the image has landed there, and puts back its mtime and atime. Once (``marker`` records that
+    it happened)."""
     with open(path, "w") as fh:
         fh.write(_LINK % {"mode": mode, "arg": arg, "marker": str(marker)})
     os.chmod(path, 0o755)

@@ -69,6 +69,13 @@ class LoopbackHosts(object):
         return self.path(name, what)
 
     def start(self, host_vars=None):
+        for _name, addr in HOSTS:  # a host left by a killed run would answer in place of ours
+            try:
+                socket.create_connection((addr, self.port), 0.5).close()
+            except OSError:
+                continue
+            raise RuntimeError("something listens on %s:%d already (a test host left by a killed run?); "
+                               "stop it first" % (addr, self.port))
         os.makedirs(self.base, exist_ok=True)
         os.makedirs("/run/sshd", exist_ok=True)
         key = self.path("id_ed25519")
@@ -91,13 +98,7 @@ class LoopbackHosts(object):
                     "PermitRootLogin prohibit-password", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
                     "UsePAM no", "StrictModes no", "Subsystem sftp internal-sftp", "MaxStartups 50", "MaxSessions 50",
                     "LogLevel ERROR", ""]))
-            cmd = [SSHD, "-D", "-e", "-f", cfg]
-            if self.pidns:
-                cmd = ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "unchanged",
-                       self.python, os.path.join(HERE, "nsinit.py")] + cmd
-            log = open(os.path.join(d, "sshd.log"), "ab")
-            proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
-            self.pids[name] = proc.pid
+            self._spawn(name)
             lines.append((name, addr))
         for _name, addr in HOSTS:
             _wait_port(addr, self.port)
@@ -126,6 +127,52 @@ class LoopbackHosts(object):
         with open(self.path("pids.json"), "w") as fh:
             json.dump(self.pids, fh)
         return self
+
+    def _spawn(self, name):
+        d = self.path(name)
+        cmd = [SSHD, "-D", "-e", "-f", os.path.join(d, "sshd_config")]
+        if self.pidns:
+            cmd = ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "unchanged",
+                   self.python, os.path.join(HERE, "nsinit.py")] + cmd
+        log = open(os.path.join(d, "sshd.log"), "ab")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pids[name] = proc.pid
+
+    def processes(self, name):
+        """Every process of host ``name`` (its sshd and all that runs under it), root first."""
+        root = self.pids[name]
+        return [root] + _descendants(root)
+
+    def freeze(self, name):
+        """The host hangs: every process of it is stopped (SIGSTOP), until thaw()."""
+        for _round in range(3):  # processes started meanwhile are caught by the next round
+            for p in self.processes(name):
+                try:
+                    os.kill(p, signal.SIGSTOP)
+                except OSError:
+                    pass
+
+    def thaw(self, name):
+        for p in self.processes(name):
+            try:
+                os.kill(p, signal.SIGCONT)
+            except OSError:
+                pass
+
+    def crash(self, name):
+        """The host dies: every process of it is killed at once (its files stay, as after a power cut)."""
+        self.freeze(name)
+        for p in self.processes(name):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+    def boot(self, name):
+        """Start host ``name`` again after crash()."""
+        addr = dict(HOSTS)[name]
+        self._spawn(name)
+        _wait_port(addr, self.port)
 
     def ssh(self, name, command, check=True, timeout=120):
         """Run a shell command on a test host (inside its pid namespace)."""

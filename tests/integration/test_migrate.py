@@ -1,5 +1,5 @@
 """migrate.yml and recover.yml between two real sshd "hosts" on loopback (127.0.0.2, 127.0.0.3),
-each in its own pid namespace, with real ssh, rsync and CRIU. The GPU stage runs against the libcuda
+each in its own pid namespace, with real ssh and CRIU. The GPU stage runs against the libcuda
 TEST DOUBLE (CI has no GPU); it keeps each process's CUDA state inside the process, so the state
 travels with the image as it does with the real driver.
 
@@ -10,121 +10,11 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import subprocess
-import sys
-import threading
 import time
 
-import pytest
-
-from helpers import (ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, REPO, SKELETON_IMAGE, CountingWorkload,
-                     RuncOnLoopbackHosts, bad_link_python, hanging_wrapper, podman_run_args, skeleton_tar,
-                     workload_processes, write_runc_bundle)
-
-sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
-from loopback import LoopbackHosts  # noqa: E402
-
-MIGRATE = "gpuckpt.fleet.migrate"
-PODMAN_ROOT, PODMAN_RUNROOT = "/var/lib/gpuckpt-test-podman", "/run/gpuckpt-test-podman"
-RECOVER = "gpuckpt.fleet.recover"
-
-
-@pytest.fixture(scope="module")
-def hosts(tmp_path_factory):
-    base = str(tmp_path_factory.mktemp("hosts"))
-    host_vars = {}
-    for name in ("hosta", "hostb"):
-        fc = os.path.join(base, name, "fakecuda")
-        os.makedirs(fc, exist_ok=True)
-        host_vars[name] = {"gpuckpt_environment": {"GPUCKPT_LIBCUDA": FAKE_LIBCUDA, "FAKECUDA_STATE_DIR": fc},
-                           # each host its own runc state and bundle (with its own cgroup), as on two machines
-                           "gpuckpt_runc_root": os.path.join(base, name, "runc-root"),
-                           "gpuckpt_runc_bundle": os.path.join(base, name, "bundle"),
-                           # The same Podman paths on both hosts, as on two machines (Podman's export records
-                           # them): each host binds its own storage there in its mount namespace.
-                           "gpuckpt_podman_root": PODMAN_ROOT, "gpuckpt_podman_runroot": PODMAN_RUNROOT,
-                           # a dockerd per host (started by the Docker tests), under a short path
-                           "gpuckpt_docker_dir": "/tmp/gpk-%s-%d" % (name, os.getpid()),
-                           "gpuckpt_docker_host": "unix:///tmp/gpk-%s-%d/docker.sock" % (name, os.getpid())}
-    h = LoopbackHosts(base).start(host_vars)
-    h.host_vars = host_vars
-    yield h
-    for name in host_vars:  # the Docker tests' dockerd, if they started one (its pid file is in the host's pid space)
-        d = host_vars[name]["gpuckpt_docker_dir"]
-        if os.path.exists(os.path.join(d, "docker.pid")):
-            h.ssh(name, "/usr/bin/docker --host unix://{d}/docker.sock ps -aq | xargs -r /usr/bin/docker --host "
-                        "unix://{d}/docker.sock rm -f; kill $(cat {d}/docker.pid)".format(d=d), check=False)
-    time.sleep(2)
-    h.stop()
-    for name in host_vars:
-        subprocess.run(["umount", "-R", os.path.join(host_vars[name]["gpuckpt_docker_dir"], "exec")], check=False,
-                       stderr=subprocess.DEVNULL)
-        subprocess.run(["rm", "-rf", host_vars[name]["gpuckpt_docker_dir"]], check=False)
-
-
-def processes(workdir):
-    return workload_processes(COUNTER, workdir)
-
-
-class RemoteWorkload(CountingWorkload):
-    roles = ("parent", "child1")
-
-    def __init__(self, hosts, host, workdir, mb=8, listen=None):
-        self.dir = workdir
-        # Start high in the host's pid space: CRIU restores the same pids on the target, where the
-        # low ones are taken by that host's own sshd sessions.
-        res = hosts.ssh(host, "echo 20000 > /proc/sys/kernel/ns_last_pid; python3 %s --dir %s --daemon --fakecuda %s "
-                        "--mb %d%s" % (COUNTER, workdir, FAKE_LIBCUDA, mb, " --listen %s" % listen if listen else ""))
-        self.pid = int(res.stdout.strip().splitlines()[-1])
-        self.wait_counting()
-
-    def one_copy_runs_intact(self):
-        """Exactly one copy: one process per role, none stopped; it counts on; memory patterns intact."""
-        deadline = time.monotonic() + 10
-        while True:
-            procs = processes(self.dir)
-            if len(procs) == len(self.roles) and all(s != "T" for unused, s in procs):
-                break
-            if time.monotonic() > deadline:
-                raise AssertionError("expected exactly one running copy, found %s" % procs)
-            time.sleep(0.1)
-        self.wait_counting(beyond=self.counts())
-        assert not [f for f in os.listdir(self.dir) if f.endswith(".corrupt")]
-        for r in self.roles:
-            assert self.read(r)["digest"] == self.digest0(r), "memory pattern of %s changed" % r
-        return True
-
-    def kill(self):
-        for p, unused in processes(self.dir):
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-
-
-@pytest.fixture
-def remote_workload(hosts, tmp_path):
-    started = []
-
-    def start(host="hosta", **kw):
-        w = RemoteWorkload(hosts, host, str(tmp_path / ("w%d" % len(started))), **kw)
-        started.append(w)
-        return w
-
-    yield start
-    for w in started:
-        w.kill()
-
-
-def migrate(playbook, hosts, w, mid, **extra):
-    v = {"source": "hosta", "target": "hostb", "pid": w.pid, "migration_id": mid}
-    v.update(extra)
-    return playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
-
-
-def changed_tasks(run):
-    return [r["_task"] for r in run.results if r.get("changed")]
+from helpers import (COUNTER, FAKE_LIBCUDA, REPO, SKELETON_IMAGE, CountingWorkload, RuncOnLoopbackHosts,
+                     bad_link_python, hanging_wrapper, podman_run_args, skeleton_tar, write_runc_bundle)
+from loopback_workloads import MIGRATE, PODMAN_ROOT, PODMAN_RUNROOT, changed_tasks, migrate, processes
 
 
 def test_migrate_moves_the_workload_and_a_rerun_changes_nothing(playbook, hosts, remote_workload):
@@ -354,7 +244,7 @@ def test_restore_failing_on_target_rolls_back_to_the_source(playbook, hosts, rem
     assert run.rc != 0
     final = run.task("Migration failed and was rolled back")
     assert "runs on hosta" in final["msg"] and "CUDA_ERROR_OUT_OF_MEMORY" in final["msg"]
-    assert run.task("Roll back: resume the source")["changed"] is True
+    assert run.task("Resume the source")["changed"] is True
     assert not os.path.exists(hosts.path("hostb", "images", "t-restore-fails"))
     assert w.one_copy_runs_intact()
     # Re-running with the same id finds it rolled back and changes nothing.
@@ -414,40 +304,8 @@ def test_a_restore_job_that_cannot_start_falls_back_to_the_restore_after_the_tra
     assert run.rc == 0, run.stdout
     assert "ansible_job_id" not in run.task("Begin the restore")
     rs = run.task("Restore on hostb")
-    assert rs["changed"] is True and "wait_for_image" not in rs["timings"]
+    assert rs["changed"] is True and rs["timings"]["wait_for_image"] < 1  # the image was there: no early start
     assert w.one_copy_runs_intact()
-
-
-def test_controller_killed_mid_migration_then_recover(playbook, hosts, remote_workload, tmp_path):
-    w = remote_workload(mb=24)
-    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS, ANSIBLE_HOST_KEY_CHECKING="false",
-               ANSIBLE_SSH_CONTROL_PATH_DIR=str(tmp_path / "cp"))
-    cmd = [ANSIBLE_PLAYBOOK, MIGRATE, "-i", hosts.path("inventory.yml"), "-e",
-           json.dumps({"source": "hosta", "target": "hostb", "pid": w.pid, "migration_id": "t-kill",
-                       "gpuckpt_transfer_bwlimit": 8000})]
-    log = open(str(tmp_path / "controller.log"), "w")
-    ctl = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-    target_image = hosts.path("hostb", "images", "t-kill")
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:  # kill it once the transfer is under way: the source is frozen
-        if os.path.isdir(target_image) and any(f.startswith("pages-") for f in os.listdir(target_image)):
-            break
-        time.sleep(0.05)
-    else:
-        raise AssertionError("transfer never started:\n" + open(str(tmp_path / "controller.log")).read())
-    os.killpg(ctl.pid, signal.SIGKILL)
-    ctl.wait()
-    assert [s for unused, s in processes(w.dir)] == ["T", "T"], "the source should be frozen (stopped) here"
-
-    run = playbook(RECOVER, {"source": "hosta", "target": "hostb", "migration_id": "t-kill"},
-                   inventory=hosts.path("inventory.yml"))
-    assert run.rc == 0, run.stdout
-    assert "rolled back: the workload runs on hosta" in run.task("Report where the workload runs")["msg"]
-    assert w.one_copy_runs_intact()
-    again = playbook(RECOVER, {"source": "hosta", "target": "hostb", "migration_id": "t-kill"},
-                     inventory=hosts.path("inventory.yml"))
-    assert again.rc == 0 and changed_tasks(again) == []
-    subprocess.run(["pkill", "-f", str(tmp_path / "cp")], check=False)  # the killed controller's masters
 
 
 class RemoteRuncWorkload(RuncOnLoopbackHosts, CountingWorkload):

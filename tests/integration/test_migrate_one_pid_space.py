@@ -8,16 +8,11 @@ The GPU stage runs against the libcuda TEST DOUBLE.
 from __future__ import annotations
 
 import os
-import sys
 
 import pytest
 
-from helpers import FAKE_LIBCUDA, REPO
-
-sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from loopback import LoopbackHosts  # noqa: E402
-from test_migrate import RemoteWorkload, changed_tasks, migrate  # noqa: E402
+from helpers import FAKE_LIBCUDA
+from loopback_workloads import LoopbackHosts, RemoteWorkload, changed_tasks, migrate
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +61,7 @@ def test_one_pid_space_failed_restore_rolls_back_from_the_source_image(playbook,
     finally:
         os.unlink(inject)
     assert run.rc != 0
-    back = run.task("Roll back: resume the source")
+    back = run.task("Resume the source")
     assert back["changed"] is True and "restored from its image" in back["msg"]
     assert "runs on hosta" in run.task("Migration failed and was rolled back")["msg"]
     assert w.one_copy_runs_intact()

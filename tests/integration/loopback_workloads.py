@@ -1,0 +1,67 @@
+"""What the tests that migrate between the loopback hosts share: the counting workload started on a
+host, where its processes are, and running migrate.yml."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+
+from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, workload_processes
+
+sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
+from loopback import LoopbackHosts  # noqa: E402,F401 - the fixtures take it from here
+
+MIGRATE = "gpuckpt.fleet.migrate"
+RECOVER = "gpuckpt.fleet.recover"
+PODMAN_ROOT, PODMAN_RUNROOT = "/var/lib/gpuckpt-test-podman", "/run/gpuckpt-test-podman"
+
+
+def processes(workdir):
+    return workload_processes(COUNTER, workdir)
+
+
+class RemoteWorkload(CountingWorkload):
+    roles = ("parent", "child1")
+
+    def __init__(self, hosts, host, workdir, mb=8, listen=None):
+        self.dir = workdir
+        # Start high in the host's pid space: CRIU restores the same pids on the target, where the
+        # low ones are taken by that host's own sshd sessions.
+        res = hosts.ssh(host, "echo 20000 > /proc/sys/kernel/ns_last_pid; python3 %s --dir %s --daemon --fakecuda %s "
+                        "--mb %d%s" % (COUNTER, workdir, FAKE_LIBCUDA, mb, " --listen %s" % listen if listen else ""))
+        self.pid = int(res.stdout.strip().splitlines()[-1])
+        self.wait_counting()
+
+    def one_copy_runs_intact(self):
+        """Exactly one copy: one process per role, none stopped; it counts on; memory patterns intact."""
+        deadline = time.monotonic() + 10
+        while True:
+            procs = processes(self.dir)
+            if len(procs) == len(self.roles) and all(s != "T" for unused, s in procs):
+                break
+            if time.monotonic() > deadline:
+                raise AssertionError("expected exactly one running copy, found %s" % procs)
+            time.sleep(0.1)
+        self.wait_counting(beyond=self.counts())
+        assert not [f for f in os.listdir(self.dir) if f.endswith(".corrupt")]
+        for r in self.roles:
+            assert self.read(r)["digest"] == self.digest0(r), "memory pattern of %s changed" % r
+        return True
+
+    def kill(self):
+        for p, unused in processes(self.dir):
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+
+
+def migrate(playbook, hosts, w, mid, **extra):
+    v = {"source": "hosta", "target": "hostb", "pid": w.pid, "migration_id": mid}
+    v.update(extra)
+    return playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
+
+
+def changed_tasks(run):
+    return [r["_task"] for r in run.results if r.get("changed")]
