@@ -71,9 +71,11 @@ def fakecuda(tmp_path, monkeypatch):
 class Workload(CountingWorkload):
     """The counter workload (tests/workloads/counter.py): a parent and children counting into files."""
 
-    def __init__(self, directory, fakecuda=None, children=1, mb=8):
+    def __init__(self, directory, fakecuda=None, children=1, mb=8, serve=None):
         self.dir = directory
         cmd = [sys.executable, COUNTER, "--dir", directory, "--daemon", "--children", str(children), "--mb", str(mb)]
+        if serve:
+            cmd += ["--serve", str(serve)]
         if fakecuda:
             cmd += ["--fakecuda", fakecuda.lib]
         env = dict(os.environ)

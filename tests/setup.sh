@@ -2,15 +2,19 @@
 # Installs and builds everything the tests and the demo need on a fresh Debian 12 machine of the
 # CI kind (root, no systemd). Idempotent: a second run only checks and takes a few seconds.
 #
-#   bash tests/setup.sh            # apt packages, CRIU 4.1.1, venv (.venv), libcuda stand-in
+#   bash tests/setup.sh            # apt packages, CRIU 4.2.1, CRIU's zdtm tests, venv (.venv), libcuda stand-in
 #
 # Why CRIU is built from source: bookworm's criu 3.17 fails on this kernel ("vdso: Unexpected rt vDSO
-# area bounds"); trixie's 4.1.1 source builds against bookworm's libraries. The apt mirror is read
-# from the machine's own sources file, never written here.
+# area bounds"), and 4.1.1 cannot dump TCP sockets on kernels 6.16 and newer ("Can't get 1:16 opt",
+# criu issues #2705, #2718); sid's 4.2.1 source builds against bookworm's libraries. Its zdtm static
+# tests are built from the same tarball (tests/zdtm). The apt mirror is read from the machine's own
+# sources file, never written here.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/.." && pwd)
-CRIU_VERSION=4.1.1
+CRIU_VERSION=4.2.1
+CRIU_SUITE=sid
 CRIU_PREFIX=/usr/local
+CRIU_TARBALL=/var/cache/criu_${CRIU_VERSION}.orig.tar.xz
 export DEBIAN_FRONTEND=noninteractive
 log() { printf '[setup] %s\n' "$*" >&2; }
 
@@ -33,28 +37,46 @@ criu_ok() {
   v=$("$CRIU_PREFIX/sbin/criu" --version 2>/dev/null | sed -n 's/^Version: *//p') || return 1
   [ "$v" = "$CRIU_VERSION" ]
 }
-if ! criu_ok; then
-  log "building CRIU $CRIU_VERSION from Debian trixie's source tarball"
+fetch_criu_tarball() {
+  [ -f "$CRIU_TARBALL" ] && return 0
+  log "fetching CRIU $CRIU_VERSION's source tarball from Debian $CRIU_SUITE"
   mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1)
   [ -n "$mirror" ] || mirror=$(awk '$1=="deb"{print $2; exit}' /etc/apt/sources.list 2>/dev/null)
   [ -n "$mirror" ] || { log "cannot read the Debian mirror from this machine's apt sources"; exit 1; }
-  src_list=/etc/apt/sources.list.d/gpuckpt-trixie-src.sources
+  src_list=/etc/apt/sources.list.d/gpuckpt-$CRIU_SUITE-src.sources
   if [ ! -f "$src_list" ]; then
-    printf 'Types: deb-src\nURIs: %s\nSuites: trixie\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-      "$mirror" >"$src_list"
+    printf 'Types: deb-src\nURIs: %s\nSuites: %s\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+      "$mirror" "$CRIU_SUITE" >"$src_list"
     apt-get update -qq
   fi
-  work=$(mktemp -d /tmp/criu-build.XXXXXX)
+  local dl
+  dl=$(mktemp -d /tmp/criu-src.XXXXXX)
   # The .dsc and .debian parts may 404 (exit 100); the orig tarball is what we need.
-  (cd "$work" && apt-get source --download-only -qq "criu/trixie" >/dev/null 2>&1) || true
-  tarball=$(ls "$work"/criu_${CRIU_VERSION}.orig.tar.* 2>/dev/null | head -n1)
-  [ -n "$tarball" ] || { log "criu_${CRIU_VERSION}.orig.tar.* did not download"; exit 1; }
-  tar -C "$work" -xf "$tarball"
-  srcdir=$(find "$work" -mindepth 1 -maxdepth 1 -type d -name "criu-*" | head -n1)
-  make -C "$srcdir" -j"$(nproc)" criu >"$work/build.log" 2>&1 || { tail -n 40 "$work/build.log"; exit 1; }
-  install -D -m 0755 "$srcdir/criu/criu" "$CRIU_PREFIX/sbin/criu"
-  cp "$tarball" /var/cache/criu_${CRIU_VERSION}.orig.tar.xz 2>/dev/null || true
-  rm -rf "$work"
+  (cd "$dl" && apt-get source --download-only -qq "criu=${CRIU_VERSION}-1" >/dev/null 2>&1) || true
+  [ -f "$dl/criu_${CRIU_VERSION}.orig.tar.xz" ] || { log "criu_${CRIU_VERSION}.orig.tar.xz did not download"; exit 1; }
+  mv "$dl/criu_${CRIU_VERSION}.orig.tar.xz" "$CRIU_TARBALL"
+  rm -rf "$dl"
+}
+
+# The source tree, kept under .build: CRIU is built there, and so are its zdtm tests.
+src_tree="$repo/.build/criu-$CRIU_VERSION"
+if ! criu_ok || [ ! -x "$src_tree/test/zdtm/static/env00" ]; then
+  fetch_criu_tarball
+  if [ ! -f "$src_tree/Makefile" ]; then
+    rm -rf "$src_tree" && mkdir -p "$repo/.build"
+    tar -C "$repo/.build" -xf "$CRIU_TARBALL"
+  fi
+fi
+if ! criu_ok; then
+  log "building CRIU $CRIU_VERSION"
+  make -C "$src_tree" -j"$(nproc)" criu >"$repo/.build/criu-build.log" 2>&1 || { tail -n 40 "$repo/.build/criu-build.log"; exit 1; }
+  install -D -m 0755 "$src_tree/criu/criu" "$CRIU_PREFIX/sbin/criu"
+fi
+if [ ! -x "$src_tree/test/zdtm/static/env00" ]; then
+  log "building CRIU's zdtm static tests (the ones this machine's libraries allow)"
+  make -C "$src_tree/test/zdtm/lib" -j"$(nproc)" >"$repo/.build/zdtm-build.log" 2>&1 || { tail -n 40 "$repo/.build/zdtm-build.log"; exit 1; }
+  # -k: a test whose library is missing here (libaio) is left out; the runner selects what was built
+  make -k -C "$src_tree/test/zdtm/static" -j"$(nproc)" >>"$repo/.build/zdtm-build.log" 2>&1 || true
 fi
 criu_ok || { log "CRIU $CRIU_VERSION is not installed at $CRIU_PREFIX/sbin/criu"; exit 1; }
 "$CRIU_PREFIX/sbin/criu" check >/dev/null 2>&1 || { "$CRIU_PREFIX/sbin/criu" check; exit 1; }

@@ -195,15 +195,14 @@ class Stream(object):
         with open(path, "rb") as fh:
             done = 0
             while done < length:
-                n = min(8 * 2**20, length - done)
-                if bucket is not None:
-                    n = min(n, 2**20)
-                    bucket.take(n)
+                n = min(8 * 2**20 if bucket is None else 2**20, length - done)
                 if fence is not None:
                     fence()
                 sent = os.sendfile(self.proc.stdin.fileno(), fh.fileno(), off + done, n)
                 if sent <= 0:
                     raise OSError("%s is shorter than expected at byte %d" % (path, off + done))
+                if bucket is not None:
+                    bucket.take(sent)  # what was sent, which a pipe may cut short of n
                 done += sent
                 if progress is not None:
                     progress.add(sent)

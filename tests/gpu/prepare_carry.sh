@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run HERE (the CI-kind machine) before a GPU run: the GPU machine has no internet and no apt, so
 # everything the GPU tests need beyond its image travels along in two git-ignored folders:
-#   .carry/criu/  CRIU 4.1.1 built by tests/setup.sh, with the shared libraries it needs beyond glibc
+#   .carry/criu/  CRIU 4.2.1 built by tests/setup.sh, with the shared libraries it needs beyond glibc
 #                 (the GPU machine's glibc 2.39 runs binaries built against bookworm's 2.36)
 #   .whl/         wheels for Python 3.12: ansible-core 2.21 and pytest, with their dependencies
 set -euo pipefail
@@ -14,7 +14,7 @@ ldd /usr/local/sbin/criu | awk '$3 ~ /^\// {print $3}' | grep -Ev '/(libc|libm|l
   | while read -r lib; do cp -L "$lib" .carry/criu/lib/; done
 cat > .carry/criu/criu <<'SH'
 #!/bin/sh
-# CRIU 4.1.1 carried from the CI-kind machine, with its libraries.
+# CRIU 4.2.1 carried from the CI-kind machine, with its libraries.
 d=$(dirname "$(readlink -f "$0")")
 LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$d/criu.bin" "$@"
 SH

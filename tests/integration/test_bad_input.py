@@ -168,3 +168,39 @@ def test_a_hung_restore_is_killed_after_runtime_timeout_and_the_image_is_kept(tm
     again = playbook(RESTORE_RAW, {"image_dir": image_dir}, env=fakecuda.env)
     assert again.rc == 0, again.stdout
     w.went_on_intact(stopped_at)
+
+
+def test_a_rollback_pointed_at_an_unrelated_directory_deletes_nothing(tmp_path, playbook):
+    """gpu_migration removes only the directory its journal says the migration created (by device
+    and inode): pointed at someone's directory, with no such migration, it touches nothing."""
+    victim = tmp_path / "someones-data"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("unrelated\n")
+    base = os.path.join(os.path.dirname(__file__), "playbooks", "migration_raw.yml")
+    for role in ("target", "source"):
+        run = playbook(base, {"migration_id": "t-unrelated", "role": role, "action": "rollback",
+                              "journal_dir": str(tmp_path / "journal"), "image_dir": str(victim)})
+        assert run.rc == 0, run.stdout
+    assert (victim / "keep.txt").read_text() == "unrelated\n"
+    # A begin at a path that exists is refused, and leaves it as it is.
+    run = playbook(base, {"migration_id": "t-unrelated2", "role": "target", "action": "begin",
+                          "journal_dir": str(tmp_path / "journal"), "image_dir": str(victim)})
+    res = _fail(run, "gpu_migration")
+    assert "exists already" in res["msg"] and "nothing was frozen" in res["msg"]
+    assert (victim / "keep.txt").read_text() == "unrelated\n"
+
+
+@pytest.mark.parametrize("attach,progress", [
+    ("1.2; touch {pwned}", None),
+    ("j123.45", "/tmp/x; touch {pwned}"),
+    ("j123.45", "relative/path.json"),
+])
+def test_values_that_would_reach_a_shell_are_refused(tmp_path, playbook, attach, progress):
+    pwned = tmp_path / "pwned"
+    v = {"attach": attach.format(pwned=pwned)}
+    if progress:
+        v["progress_file"] = progress.format(pwned=pwned)
+    base = os.path.join(os.path.dirname(__file__), "playbooks", "restore_attach.yml")
+    res = _fail(playbook(base, v), "gpu_restore attach")
+    assert "must be" in res["msg"]
+    assert not pwned.exists()

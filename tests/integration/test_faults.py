@@ -302,15 +302,23 @@ def test_an_unprivileged_user_never_reads_the_image_as_it_arrives(playbook, host
     w = remote_workload(mb=24)
     mid = "t-reader"
     target = hosts.path("hostb", "images", mid)
-    report = tmp_path / "reader.json"
-    os.chmod(str(tmp_path), 0o755)
+    # The reader may reach the image root (as on a host whose /var/lib is 0755): only the modes that
+    # the migration gives stop it.
+    opened, d = [], hosts.path("hostb", "images")
+    os.makedirs(d, exist_ok=True)
+    while d != "/":
+        opened.append((d, os.stat(d).st_mode & 0o7777))
+        os.chmod(d, opened[-1][1] | 0o755)
+        d = os.path.dirname(d)
+    stop = "/tmp/.gpuckpt-test-reader-stop-%d" % os.getpid()  # the reader (user nobody) stops when it appears
     reader = subprocess.Popen(["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups", sys.executable, "-c", r'''
 import json, os, sys, time
-target, out, got, tries = sys.argv[1], sys.argv[2], [], 0
+target, stop, got, tries = sys.argv[1], sys.argv[2], [], 0
 end = time.time() + 60
-while time.time() < end and not os.path.exists(out + ".stop"):
+while time.time() < end and not os.path.exists(stop):
     tries += 1
-    for path in [target] + [os.path.join(target, n) for n in ("pages-1.img", "pages-2.img", "core-1.img", "inventory.img")]:
+    for path in [target] + [os.path.join(target, n) for n in ("pages-1.img", "pages-2.img", "pages-3.img", "core-1.img",
+                                                               "inventory.img", ".gpuckpt")]:
         try:
             if os.path.isdir(path):
                 got.append(("listed", path, os.listdir(path)))
@@ -320,8 +328,8 @@ while time.time() < end and not os.path.exists(out + ".stop"):
         except OSError:
             pass
     time.sleep(0.002)
-json.dump({"tries": tries, "got": got}, open(out, "w"))
-''', target, str(report)])
+print(json.dumps({"tries": tries, "got": got}))
+''', target, stop], stdout=subprocess.PIPE)
     seen_modes = []
 
     def watch():  # what root sees meanwhile: the modes from the first byte
@@ -339,11 +347,14 @@ json.dump({"tries": tries, "got": got}, open(out, "w"))
     try:
         run = migrate(playbook, hosts, w, mid, gpuckpt_transfer_bwlimit=8000)
     finally:
-        open(str(report) + ".stop", "w").close()
-        reader.wait(70)
+        open(stop, "w").close()
+        out, _err = reader.communicate(timeout=70)
+        os.unlink(stop)
         t.join()
+        for d, mode in opened:
+            os.chmod(d, mode)
     assert run.rc == 0, run.stdout
-    result = json.load(open(report))
+    result = json.loads(out)
     assert result["tries"] > 50 and result["got"] == [], result["got"][:5]
     modes = {m for name, m in seen_modes if name == "dir"}
     assert modes == {0o700}, modes
@@ -381,7 +392,7 @@ def test_the_targets_disk_full_under_its_journal_still_rolls_back(playbook, host
     w = remote_workload(mb=24)
     mid = "t-disk-full"
     disk = hosts.path("hostb", "disk")
-    setup = ("mkdir -p {d} && mount -t tmpfs -o size=80m gpuckpt-full {d} && mkdir -p {d}/images {d}/journal "
+    setup = ("mkdir -p {d} && mount -t tmpfs -o size=200m gpuckpt-full {d} && mkdir -p {d}/images {d}/journal "
              "&& mount --bind {d}/images {i} && mount --bind {d}/journal {j}").format(
         d=disk, i=hosts.path("hostb", "images"), j=hosts.path("hostb", "journal"))
     os.makedirs(hosts.path("hostb", "images"), exist_ok=True)
@@ -391,7 +402,7 @@ def test_the_targets_disk_full_under_its_journal_still_rolls_back(playbook, host
 
     def fill():  # once the source freezes, another job takes the disk
         wait_for("the freeze", lambda: phase(hosts, "hosta", mid, "source") in ("freezing", "frozen"), timeout=60)
-        filler["out"] = hosts.ssh("hostb", "dd if=/dev/zero of=%s/other-job bs=1M count=60 2>&1; true" % disk).stdout
+        filler["out"] = hosts.ssh("hostb", "dd if=/dev/zero of=%s/other-job bs=1M count=190 2>&1; true" % disk).stdout
 
     t = threading.Thread(target=fill)
     t.start()
@@ -454,19 +465,25 @@ def test_the_early_restore_killed_as_a_whole_is_noticed_and_the_restore_runs_any
     w = remote_workload(mb=24)
     mid = "t-job-killed"
     fakecuda(hosts, "hosta", "delay", "checkpoint 0 3000")
+    box = {}
 
     def kill_job():
         wait_for("the freeze", lambda: phase(hosts, "hosta", mid, "source") == "freezing", timeout=60)
-        hosts.ssh("hostb", "pkill -9 -f async_wrapper; pkill -9 -f AnsiballZ_gpu_restore", check=False)
+        # (brackets: the pattern must not match this very command line)
+        box["killed"] = hosts.ssh("hostb", "pgrep -f '[a]sync_wrapper|[A]nsiballZ_gpu_restore'; "
+                                  "pkill -9 -f '[a]sync_wrapper|[A]nsiballZ_gpu_restore'", check=False).stdout
 
     t = threading.Thread(target=kill_job)
     t.start()
+    t0 = time.monotonic()
     run = migrate(playbook, hosts, w, mid)
     t.join()
     assert run.rc == 0, run.stdout
+    assert len(box["killed"].split()) >= 3, box  # two wrappers and the module
+    assert time.monotonic() - t0 < 60, "the lost job must be noticed at once:\n" + run.stdout
     attached = [r for r in run.results if r["_task"] == "Restore on hostb" and r.get("job_lost")]
-    assert attached, "the lost job must be noticed"
-    assert run.task("Restore on hostb")["changed"] is True
+    assert attached, "the lost job must be noticed:\n" + run.stdout
+    assert run.task("Restore on hostb")["changed"] is True, run.stdout
     assert w.one_copy_runs_intact() and runs_on(hosts, w) == "hostb"
     w.no_count_twice()
 

@@ -8,7 +8,7 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROLE_CRIU = os.path.join(HERE, "playbooks", "role_criu.yml")
-TARBALL = "/var/cache/criu_4.1.1.orig.tar.xz"  # kept by tests/setup.sh
+TARBALL = "/var/cache/criu_4.2.1.orig.tar.xz"  # kept by tests/setup.sh
 
 
 def _recap_changed(run):
@@ -25,7 +25,7 @@ def test_criu_role_builds_from_a_local_tarball_then_changes_nothing(playbook, tm
     assert run.rc == 0, run.stdout
     built = prefix / "sbin" / "criu"
     out = subprocess.run([str(built), "--version"], stdout=subprocess.PIPE, universal_newlines=True, check=False).stdout
-    assert "Version: 4.1.1" in out
+    assert "Version: 4.2.1" in out
     assert run.task("Check the kernel with criu check")["rc"] == 0
     assert _recap_changed(run) > 0
     again = playbook(ROLE_CRIU, v)

@@ -7,6 +7,9 @@ Each process checks its memory pattern every tick; a changed pattern writes <rol
 With --fakecuda LIB each process registers with the libcuda TEST DOUBLE and calls its blocking
 sync once per tick, so a lock freezes the counting exactly as a real CUDA call would block.
 
+With --serve PORT the parent is an inference server in miniature: it listens on 127.0.0.1:PORT and
+answers each line a client sends, on connections it keeps open, with "<count> <digest> <pid>".
+
   counter.py --dir D --daemon   # double-forks (reparented to init, no zombie), prints the root pid
 """
 import argparse
@@ -26,6 +29,31 @@ def write_atomic(path, text):
     os.rename(tmp, path)
 
 
+def serve(server, clients, answer):
+    """Accept who connects, answer every request line; keep the connections open."""
+    import select
+    try:
+        while True:
+            c, _addr = server.accept()
+            c.setblocking(False)
+            clients.append(c)
+    except BlockingIOError:
+        pass
+    readable, _w, _x = select.select(clients, [], [], 0) if clients else ([], [], [])
+    for c in readable:
+        try:
+            data = c.recv(4096)
+        except OSError:
+            data = b""
+        if not data:
+            clients.remove(c)
+            c.close()
+            continue
+        for _line in data.splitlines():
+            c.sendall(answer)
+    return clients
+
+
 def run(role, args):
     cuda = None
     if args.fakecuda:
@@ -37,6 +65,14 @@ def run(role, args):
         listener = socket.socket(socket.AF_UNIX)
         listener.bind("\0" + args.listen)
         listener.listen(8)
+    server, clients = None, []
+    if args.serve and role == "parent":
+        import socket
+        server = socket.socket()
+        server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        server.bind(("127.0.0.1", args.serve))
+        server.listen(8)
+        server.setblocking(False)
     rng = random.Random(role)
     buf = bytearray()
     for unused in range(args.mb):  # 1 MiB at a time: randbytes() of more than 256 MiB overflows
@@ -55,6 +91,8 @@ def run(role, args):
         write_atomic(os.path.join(args.dir, role + ".state"),
                      json.dumps({"count": count, "digest": digest, "pid": os.getpid(), "t": time.time()}))
         os.write(counts, b"%d\n" % count)
+        if server is not None:
+            clients = serve(server, clients, b"%d %s %d\n" % (count, digest.encode(), os.getpid()))
         time.sleep(args.interval)
 
 
@@ -66,6 +104,7 @@ def main():
     ap.add_argument("--interval", type=float, default=0.05)
     ap.add_argument("--fakecuda")
     ap.add_argument("--listen", help="the parent listens on this abstract unix socket name")
+    ap.add_argument("--serve", type=int, help="the parent answers requests on this TCP port of 127.0.0.1")
     ap.add_argument("--daemon", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)

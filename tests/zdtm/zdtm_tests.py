@@ -124,8 +124,8 @@ def _reap_orphans(keep=()):
         except OSError:
             continue
         if rest[0] == "Z" and int(rest[1]) == me:
-            try:
-                os.waitpid(int(d), 0)
+            try:  # WNOHANG: a thread-group leader shows as a zombie while its other threads run
+                os.waitpid(int(d), os.WNOHANG)
             except ChildProcessError:
                 pass
 
@@ -166,6 +166,23 @@ def start(static, name):
         return None, "start failed: " + res.stdout[-300:]
     with open(os.path.join(static, name + ".pid")) as fh:
         return int(fh.read().split()[0]), None
+
+
+def kill_leftovers(name):
+    """Every process of test ``name`` still there (a helper it forked, a failed restore's remains)."""
+    prefix = "./%s --pidfile=" % name
+    for d in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/cmdline" % d, "rb") as fh:
+                cmd = fh.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if cmd.startswith(prefix):
+            try:
+                os.kill(int(d), signal.SIGKILL)
+            except OSError:
+                pass
+    _reap_orphans()
 
 
 def stop(static, name, pid, timeout):
@@ -283,6 +300,7 @@ def run(src, criu, mode, names, out):
                 else:
                     verdict = stop(static, name, pid, timeout)
                 subprocess.run(["rm", "-rf", work])
+            kill_leftovers(name)
             _make(static, name + ".cleanout")
             line = {"test": name, "mode": mode, "result": verdict, "seconds": round(time.monotonic() - t0, 2)}
             results.append(line)
