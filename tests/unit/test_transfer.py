@@ -245,3 +245,26 @@ def test_the_receiver_program_defines_each_name_once():
 
 def test_automatic_streams_are_a_quarter_of_the_cores():
     assert transfer.auto_streams(2) == 1 and transfer.auto_streams(16) == 4 and transfer.auto_streams(128) == 8
+
+
+def test_progress_files_are_replaced_never_written_through(tmp_path):
+    """A progress file lives in a world-writable dir (/tmp, so the controller can read it without
+    become): a symlink planted at its name, or at any name a writer could predict beside it, is
+    replaced by a rename, never written through; stale files of others are left alone."""
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.progress import StageProgress
+    victim = tmp_path / "root-only"
+    victim.write_text("secret\n")
+    os.chmod(victim, 0o600)
+    path = tmp_path / ".gpuckpt-progress-abc.json"
+    path.symlink_to(victim)
+    for pid in range(os.getpid() - 2, os.getpid() + 3):  # the old writer's temporary names
+        (tmp_path / (".gpuckpt-progress-abc.json.%d.tmp" % pid)).symlink_to(victim)
+    stale = tmp_path / ".gpuckpt-progress-someone-elses.json"
+    stale.write_text("{}")
+    os.chown(stale, 65534, 65534)
+    os.utime(stale, (1, 1))
+    p = StageProgress(str(path), ["a"])
+    p.start()
+    p.close()
+    assert victim.read_text() == "secret\n"
+    assert not path.exists() and stale.exists(), "only its own file is removed"

@@ -95,12 +95,20 @@ class Backend(object):
                                     stage="preflight")
         self.auto_flags = flags
         self.criu_needs = needs
+        self.criu_flags()  # the user's own options too: refused here, before anything is frozen
         return flags
 
     def criu_flags(self, manifest=None):
-        """The CRIU options for a dump (``manifest`` None) or for the restore of ``manifest``."""
+        """The CRIU options for a dump (``manifest`` None) or for the restore of ``manifest``; for a
+        runtime that passes only some options on to CRIU, refused when it cannot pass one."""
         auto = self.auto_flags if manifest is None else ((manifest.get("runtime") or {}).get("auto_flags") or [])
-        return list(self.extra or ()) + [f for f in auto if f not in (self.extra or ())]
+        out = list(self.extra or ()) + [f for f in auto if f not in (self.extra or ())]
+        for opt in out:
+            if self.passes_criu_flags is not None and opt not in self.passes_criu_flags:
+                raise InvalidTarget("criu option %s cannot be passed through %s (it accepts %s)"
+                                    % (opt, self.name, ", ".join(self.passes_criu_flags) or "none"),
+                                    stage="preflight")
+        return out
 
     def bind(self, manifest):
         """Take what the backend needs to act on a workload (its container id...) from a manifest."""
