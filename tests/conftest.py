@@ -14,6 +14,7 @@ from helpers import (  # noqa: F401 - re-exported for tests
     ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, MANAGED_PYTHON, REPO, CountingWorkload, alive, tree)
 
 sys.path.insert(0, COLLECTIONS)
+sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))  # the loopback "hosts" (tests/hosts/loopback.py)
 
 
 def pytest_configure(config):

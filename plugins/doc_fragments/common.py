@@ -15,7 +15,7 @@ options:
     description:
       - Extra options for CRIU (C(criu dump) when checkpointing, C(criu restore) when restoring), for example C(--link-remap).
       - What the workload needs is found before anything is frozen and passed without being asked, and recorded in the
-        image for its restore: C(--file-locks) when it holds file locks, C(--ext-unix-sk) when it holds a datagram
+        image for its restore. That is C(--file-locks) when it holds file locks, C(--ext-unix-sk) when it holds a datagram
         unix socket connected to a named socket outside it (such as C(/dev/log)). One end of a unix stream connection
         to a process outside the workload cannot be checkpointed; that is refused, with nothing frozen.
     type: list

@@ -227,8 +227,8 @@ def run_steps(steps, ctx, journal=None):
     kept = "; its image is kept in %s" % ctx.image_dir if ctx.keep_image else "; no image was kept"
     if isinstance(failure, InvalidTarget) and not done:
         raise failure  # refused before anything was touched: the error says so itself
-    raise TransactionError("checkpoint failed at stage %s%s: %s; %s%s" % (stage, where, getattr(failure, "msg", failure),
-                                                                        state, kept),
+    reason = getattr(failure, "msg", failure)
+    raise TransactionError("checkpoint failed at stage %s%s: %s; %s%s" % (stage, where, reason, state, kept),
                            stage=stage, pid=getattr(failure, "pid", None), rolled_back=ok,
                            hint=getattr(failure, "hint", None), **_error_fields(failure))
 

@@ -156,7 +156,7 @@ class Receiver(object):
         os.write(self.receipt_fd, line.encode())
 
     def sums(self, op):
-        files = [f for f in op["files"]]
+        files = list(op["files"])
         for rel in files:
             _split_checked(rel)
         self._reply({"sums": _image().checksum_files(self.dest, files)})
@@ -247,4 +247,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

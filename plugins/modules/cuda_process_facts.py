@@ -93,8 +93,8 @@ def main():
     p = module.params
     try:
         facts = host_facts.facts(pids=p["pids"], libcuda_path=p["libcuda_path"], criu_path=p["criu_path"],
-                             check_criu=p["check_criu"], paths=p["paths"], tree_of=p["tree_of"],
-                             check_pids=p["check_pids"])
+                                 check_criu=p["check_criu"], paths=p["paths"], tree_of=p["tree_of"],
+                                 check_pids=p["check_pids"])
     except GpuCkptError as exc:
         module.fail_json(**exc.to_dict())
     module.exit_json(changed=False, ansible_facts={"gpuckpt": facts})

@@ -36,7 +36,7 @@ options:
         and records it with a fresh nonce, returned as C(journal.nonce), which the source's checkpoint must carry.
       - C(settle) (target) decides the migration and carries out the target's half. It commits when the restore here
         ended well and its processes still run; otherwise it kills what a restore brought up (by identity), stops the
-        transfer's receivers, removes the image directory the migration created, and marks the journal C(cleaned):
+        transfer's receivers, removes the image directory the migration created, and marks the journal C(cleaned), so that
         nothing of this migration can start here afterwards. It returns C(decision) (commit or rollback) and C(phase).
       - C(commit) on the target is C(settle) that refuses to roll back; on the source it releases the held source
         (kills it, by identity). The source needs O(target_phase=committed).

@@ -9,7 +9,9 @@ import time
 import pytest
 
 from helpers import FAKE_LIBCUDA
-from loopback_workloads import PODMAN_ROOT, PODMAN_RUNROOT, LoopbackHosts, RemoteWorkload
+from loopback import LoopbackHosts
+from loopback_workloads import PODMAN_ROOT, PODMAN_RUNROOT, RemoteWorkload
+
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):

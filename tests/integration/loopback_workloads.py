@@ -4,13 +4,10 @@ from __future__ import annotations
 
 import os
 import signal
-import sys
 import time
 
-from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, workload_processes
+from helpers import COUNTER, FAKE_LIBCUDA, CountingWorkload, workload_processes
 
-sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
-from loopback import LoopbackHosts  # noqa: E402,F401 - the fixtures take it from here
 
 MIGRATE = "gpuckpt.fleet.migrate"
 RECOVER = "gpuckpt.fleet.recover"

@@ -12,7 +12,8 @@ import os
 import pytest
 
 from helpers import FAKE_LIBCUDA
-from loopback_workloads import LoopbackHosts, RemoteWorkload, changed_tasks, migrate
+from loopback import LoopbackHosts
+from loopback_workloads import RemoteWorkload, changed_tasks, migrate
 
 
 @pytest.fixture(scope="module")

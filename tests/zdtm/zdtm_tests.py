@@ -61,11 +61,14 @@ def desc(static, name):
         return {"unreadable": True}
 
 
-def feature_ok(criu, feature, cache={}):
-    if feature not in cache:
-        cache[feature] = subprocess.run([criu, "check", "--feature", feature], stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.DEVNULL).returncode == 0
-    return cache[feature]
+_FEATURES = {}
+
+
+def feature_ok(criu, feature):
+    if feature not in _FEATURES:
+        _FEATURES[feature] = subprocess.run([criu, "check", "--feature", feature], stdout=subprocess.DEVNULL,
+                                            stderr=subprocess.DEVNULL, check=False).returncode == 0
+    return _FEATURES[feature]
 
 
 def select(src, criu):
@@ -101,7 +104,7 @@ def select(src, criu):
 def _make(static, target, timeout=30):
     env = dict(os.environ, **ENV)
     return subprocess.run(["make", "--no-print-directory", "-C", static, target], env=env, timeout=timeout,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, check=False)
 
 
 def _subreaper():
@@ -202,7 +205,7 @@ def stop(static, name, pid, timeout):
 
 def cr_plain(criu, pid, opts, work):
     dump = subprocess.run([criu, "dump", "--tree", str(pid), "-D", work, "-o", "dump.log", "-v4"] + opts,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=60)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=60, check=False)
     if dump.returncode != 0:
         return "dump failed: " + _log_errors(os.path.join(work, "dump.log"))
     _wait_gone(pid, 10)
@@ -210,7 +213,7 @@ def cr_plain(criu, pid, opts, work):
     _reap_orphans()  # the tree's other processes
     rst = subprocess.run([criu, "restore", "-D", work, "-o", "restore.log", "-v4", "--restore-detached",
                           "--pidfile", os.path.join(work, "restore.pid")] + opts,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=60)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, timeout=60, check=False)
     if rst.returncode != 0:
         return "restore failed: " + _log_errors(os.path.join(work, "restore.log"))
     return None
@@ -299,7 +302,7 @@ def run(src, criu, mode, names, out):
                         pass
                 else:
                     verdict = stop(static, name, pid, timeout)
-                subprocess.run(["rm", "-rf", work])
+                subprocess.run(["rm", "-rf", work], check=False)
             kill_leftovers(name)
             _make(static, name + ".cleanout")
             line = {"test": name, "mode": mode, "result": verdict, "seconds": round(time.monotonic() - t0, 2)}

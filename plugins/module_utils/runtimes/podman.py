@@ -65,7 +65,6 @@ class PodmanBackend(ContainerBackend):
 
     passes_criu_flags = ("--tcp-established", "--file-locks")
 
-
     def runtime_facts(self):
         res = run(self._cmd("--version"), stage="preflight")
         return {"podman_version": res.stdout.split()[-1] if res.stdout else None}

@@ -93,7 +93,6 @@ class RuncBackend(ContainerBackend):
     # the flags runc knows are offered here.
     passes_criu_flags = ("--tcp-established", "--ext-unix-sk", "--shell-job", "--file-locks")
 
-
     # -- Backend ---------------------------------------------------------------------------------
     def runtime_facts(self):
         res = run(self._cmd("--version"), stage="preflight")
