@@ -22,7 +22,7 @@ need_apt=()
 apt_pkgs=(build-essential pkgconf libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
   python3-protobuf iproute2 rsync openssh-server openssh-client xz-utils procps
-  runc iptables podman docker.io)  # runc 1.1.5, Podman 4.3.1, Docker 20.10 (bookworm); CRIU needs iptables for a netns
+  runc iptables podman docker.io binutils python3-grpcio)  # runc 1.1.5, Podman 4.3.1, Docker 20.10 (bookworm); CRIU needs iptables for a netns
 for p in "${apt_pkgs[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$p")
 done
@@ -80,6 +80,36 @@ if [ ! -x "$src_tree/test/zdtm/static/env00" ]; then
 fi
 criu_ok || { log "CRIU $CRIU_VERSION is not installed at $CRIU_PREFIX/sbin/criu"; exit 1; }
 "$CRIU_PREFIX/sbin/criu" check >/dev/null 2>&1 || { "$CRIU_PREFIX/sbin/criu" check; exit 1; }
+
+# containerd 2.x: Debian sid's build needs only glibc 2.34 (checked below with objdump), so it runs on
+# bookworm's 2.36. Its .deb is fetched with a private apt state (sid's binary lists never reach the
+# system's apt) and unpacked into $CTRD_PREFIX, apart from anything installed by packages. The
+# containerd backend talks to containerd's API through python3-grpcio on the managed hosts.
+CTRD_VERSION=2.1.9
+CTRD_PREFIX=/usr/local/lib/gpuckpt-containerd
+ctrd_ok() { "$CTRD_PREFIX/bin/containerd" --version 2>/dev/null | grep -q " $CTRD_VERSION"; }
+if ! ctrd_ok; then
+  log "fetching containerd $CTRD_VERSION from Debian sid"
+  mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1)
+  [ -n "$mirror" ] || mirror=$(awk '$1=="deb"{print $2; exit}' /etc/apt/sources.list 2>/dev/null)
+  aptdir=$(mktemp -d /tmp/gpuckpt-apt.XXXXXX)
+  mkdir -p "$aptdir/lists/partial" "$aptdir/cache/archives/partial"
+  printf 'Types: deb\nURIs: %s\nSuites: sid\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+    "$mirror" >"$aptdir/sid.sources"
+  aptopts=(-o "Dir::Etc::SourceList=$aptdir/sid.sources" -o Dir::Etc::SourceParts=/nonexistent
+           -o "Dir::State::Lists=$aptdir/lists" -o "Dir::Cache=$aptdir/cache" -o Dir::State::status=/dev/null)
+  apt-get "${aptopts[@]}" update -qq
+  (cd "$aptdir" && apt-get "${aptopts[@]}" download -qq "containerd=${CTRD_VERSION}*") >/dev/null
+  dpkg -x "$aptdir"/containerd_*.deb "$aptdir/x"
+  for b in containerd containerd-shim-runc-v2 ctr; do
+    need=$(objdump -T "$aptdir/x/usr/bin/$b" | grep -o 'GLIBC_2\.[0-9]*' | sort -t. -k2 -n | tail -n1)
+    [ "${need#GLIBC_2.}" -le 36 ] || { log "$b needs $need, more than this machine's glibc"; exit 1; }
+    install -D -m 0755 "$aptdir/x/usr/bin/$b" "$CTRD_PREFIX/bin/$b"
+  done
+  rm -rf "$aptdir"
+  ctrd_ok || { log "containerd $CTRD_VERSION did not install"; exit 1; }
+fi
+/usr/bin/python3 -c 'import grpc' 2>/dev/null || apt-get install -y -qq --no-install-recommends python3-grpcio >/dev/null
 
 # Controller-side Python: ansible-core 2.19 is the newest that runs on this machine's Python 3.11.
 venv="$repo/.venv"

@@ -83,7 +83,10 @@ options:
     description: Path of runc (searched in PATH when not given). Used with the runc runtime.
     type: path
   runc_root:
-    description: runc's state directory (C(runc --root)); runc's default when not given.
+    description:
+      - runc's state directory (C(runc --root)); runc's default when not given.
+      - With the containerd runtime, the runc root of the restored task (runc's C(root) option of
+        C(io.containerd.runc.v2)); the source container's own when not given.
     type: path
   podman_path:
     description: Path of podman (searched in PATH when not given). Used with the podman runtime.
@@ -100,4 +103,15 @@ options:
   docker_host:
     description: The dockerd socket, as C(unix:///path); C(DOCKER_HOST) or Docker's default when not given.
     type: str
+  containerd_address:
+    description: containerd's socket. Used with the containerd runtime.
+    type: path
+    default: /run/containerd/containerd.sock
+  containerd_namespace:
+    description:
+      - The containerd namespace of the container. V(k8s.io) holds a Kubernetes node's pods.
+      - V(moby) (Docker's containers) is refused; use O(runtime=docker) for those.
+      - When restoring an image, the namespace recorded in it is used.
+    type: str
+    default: default
 """

@@ -22,8 +22,10 @@ RUNTIME_ARGS = dict(
     podman_runroot=dict(type="path"),
     docker_path=dict(type="path"),
     docker_host=dict(type="str"),
+    containerd_address=dict(type="path", default="/run/containerd/containerd.sock"),
+    containerd_namespace=dict(type="str", default="default"),
 )
-RUNTIMES = ["process", "runc", "podman", "docker"]
+RUNTIMES = ["process", "runc", "podman", "docker", "containerd"]
 
 
 def _timeout(params):
@@ -47,6 +49,11 @@ def _make_backend(name, params, bundle):
         from .runtimes.podman import PodmanBackend
         return PodmanBackend(params.get("podman_path"), params.get("podman_root"), params.get("podman_runroot"),
                              params.get("criu_path"), params.get("criu_options"), timeout=_timeout(params))
+    if name == "containerd":
+        from .runtimes.containerd import ContainerdBackend
+        return ContainerdBackend(params.get("containerd_address"), params.get("containerd_namespace"),
+                                 params.get("runc_root"), params.get("criu_path"), params.get("criu_options"),
+                                 timeout=_timeout(params))
     if name == "runc":
         from .runtimes.runc import RuncBackend
         return RuncBackend(params.get("runc_path"), params.get("runc_root"), bundle, params.get("criu_path"),

@@ -1,0 +1,126 @@
+"""A containerd 2.x started and stopped (by PID) by the tests: its own root, state and socket under a
+temporary directory, the CRI plugins off, and a skeleton image (tests/helpers.skeleton_tar) imported
+as an OCI archive, so containers are made from an image without any registry."""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import signal
+import subprocess
+import tarfile
+import time
+
+from helpers import skeleton_tar
+
+PREFIX = "/usr/local/lib/gpuckpt-containerd/bin"  # tests/setup.sh installs containerd 2.1.9 there
+CONTAINERD, CTR = os.path.join(PREFIX, "containerd"), os.path.join(PREFIX, "ctr")
+IMAGE = "localhost/gpuckpt-skel:1"
+CONFIG = """version = 3
+root = "%(dir)s/root"
+state = "%(dir)s/state"
+disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", "io.containerd.cri.v1.runtime",
+                    "io.containerd.podsandbox.controller.v1.podsandbox", "io.containerd.sandbox.controller.v1.shim"]
+[grpc]
+  address = "%(dir)s/containerd.sock"
+[ttrpc]
+  address = "%(dir)s/containerd.sock.ttrpc"
+"""
+
+
+def available():
+    return os.path.exists(CONTAINERD) and subprocess.run(["/usr/bin/python3", "-c", "import grpc"],
+                                                         check=False).returncode == 0
+
+
+def oci_archive(path, layer_tar, name):
+    """An OCI image layout tar of one uncompressed layer, named ``name`` for containerd's import."""
+    with open(layer_tar, "rb") as fh:
+        layer = fh.read()
+    blobs = {}
+
+    def put(data):
+        digest = "sha256:" + hashlib.sha256(data).hexdigest()
+        blobs[digest] = data
+        return {"digest": digest, "size": len(data)}
+    lay = dict(put(layer), mediaType="application/vnd.oci.image.layer.v1.tar")
+    config = dict(put(json.dumps({"architecture": "amd64", "os": "linux", "config": {},
+                                  "rootfs": {"type": "layers", "diff_ids": [lay["digest"]]}}).encode()),
+                  mediaType="application/vnd.oci.image.config.v1+json")
+    manifest = dict(put(json.dumps({"schemaVersion": 2, "mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                    "config": config, "layers": [lay]}).encode()),
+                    mediaType="application/vnd.oci.image.manifest.v1+json",
+                    annotations={"io.containerd.image.name": name, "org.opencontainers.image.ref.name": name})
+    index = {"schemaVersion": 2, "manifests": [manifest]}
+    with tarfile.open(path, "w") as tf:
+        def add(name_, data):
+            info = tarfile.TarInfo(name_)
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+        add("oci-layout", b'{"imageLayoutVersion": "1.0.0"}')
+        for digest, data in blobs.items():
+            add("blobs/sha256/" + digest.split(":", 1)[1], data)
+        add("index.json", json.dumps(index).encode())
+    return path
+
+
+class Containerd(object):
+    def __init__(self, directory):
+        self.dir = directory
+        self.address = os.path.join(directory, "containerd.sock")
+        self.proc = None
+
+    def start(self):
+        os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(self.dir, "config.toml"), "w") as fh:
+            fh.write(CONFIG % {"dir": self.dir})
+        log = open(os.path.join(self.dir, "containerd.log"), "ab")
+        env = dict(os.environ, PATH=PREFIX + os.pathsep + os.environ.get("PATH", ""))
+        self.proc = subprocess.Popen([CONTAINERD, "--config", os.path.join(self.dir, "config.toml")], stdout=log,
+                                     stderr=log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + 30
+        while self.ctr("version", check=False).returncode != 0:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("containerd did not start; see %s/containerd.log" % self.dir)
+            time.sleep(0.1)
+        return self
+
+    def ctr(self, *args, namespace="default", check=True):
+        return subprocess.run([CTR, "--address", self.address, "--namespace", namespace] + list(args),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, check=check)
+
+    def import_skeleton(self, namespace="default"):
+        if IMAGE not in self.ctr("images", "ls", "-q", namespace=namespace).stdout.split():
+            work = os.path.join(self.dir, "skel")
+            os.makedirs(work, exist_ok=True)
+            arch = oci_archive(os.path.join(work, "skel-oci.tar"), skeleton_tar(os.path.join(work, "skel.tar")), IMAGE)
+            self.ctr("images", "import", "--local", arch, namespace=namespace)
+        return IMAGE
+
+    def remove_all(self):
+        """Kill and delete every task and container this containerd holds, in every namespace."""
+        for ns in self.ctr("namespaces", "ls", "-q", check=False).stdout.split():
+            for cid in self.ctr("containers", "ls", "-q", namespace=ns, check=False).stdout.split():
+                self.ctr("tasks", "kill", "-s", "SIGKILL", cid, namespace=ns, check=False)
+                for _ in range(50):
+                    if "STOPPED" in self.ctr("tasks", "ls", namespace=ns, check=False).stdout or \
+                            cid not in self.ctr("tasks", "ls", namespace=ns, check=False).stdout:
+                        break
+                    time.sleep(0.1)
+                self.ctr("tasks", "delete", "--force", cid, namespace=ns, check=False)
+                self.ctr("containers", "delete", cid, namespace=ns, check=False)
+
+    def stop(self):
+        if self.proc is None:
+            return
+        self.remove_all()
+        try:
+            os.kill(self.proc.pid, signal.SIGTERM)
+            self.proc.wait(timeout=20)
+        except (OSError, subprocess.TimeoutExpired):
+            os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+        self.proc = None
+        subprocess.run(["umount", "-R", os.path.join(self.dir, "root")], stderr=subprocess.DEVNULL, check=False)

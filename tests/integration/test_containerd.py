@@ -1,0 +1,169 @@
+"""containerd tasks, checkpointed and restored through the playbooks: a real containerd 2.1.9 (Debian
+sid's build, started and stopped by these tests, CRI off) whose runc shim drives real runc 1.1.5 and
+CRIU 4.2.1. Inside the container a parent and a child count and hold a memory pattern, registered
+with the libcuda TEST DOUBLE, so the CUDA stage runs on the task's host pids as it does on a GPU node."""
+from __future__ import annotations
+
+import os
+import time
+import uuid
+
+import pytest
+
+from containerd_daemon import Containerd, available
+from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, alive, tree
+
+CHECKPOINT = "gpuckpt.fleet.checkpoint"
+RESTORE = "gpuckpt.fleet.restore"
+pytestmark = pytest.mark.skipif(not available(), reason="containerd 2.x and python3-grpcio (tests/setup.sh) needed")
+
+
+@pytest.fixture(scope="module")
+def containerd(tmp_path_factory):
+    daemon = Containerd(str(tmp_path_factory.mktemp("containerd"))).start()
+    daemon.import_skeleton()
+    daemon.import_skeleton(namespace="k8s.io")
+    yield daemon
+    daemon.stop()
+
+
+class ContainerdWorkload(CountingWorkload):
+    """A container made by ``ctr run`` from the skeleton image (this machine's /usr and /etc, the repo
+    and the work dir bound at their host paths), whose first act is to write a file into its own
+    writable layer, then run tests/workloads/counter.py."""
+
+    roles = ("parent", "child1")
+
+    def __init__(self, daemon, base, fakecuda, namespace="default"):
+        self.daemon, self.namespace = daemon, namespace
+        self.base, self.dir = base, os.path.join(base, "w")
+        self.id = "gpuckpt-t-" + uuid.uuid4().hex[:8]
+        self.runc_root = os.path.join(base, "runc-root")
+        os.makedirs(self.dir, exist_ok=True)
+        args = ["run", "--detach", "--runc-root", self.runc_root, "--log-uri", "file://" + os.path.join(base, "out.log"),
+                "--env", "PATH=/usr/bin:/bin"]
+        for k, v in fakecuda.env.items():
+            args += ["--env", "%s=%s" % (k, v)]
+        for src, opt in [("/usr", "ro"), ("/etc", "ro"), (REPO, "ro"), (self.dir, "rw"), (fakecuda.state_dir, "rw")]:
+            args += ["--mount", "type=bind,src=%s,dst=%s,options=rbind:%s" % (src, src, opt)]
+        cmd = ("echo %s > /var/written-in-the-layer && exec /usr/bin/python3 %s --dir %s --mb 8 --fakecuda %s"
+               % (self.id, COUNTER, self.dir, FAKE_LIBCUDA))
+        daemon.ctr(*(args + [daemon.import_skeleton(namespace), self.id, "/bin/sh", "-c", cmd]), namespace=namespace)
+        self.wait_counting()
+
+    def task(self):
+        for line in self.daemon.ctr("tasks", "ls", namespace=self.namespace).stdout.splitlines()[1:]:
+            f = line.split()
+            if f and f[0] == self.id:
+                return {"pid": int(f[1]), "status": f[2]}
+        return None
+
+    def exists(self):
+        return self.id in self.daemon.ctr("containers", "ls", "-q", namespace=self.namespace).stdout.split()
+
+    def host_pids(self):
+        return tree(self.task()["pid"])
+
+    def layer_file(self):
+        res = self.daemon.ctr("tasks", "exec", "--exec-id", "x" + uuid.uuid4().hex[:6], self.id, "/bin/cat",
+                              "/var/written-in-the-layer", namespace=self.namespace, check=False)
+        return res.stdout.strip()
+
+    def vars(self, image_dir, **extra):
+        v = {"gpuckpt_container": self.id, "gpuckpt_runtime": "containerd", "gpuckpt_image_dir": image_dir,
+             "gpuckpt_containerd_address": self.daemon.address, "gpuckpt_containerd_namespace": self.namespace}
+        v.update(extra)
+        return v
+
+
+@pytest.fixture
+def containerd_workload(tmp_path, fakecuda, containerd):
+    made = []
+
+    def make(namespace="default"):
+        w = ContainerdWorkload(containerd, str(tmp_path / ("c%d" % len(made))), fakecuda, namespace)
+        made.append(w)
+        return w
+    yield make
+    containerd.remove_all()
+
+
+def test_task_checkpoint_then_restore_is_a_task_containerd_manages(tmp_path, playbook, containerd_workload,
+                                                                    fakecuda, containerd):
+    w = containerd_workload(namespace="k8s.io")
+    host_pids = w.host_pids()
+    image_dir = str(tmp_path / "img")
+    run = playbook(CHECKPOINT, w.vars(image_dir), env=fakecuda.env)
+    assert run.rc == 0, run.stdout
+    res = run.task("Checkpoint container")
+    assert res["changed"] is True and res["gpu_stage"] == "done"
+    assert sorted(res["cuda_pids"]) == sorted(host_pids)
+    assert w.task()["status"] == "STOPPED", "a checkpoint without leave_* stops the task"
+    assert not any(alive(p) for p in host_pids)
+    assert os.path.isfile(os.path.join(image_dir, "rootfs-diff.tar"))
+    stopped_at = w.counts()
+
+    again = playbook(CHECKPOINT, w.vars(image_dir), env=fakecuda.env)
+    assert again.rc == 0 and again.task("Checkpoint container")["changed"] is False
+
+    containerd.ctr("tasks", "delete", w.id, namespace="k8s.io")
+    containerd.ctr("containers", "delete", w.id, namespace="k8s.io")
+    run = playbook(RESTORE, w.vars(image_dir), env=fakecuda.env)
+    assert run.rc == 0, run.stdout
+    rs = run.task("Restore from")
+    assert rs["changed"] is True and len(rs["cuda_pids"]) == 2
+    assert w.task()["status"] == "RUNNING"
+    assert all(fakecuda.state(p) == "running" for p in rs["cuda_pids"])
+    w.went_on_intact(stopped_at)
+    assert w.layer_file() == w.id, "the file written into the container's layer came back with it"
+    # containerd manages the restored task: it pauses, resumes, and is killed and deleted by it
+    containerd.ctr("tasks", "pause", w.id, namespace="k8s.io")
+    assert w.task()["status"] == "PAUSED"
+    containerd.ctr("tasks", "resume", w.id, namespace="k8s.io")
+    w.went_on_intact(w.counts())
+
+    second = playbook(RESTORE, w.vars(image_dir), env=fakecuda.env)
+    assert second.rc == 0 and second.task("Restore from")["changed"] is False
+
+
+def test_leave_stopped_holds_the_task_paused_and_a_restore_beside_it_is_refused(
+        tmp_path, playbook, containerd_workload, fakecuda):
+    w = containerd_workload()
+    image_dir = str(tmp_path / "img")
+    run = playbook(CHECKPOINT, w.vars(image_dir, gpuckpt_leave_running=True), env=fakecuda.env)
+    assert run.rc == 0, run.stdout
+    assert w.task()["status"] == "RUNNING" and w.is_counting()
+    second = playbook(RESTORE, w.vars(image_dir), env=fakecuda.env)
+    assert second.rc != 0
+    assert "already exists in namespace default on this host" in second.task("Restore from")["msg"]
+    assert w.is_counting()
+
+
+@pytest.mark.parametrize("case", ["unknown container", "unknown namespace", "stopped task", "moby"])
+def test_bad_targets_are_refused_before_anything_is_frozen(case, tmp_path, playbook, containerd_workload,
+                                                          fakecuda, containerd):
+    w = containerd_workload()
+    image_dir = str(tmp_path / "img")
+    v = w.vars(image_dir)
+    expect = {"unknown container": "no containerd container 'no-such' in namespace default",
+              "unknown namespace": "has no namespace 'nowhere'",
+              "stopped task": "a stopped task, not a running task",
+              "moby": "namespace moby holds Docker's containers"}[case]
+    if case == "unknown container":
+        v["gpuckpt_container"] = "no-such"
+    elif case in ("unknown namespace", "moby"):
+        v["gpuckpt_containerd_namespace"] = "nowhere" if case == "unknown namespace" else "moby"
+    else:
+        other = containerd_workload()
+        containerd.ctr("tasks", "kill", "-s", "SIGKILL", other.id)
+        deadline = time.monotonic() + 20
+        while other.task()["status"] != "STOPPED" and time.monotonic() < deadline:
+            time.sleep(0.1)
+        v["gpuckpt_container"] = other.id
+    run = playbook(CHECKPOINT, v, env=fakecuda.env)
+    assert run.rc != 0
+    res = run.task("Checkpoint container")
+    assert res["stage"] == "preflight" and expect in res["msg"], res
+    assert not os.path.exists(image_dir)
+    assert [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")] == []
+    assert w.task()["status"] == "RUNNING" and w.is_counting()
