@@ -71,21 +71,27 @@ class Containerd(object):
         self.address = os.path.join(directory, "containerd.sock")
         self.proc = None
 
-    def start(self):
+    def write_config(self):
         os.makedirs(self.dir, exist_ok=True)
         with open(os.path.join(self.dir, "config.toml"), "w") as fh:
             fh.write(CONFIG % {"dir": self.dir})
+
+    def wait_ready(self, proc=None):
+        deadline = time.monotonic() + 30
+        while self.ctr("version", check=False).returncode != 0:
+            if (proc is not None and proc.poll() is not None) or time.monotonic() > deadline:
+                raise RuntimeError("containerd did not start; see %s/containerd.log" % self.dir)
+            time.sleep(0.1)
+        return self
+
+    def start(self):
+        self.write_config()
         log = open(os.path.join(self.dir, "containerd.log"), "ab")
         env = dict(os.environ, PATH=PREFIX + os.pathsep + os.environ.get("PATH", ""))
         self.proc = subprocess.Popen([CONTAINERD, "--config", os.path.join(self.dir, "config.toml")], stdout=log,
                                      stderr=log, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
         log.close()
-        deadline = time.monotonic() + 30
-        while self.ctr("version", check=False).returncode != 0:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError("containerd did not start; see %s/containerd.log" % self.dir)
-            time.sleep(0.1)
-        return self
+        return self.wait_ready(self.proc)
 
     def ctr(self, *args, namespace="default", check=True):
         return subprocess.run([CTR, "--address", self.address, "--namespace", namespace] + list(args),
@@ -104,7 +110,7 @@ class Containerd(object):
         for ns in self.ctr("namespaces", "ls", "-q", check=False).stdout.split():
             for cid in self.ctr("containers", "ls", "-q", namespace=ns, check=False).stdout.split():
                 self.ctr("tasks", "kill", "-s", "SIGKILL", cid, namespace=ns, check=False)
-                for _ in range(50):
+                for unused in range(50):
                     if "STOPPED" in self.ctr("tasks", "ls", namespace=ns, check=False).stdout or \
                             cid not in self.ctr("tasks", "ls", namespace=ns, check=False).stdout:
                         break

@@ -110,7 +110,7 @@ options:
   containerd_namespace:
     description:
       - The containerd namespace of the container. V(k8s.io) holds a Kubernetes node's pods.
-      - V(moby) (Docker's containers) is refused; use O(runtime=docker) for those.
+      - V(moby) (Docker's containers) is refused; use the docker runtime for those.
       - When restoring an image, the namespace recorded in it is used.
     type: str
     default: default

@@ -110,7 +110,7 @@ def without_fields(data, numbers):
         key, i = _read_varint(data, i)
         num, wire = key >> 3, key & 7
         if wire == 0:
-            _, i = _read_varint(data, i)
+            i = _read_varint(data, i)[1]
         elif wire == 2:
             size, i = _read_varint(data, i)
             i += size
@@ -278,8 +278,10 @@ class Client(object):
         self._call("/containerd.services.tasks.v1.Tasks/Delete", msg((1, container_id)), stage)
 
     def create_container(self, record, stage):
-        runtime = msg((1, record["runtime"]), (2, any_msg(record["runtime_options_url"], record["runtime_options"])
-                                                 if record.get("runtime_options_url") else None))
+        options = None
+        if record.get("runtime_options_url"):
+            options = any_msg(record["runtime_options_url"], record["runtime_options"])
+        runtime = msg((1, record["runtime"]), (2, options))
         container = msg((1, record["id"]), (2, record.get("labels") or {}), (3, record.get("image")), (4, runtime),
                         (5, any_msg(record["spec_url"], json.dumps(record["spec"]).encode())),
                         (6, record.get("snapshotter")), (7, record.get("snapshot_key")), (11, record.get("sandbox")))

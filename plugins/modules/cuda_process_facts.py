@@ -32,6 +32,16 @@ options:
       - Report the process tree of this pid as C(tree) (pids, CUDA pids and states, RSS and GPU bytes).
       - C(tree) also names its network namespace and the socket addresses it holds bound (C(bound_sockets)).
     type: int
+  container:
+    description:
+      - A container of O(runtime) whose process tree to report as C(tree), its root pid found through the
+        runtime (instead of O(tree_of)); C(container) names it, with its C(pid).
+    type: str
+  runtime:
+    description: The runtime of O(container).
+    type: str
+    choices: [runc, podman, docker, containerd]
+    default: runc
   check_pids:
     description: Report which of these pids are in use on this host (as C(pids_in_use)).
     type: list
@@ -48,6 +58,8 @@ options:
     type: path
 notes:
   - Changes nothing; supports check mode.
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.RUNTIME
 """
 
 EXAMPLES = r"""
@@ -78,6 +90,7 @@ from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import facts as host_facts
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS, make_backend
 
 
 def main():
@@ -89,12 +102,21 @@ def main():
         check_criu=dict(type="bool", default=True),
         criu_path=dict(type="path"),
         libcuda_path=dict(type="path"),
-    ), supports_check_mode=True)
+        container=dict(type="str"),
+        runtime=dict(type="str", default="runc", choices=["runc", "podman", "docker", "containerd"]),
+        **RUNTIME_ARGS
+    ), mutually_exclusive=[("container", "tree_of")], supports_check_mode=True)
     p = module.params
     try:
+        tree_of, container = p["tree_of"], None
+        if p["container"]:
+            root_pid, unused = make_backend(p["runtime"], p).resolve(p["container"])
+            tree_of, container = root_pid, {"id": p["container"], "runtime": p["runtime"], "pid": root_pid}
         facts = host_facts.facts(pids=p["pids"], libcuda_path=p["libcuda_path"], criu_path=p["criu_path"],
-                                 check_criu=p["check_criu"], paths=p["paths"], tree_of=p["tree_of"],
+                                 check_criu=p["check_criu"], paths=p["paths"], tree_of=tree_of,
                                  check_pids=p["check_pids"])
+        if container:
+            facts["container"] = container
     except GpuCkptError as exc:
         module.fail_json(**exc.to_dict())
     module.exit_json(changed=False, ansible_facts={"gpuckpt": facts})

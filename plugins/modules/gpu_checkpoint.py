@@ -40,7 +40,7 @@ options:
         C(docker checkpoint create --checkpoint-dir) into O(image_dir) (dockerd needs experimental features).
       - With O(runtime=runc) and O(leave_stopped=true), the container is paused (cgroup freezer).
       - V(containerd) is a containerd task (runtime C(io.containerd.runc.v2)) in namespace O(containerd_namespace),
-        checkpointed through containerd's API: CRIU's images go to C(checkpoint/) in O(image_dir), the container's
+        checkpointed through containerd's API. CRIU's images go to C(checkpoint/) in O(image_dir), the container's
         writable layer to C(rootfs-diff.tar), and its record (spec, runtime options, image) to the manifest.
         With O(leave_stopped=true) the task is paused. Needs Python's grpc module (python3-grpcio) on the host.
       - V(podman) and V(docker) do not support O(leave_stopped=true), because they checkpoint only running containers.

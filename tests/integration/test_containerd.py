@@ -5,13 +5,16 @@ with the libcuda TEST DOUBLE, so the CUDA stage runs on the task's host pids as 
 from __future__ import annotations
 
 import os
+import shlex
 import time
 import uuid
 
 import pytest
 
-from containerd_daemon import Containerd, available
+from containerd_daemon import CONTAINERD, CTR, IMAGE, PREFIX, Containerd, available
 from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, alive, tree
+
+from loopback_workloads import MIGRATE, changed_tasks
 
 CHECKPOINT = "gpuckpt.fleet.checkpoint"
 RESTORE = "gpuckpt.fleet.restore"
@@ -88,8 +91,8 @@ def containerd_workload(tmp_path, fakecuda, containerd):
     containerd.remove_all()
 
 
-def test_task_checkpoint_then_restore_is_a_task_containerd_manages(tmp_path, playbook, containerd_workload,
-                                                                    fakecuda, containerd):
+def test_task_checkpoint_then_restore_is_a_task_containerd_manages(
+        tmp_path, playbook, containerd_workload, fakecuda, containerd):
     w = containerd_workload(namespace="k8s.io")
     host_pids = w.host_pids()
     image_dir = str(tmp_path / "img")
@@ -140,8 +143,8 @@ def test_leave_stopped_holds_the_task_paused_and_a_restore_beside_it_is_refused(
 
 
 @pytest.mark.parametrize("case", ["unknown container", "unknown namespace", "stopped task", "moby"])
-def test_bad_targets_are_refused_before_anything_is_frozen(case, tmp_path, playbook, containerd_workload,
-                                                          fakecuda, containerd):
+def test_bad_targets_are_refused_before_anything_is_frozen(
+        case, tmp_path, playbook, containerd_workload, fakecuda, containerd):
     w = containerd_workload()
     image_dir = str(tmp_path / "img")
     v = w.vars(image_dir)
@@ -167,3 +170,119 @@ def test_bad_targets_are_refused_before_anything_is_frozen(case, tmp_path, playb
     assert not os.path.exists(image_dir)
     assert [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")] == []
     assert w.task()["status"] == "RUNNING" and w.is_counting()
+
+
+class RemoteContainerdWorkload(CountingWorkload):
+    """A containerd per loopback host (started over ssh, so its shims and tasks live in that host's pid
+    namespace), each with the skeleton image; a counting container started on hosta."""
+
+    roles = ("parent", "child1")
+
+    def __init__(self, hosts, workdir, namespace="default"):
+        self.hosts, self.dir, self.namespace = hosts, workdir, namespace
+        self.id = "gpuckpt-cm-" + uuid.uuid4().hex[:8]
+        os.makedirs(workdir, exist_ok=True)
+        self.daemons = {}
+        for name in ("hosta", "hostb"):
+            d = Containerd("/tmp/gpk-ctrd-%s-%d" % (name, os.getpid()))
+            if not os.path.exists(d.address):
+                d.write_config()
+                hosts.ssh(name, "PATH=%s:$PATH setsid %s --config %s/config.toml >%s/containerd.log 2>&1 "
+                                "</dev/null & echo $! >%s/pid" % (PREFIX, CONTAINERD, d.dir, d.dir, d.dir))
+                d.wait_ready()
+            d.import_skeleton(namespace)
+            self.daemons[name] = d
+        fc = hosts.path("hosta", "fakecuda")
+        args = ["run", "--detach", "--runc-root", hosts.host_vars["hosta"]["gpuckpt_runc_root"],
+                "--log-uri", "file://" + os.path.join(workdir, "out.log"), "--env", "PATH=/usr/bin:/bin",
+                "--env", "GPUCKPT_LIBCUDA=%s" % FAKE_LIBCUDA, "--env", "FAKECUDA_STATE_DIR=%s" % fc]
+        for src, opt in [("/usr", "ro"), ("/etc", "ro"), (REPO, "ro"), (workdir, "rw"), (hosts.path(), "rw")]:
+            args += ["--mount", "type=bind,src=%s,dst=%s,options=rbind:%s" % (src, src, opt)]
+        cmd = "exec /usr/bin/python3 %s --dir %s --mb 8 --fakecuda %s" % (COUNTER, workdir, FAKE_LIBCUDA)
+        hosts.ssh("hosta", " ".join(shlex.quote(a) for a in [CTR, "--address", self.daemons["hosta"].address,
+                                                             "--namespace", namespace] + args
+                                    + [IMAGE, self.id, "/bin/sh", "-c", cmd]))
+        self.wait_counting()
+
+    def status(self, host):
+        for line in self.daemons[host].ctr("tasks", "ls", namespace=self.namespace).stdout.splitlines()[1:]:
+            f = line.split()
+            if f and f[0] == self.id:
+                return f[2]
+        return None
+
+    def exists(self, host):
+        return self.id in self.daemons[host].ctr("containers", "ls", "-q", namespace=self.namespace).stdout.split()
+
+    def cleanup(self):
+        for d in self.daemons.values():
+            d.remove_all()
+
+
+@pytest.fixture(scope="module")
+def loopback_containerds(hosts):
+    yield
+    for name in ("hosta", "hostb"):
+        d = Containerd("/tmp/gpk-ctrd-%s-%d" % (name, os.getpid()))
+        if os.path.exists(os.path.join(d.dir, "pid")):
+            d.remove_all()
+            hosts.ssh(name, "kill $(cat %s/pid)" % d.dir, check=False)
+
+
+def _migrate_vars(w, mid):
+    return {"source": "hosta", "target": "hostb", "container": w.id, "runtime": "containerd",
+            "containerd_namespace": w.namespace, "migration_id": mid}
+
+
+def _inventory_with_addresses(hosts, w):
+    """The hosts' inventory, each host naming its own containerd's socket."""
+    import json
+    with open(hosts.path("inventory.yml")) as fh:
+        inv = json.load(fh)
+    for name, d in w.daemons.items():
+        inv["gpu_nodes"]["hosts"][name]["gpuckpt_containerd_address"] = d.address
+    path = hosts.path("inventory-containerd.yml")
+    with open(path, "w") as fh:
+        json.dump(inv, fh)
+    return path
+
+
+def test_containerd_task_migrates_paused_source_and_a_rerun_changes_nothing(
+        playbook, hosts, loopback_containerds, tmp_path):
+    w = RemoteContainerdWorkload(hosts, str(tmp_path / "cw"), namespace="k8s.io")
+    try:
+        inventory = _inventory_with_addresses(hosts, w)
+        before = w.counts()
+        run = playbook(MIGRATE, _migrate_vars(w, "t-ctrd"), inventory=inventory)
+        assert run.rc == 0, run.stdout
+        ck = run.task("Stage 1/3")
+        assert ck["leave_stopped"] is True and len(ck["cuda_pids"]) == 2
+        assert "container %s moved from hosta to hostb" % w.id in "\n".join(run.task("Summary")["msg"])
+        assert w.status("hostb") == "RUNNING"
+        assert not w.exists("hosta"), "the source's paused task and its container are deleted on commit"
+        w.went_on_intact(before)
+        again = playbook(MIGRATE, _migrate_vars(w, "t-ctrd"), inventory=inventory)
+        assert again.rc == 0 and changed_tasks(again) == [], changed_tasks(again)
+        assert w.is_counting()
+        assert w.no_count_twice()
+    finally:
+        w.cleanup()
+
+
+def test_containerd_restore_failing_on_target_resumes_the_paused_source(
+        playbook, hosts, loopback_containerds, tmp_path):
+    """hostb's containerd lacks the container's image: the restore is refused there, the target is
+    cleaned, and the task paused on hosta is resumed with its CUDA processes unlocked: one copy runs."""
+    w = RemoteContainerdWorkload(hosts, str(tmp_path / "cw"))
+    try:
+        inventory = _inventory_with_addresses(hosts, w)
+        w.daemons["hostb"].ctr("images", "rm", "--sync", IMAGE, namespace=w.namespace)
+        run = playbook(MIGRATE, _migrate_vars(w, "t-ctrd-fail"), inventory=inventory)
+        assert run.rc != 0
+        assert "rolled back; the workload runs on hosta" in run.stdout
+        assert "is not unpacked into snapshotter" in run.stdout
+        assert w.status("hosta") == "RUNNING" and not w.exists("hostb")
+        w.went_on_intact(w.counts())
+        assert w.no_count_twice()
+    finally:
+        w.cleanup()

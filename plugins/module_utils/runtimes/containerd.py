@@ -44,6 +44,8 @@ CRIU_SUBDIR = "checkpoint"
 ROOTFS_DIFF = "rootfs-diff.tar"
 RUNC_RUNTIME = "io.containerd.runc.v2"
 CRIU_CONFIG_ANNOTATION = "org.criu.config"
+RECORD_KEYS = ("labels", "image", "runtime", "runtime_options_url", "spec_url", "spec", "snapshotter",
+               "snapshot_key", "snapshot_parent", "sandbox")  # what a restore needs of the container's record
 STOP_WAIT = 30  # seconds a killed task may take to stop before its removal is given up
 
 
@@ -152,8 +154,7 @@ class ContainerdBackend(ContainerBackend):
         rec = self._record
         return {"backend": self.name, "container": self.container, "namespace": self.namespace,
                 "root_pid": int(target), "ns_pids": self._ns, "cgroup_v2_path": self._cgroup_seen,
-                "record": {k: rec[k] for k in ("labels", "image", "runtime", "runtime_options_url", "spec_url",
-                                              "spec", "snapshotter", "snapshot_key", "snapshot_parent", "sandbox")},
+                "record": {k: rec[k] for k in RECORD_KEYS},
                 "runtime_options_b64": _b64(rec["runtime_options"]), "rootfs_diff": diff,
                 "criu_options": self.extra, "auto_flags": list(self.auto_flags)}
 
@@ -182,8 +183,8 @@ class ContainerdBackend(ContainerBackend):
                                     % (self.namespace, record.get("image")))
             spec = record["spec"]
             dest_cgroup = self._cgroup_for(spec, rt)
-            spec.setdefault("annotations", {})[CRIU_CONFIG_ANNOTATION] = self._criu_config(work_dir, manifest,
-                                                                                            dest_cgroup)
+            criu_config = self._criu_config(work_dir, manifest, dest_cgroup)
+            spec.setdefault("annotations", {})[CRIU_CONFIG_ANNOTATION] = criu_config
             options = _b64decode(rt.get("runtime_options_b64"))
             if self.runc_root:
                 options = without_fields(options, {7}) + msg((7, self.runc_root))
@@ -220,12 +221,18 @@ class ContainerdBackend(ContainerBackend):
         and this restore, so the restore neither joins nor freezes in the source's cgroup."""
         linux = spec.setdefault("linux", {})
         path = linux.get("cgroupsPath") or ""
-        if not path.startswith("/") or ":" in path or not os.path.exists(os.path.join(CGROUP2_ROOT, "cgroup.controllers")):
+        if not path.startswith("/") or ":" in path:  # systemd's slice:prefix:name is left to runc
             return None
-        host_dir = os.path.join(CGROUP2_ROOT, path.lstrip("/"))
-        if os.path.isdir(host_dir):
+        unified = os.path.exists(os.path.join(CGROUP2_ROOT, "cgroup.controllers"))
+        # cgroup v2, or v1's freezer (the hierarchy a paused source holds) on a host of v1 or hybrid cgroups
+        roots = [CGROUP2_ROOT]
+        if not unified:
+            roots = [os.path.join(CGROUP2_ROOT, "freezer"), os.path.join(CGROUP2_ROOT, "unified")]
+        if any(os.path.isdir(os.path.join(root, path.lstrip("/"))) for root in roots):
             path = "%s-restored-%d" % (os.path.normpath(path), os.getpid())
             linux["cgroupsPath"] = path
+        if not unified:
+            return None  # on cgroup v1 runc tells CRIU each controller's cgroup itself
         if cgroup2_frozen(path):
             raise InvalidTarget("cgroup %s is frozen on this host; nothing was restored" % path, stage="preflight")
         return path
@@ -289,9 +296,8 @@ class ContainerdBackend(ContainerBackend):
                 except ContainerdError:
                     pass
                 if not api.wait_stopped(self.container, STOP_WAIT, "cleanup"):
-                    raise GpuCkptError("containerd task %s did not stop within %ss of SIGKILL" % (self.container,
-                                                                                             STOP_WAIT),
-                                       stage="cleanup")
+                    raise GpuCkptError("containerd task %s did not stop within %ss of SIGKILL"
+                                       % (self.container, STOP_WAIT), stage="cleanup")
             try:
                 api.delete_task(self.container, "cleanup")
             except ContainerdError as exc:
