@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import subprocess
 import time
 import uuid
 
@@ -227,6 +229,12 @@ def loopback_containerds(hosts):
         if os.path.exists(os.path.join(d.dir, "pid")):
             d.remove_all()
             hosts.ssh(name, "kill $(cat %s/pid)" % d.dir, check=False)
+            for unused in range(100):  # its pid file is in the host's pid space: wait for its socket to go
+                if not os.path.exists(d.address) or d.ctr("version", check=False).returncode != 0:
+                    break
+                time.sleep(0.1)
+            subprocess.run(["umount", "-R", os.path.join(d.dir, "root")], stderr=subprocess.DEVNULL, check=False)
+            shutil.rmtree(d.dir, ignore_errors=True)
 
 
 def _migrate_vars(w, mid):
