@@ -335,7 +335,8 @@ def _container(f):
 
 
 def _process(f):
-    return {"id": _str(f, 1), "pid": _int(f, 3), "status": TASK_STATUS.get(_int(f, 4), "unknown")}
+    # types.task.Process: container_id = 1, id = 2; Tasks/List fills only id (the container's, for a task)
+    return {"id": _str(f, 1) or _str(f, 2), "pid": _int(f, 3), "status": TASK_STATUS.get(_int(f, 4), "unknown")}
 
 
 def _mount(f):

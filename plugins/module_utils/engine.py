@@ -43,8 +43,8 @@ from .runtimes.process import ProcessBackend
 
 COLLECTION_VERSION = "0.1.0"
 CHECKPOINT_STAGES = ("cuda_lock", "cuda_checkpoint", "runtime_dump", "checksum", "manifest", "push")
-RESTORE_STAGES = ("wait_pids_free", "verify", "preflight", "runtime_restore", "cuda_restore", "cuda_unlock",
-                  "validate")
+RESTORE_STAGES = ("wait_pids_free", "verify", "preflight", "runtime_restore", "cuda_restore", "probe",
+                  "cuda_unlock", "validate")
 STOPPED = ("T", "t")
 DEAD = ("Z", "X")
 
@@ -590,9 +590,10 @@ def _validate(manifest, new_pids, cuda_pids, drv):
 
 
 def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_wait=0.0, parallel=False,
-                  on_restored=None):
-    """Runtime restore, CUDA restore of all pids, then unlock of all, then validation. ``on_restored``
-    (new pids) is called right after the runtime restore. Kills what it brought up on failure."""
+                  on_restored=None, probe=None):
+    """Runtime restore, CUDA restore of all pids, the user's ``probe`` ((argv, timeout) run inside the
+    workload), then unlock of all, then validation. ``on_restored`` (new pids) is called right
+    after the runtime restore. Kills what it brought up on failure."""
     work = image.state_dir(image_dir)
     new_pids = []
     try:
@@ -605,6 +606,11 @@ def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_
             cuda_pids = _map_pids(manifest, new_pids)
         _each(cuda_pids, lambda p: drv.restore(p, gpu_pairs), parallel)
         clock.stop("cuda_restore")
+        if probe:
+            # Its GPU memory is back but its CUDA processes are still locked: a failing probe is rolled
+            # back before the restored copy made progress of its own (no work done twice).
+            clock.probe = _probe(backend, new_pids[0], probe[0], probe[1])
+            clock.stop("probe")
         for p in cuda_pids:
             drv.unlock(p)
         clock.stop("cuda_unlock")
@@ -618,6 +624,21 @@ def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_
         if new_pids:
             backend.kill(new_pids)
         raise
+
+
+def _probe(backend, root_pid, argv, timeout):
+    """The user's check that the restored workload really works (``nvidia-smi``, a health endpoint),
+    run inside it; a failure is a failed restore (what was brought up is stopped, and a migration rolls
+    back to its source)."""
+    res = backend.probe(root_pid, argv, timeout)
+    out = {"cmd": list(argv), "rc": res.rc, "seconds": round(res.seconds, 3),
+           "stdout": res.stdout[-2000:], "stderr": res.stderr[-2000:]}
+    if res.rc != 0:
+        raise GpuCkptError("the probe %s exited with rc=%d inside the restored workload (root pid %d)"
+                           % (" ".join(argv), res.rc, root_pid), stage="probe", pid=root_pid, cmd=list(argv),
+                           rc=res.rc, stdout=out["stdout"], stderr=out["stderr"],
+                           hint="the probe runs in the workload's namespaces, root and environment, like an exec")
+    return out
 
 
 def _map_pids(manifest, new_pids):
@@ -650,11 +671,12 @@ def gpu_pairs_for(gpu_map, visible):
 class RestoreOptions(object):
     def __init__(self, gpu_map=None, force=False, libcuda_path=None, check_mode=False, sign_key=None, verify=True,
                  validate_wait=0.5, pid_wait=10.0, parallel=True, progress_file=None, wait_for_image=0.0,
-                 journal_wait=60.0):
+                 journal_wait=60.0, probe_command=None, probe_timeout=60.0):
         self.gpu_map, self.force, self.libcuda_path, self.check_mode = gpu_map, force, libcuda_path, check_mode
         self.sign_key, self.verify, self.validate_wait, self.pid_wait = sign_key, verify, validate_wait, pid_wait
         self.parallel, self.progress_file, self.wait_for_image = parallel, progress_file, wait_for_image
         self.journal_wait = journal_wait
+        self.probe = (list(probe_command), probe_timeout) if probe_command else None
 
 
 def restore(image_dir, backend=None, journal=None, **options):
@@ -786,7 +808,7 @@ def _restore(image_dir, opts, backend, journal, progress):
 
     try:
         new_pids, cuda_pids = _restore_from(image_dir, manifest, backend, drv, pairs, clock, opts.validate_wait,
-                                            opts.parallel, on_restored)
+                                            opts.parallel, on_restored, opts.probe)
     except Exception as exc:  # noqa: BLE001
         stage = getattr(exc, "stage", None) or "restore"
         err = TransactionError("restore failed at stage %s%s: %s; what was brought up was stopped, the image is "
@@ -805,6 +827,7 @@ def _restore(image_dir, opts, backend, journal, progress):
                                               "pids": new_pids, "cuda_pids": cuda_pids, "host": socket.gethostname()})
     result.update(changed=True, pids=new_pids, cuda_pids=cuda_pids, timings=dict(clock.stages),
                   resumed_at=clock.resumed_at, validation_notes=getattr(clock, "notes", []),
+                  probe=getattr(clock, "probe", None),
                   verify_seconds=verify_seconds, driver_call_seconds=_driver_seconds(drv, calls0),
                   gpu_pairs=pairs, msg="restored %d process(es) (%d on the GPU) from %s"
                   % (len(new_pids), len(cuda_pids), image_dir))

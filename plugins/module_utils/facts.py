@@ -12,6 +12,7 @@ import socket
 from . import discovery
 from . import driver as cuda
 from .errors import GpuCkptError
+from .runtimes.base import ns_pid
 
 
 def _read(path):
@@ -37,6 +38,32 @@ def _free_bytes(path):
         p = os.path.dirname(p)
     st = os.statvfs(p)
     return st.f_bavail * st.f_frsize
+
+
+def gpu_containers(backends, procs):
+    """The containers of each runtime in ``backends`` whose processes include CUDA processes of
+    ``procs`` (cuda_process_facts' list), with host and in-container pids; each such process is given
+    its ``container``. A runtime that cannot be asked is reported in the errors, not failed."""
+    by_pid = {p["pid"]: p for p in procs if p.get("exists")}
+    found, errors = [], {}
+    for backend in backends:
+        try:
+            listed = backend.running_containers()
+        except GpuCkptError as exc:
+            errors[backend.name] = exc.msg
+            continue
+        for c in listed:
+            tree = discovery.process_tree(int(c["pid"]))
+            cuda = [p for p in tree if p in by_pid]
+            if not cuda:
+                continue
+            entry = dict(c, runtime=backend.name, pids=tree,
+                         cuda_processes=[{"pid": p, "ns_pid": ns_pid(p), "cuda_state": by_pid[p].get("cuda_state")}
+                                         for p in cuda])
+            found.append(entry)
+            for p in cuda:
+                by_pid[p]["container"] = {k: entry[k] for k in ("runtime", "id", "namespace") if k in entry}
+    return found, errors
 
 
 def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=None, tree_of=None,

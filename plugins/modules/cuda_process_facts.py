@@ -42,6 +42,17 @@ options:
     type: str
     choices: [runc, podman, docker, containerd]
     default: runc
+  list_containers:
+    description:
+      - The runtimes whose containers holding CUDA processes to report as C(gpu_containers) (each with its
+        runtime, id, C(namespace) for containerd, host pid of its init, and its CUDA processes with their host
+        and in-container pids; each such entry of C(cuda_processes) gets its C(container) too).
+      - By default every runtime that is in use on this host (runc's state directory, containerd's and dockerd's
+        sockets, Podman's storage); V([]) lists none. containerd's namespace moby is left to C(docker).
+      - A runtime that cannot be asked is named in C(container_errors); the facts do not fail for it.
+    type: list
+    elements: str
+    choices: [runc, podman, docker, containerd]
   check_pids:
     description: Report which of these pids are in use on this host (as C(pids_in_use)).
     type: list
@@ -66,6 +77,11 @@ EXAMPLES = r"""
 - name: Is this node ready for checkpoints?
   gpuckpt.fleet.cuda_process_facts:
 
+- name: Which containers on this node hold GPU processes?
+  gpuckpt.fleet.cuda_process_facts:
+    check_criu: false
+    list_containers: [containerd]
+
 - name: Show each CUDA process and its state
   ansible.builtin.debug:
     msg: "{{ item.pid }} {{ item.comm }} {{ item.cuda_state }}"
@@ -81,6 +97,7 @@ ansible_facts:
     gpuckpt:
       description:
         - driver, gpus, cuda_device_uuids, cuda_processes, criu, host (with boot_id, pid_namespace and net_namespace), ready.
+        - gpu_containers and container_errors (see O(list_containers)).
         - disk, tree and pids_in_use when asked for.
       type: dict
       returned: always
@@ -91,6 +108,8 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import facts as host_facts
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS, make_backend
+
+CONTAINER_RUNTIMES = ["runc", "podman", "docker", "containerd"]
 
 
 def main():
@@ -103,7 +122,8 @@ def main():
         criu_path=dict(type="path"),
         libcuda_path=dict(type="path"),
         container=dict(type="str"),
-        runtime=dict(type="str", default="runc", choices=["runc", "podman", "docker", "containerd"]),
+        runtime=dict(type="str", default="runc", choices=CONTAINER_RUNTIMES),
+        list_containers=dict(type="list", elements="str", choices=CONTAINER_RUNTIMES),
         **RUNTIME_ARGS
     ), mutually_exclusive=[("container", "tree_of")], supports_check_mode=True)
     p = module.params
@@ -117,6 +137,12 @@ def main():
                                  check_pids=p["check_pids"])
         if container:
             facts["container"] = container
+        backends = [make_backend(name, p) for name in
+                    (CONTAINER_RUNTIMES if p["list_containers"] is None else p["list_containers"])]
+        if p["list_containers"] is None:
+            backends = [b for b in backends if b.present()]
+        facts["gpu_containers"], facts["container_errors"] = host_facts.gpu_containers(
+            backends, facts["cuda_processes"])
     except GpuCkptError as exc:
         module.fail_json(**exc.to_dict())
     module.exit_json(changed=False, ansible_facts={"gpuckpt": facts})

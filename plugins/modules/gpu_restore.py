@@ -48,6 +48,23 @@ options:
     description: Seconds to wait after unlocking before checking that every process is still alive and running.
     type: float
     default: 0.5
+  probe_command:
+    description:
+      - A command that must succeed inside the restored workload before the restore counts as done, such as
+        C(nvidia-smi) (the seeds' check) or the job's own health check. A list is the argument vector; a
+        string is split like a shell would split it (no shell runs it).
+      - It runs once the GPU memory is back and before the CUDA processes are unlocked, in the namespaces,
+        root directory, working directory and environment of the workload's root process (like C(exec) into a
+        container), as root. So C(nvidia-smi) there sees the restored processes and their memory, while the
+        workload cannot yet make GPU progress; a check that needs the workload itself to answer belongs after
+        the restore.
+      - A non-zero exit or a timeout fails the restore, which stops what it brought up before it did work of
+        its own. In a migration (playbooks/migrate.yml, C(-e probe_command=...)), the source is then resumed.
+    type: raw
+  probe_timeout:
+    description: Seconds O(probe_command) may take before it is killed and the restore fails.
+    type: float
+    default: 60
   wait_for_image:
     description:
       - Seconds to wait for the image to be complete in O(image_dir) (its manifest, which a push or a transfer
@@ -111,8 +128,21 @@ gpu_pairs:
   description: The (old, new) GPU UUID pairs passed to the driver, when O(gpu_map) was given.
   returned: when changed
   type: list
+probe:
+  description: What O(probe_command) did (cmd, rc, seconds, and the tails of stdout and stderr).
+  returned: when changed and O(probe_command) was given
+  type: dict
+resumed_at:
+  description: Epoch seconds when the workload ran again (its CUDA processes unlocked).
+  returned: when changed
+  type: float
+validation_notes:
+  description: What validation noticed without failing (a process the workload ended itself since the dump).
+  returned: when changed
+  type: list
+  elements: str
 stage:
-  description: On failure, the stage that failed (wait, verify, preflight, criu-restore, cuda-restore, unlock, validate).
+  description: On failure, the stage that failed (wait, verify, preflight, criu-restore, cuda-restore, unlock, validate, probe).
   returned: failure
   type: str
 bad_files:
@@ -120,6 +150,8 @@ bad_files:
   returned: failure
   type: list
 """
+
+import shlex
 
 from ansible.module_utils.basic import AnsibleModule
 
@@ -141,6 +173,8 @@ def main():
         bundle=dict(type="path"),
         wait_for_image=dict(type="float", default=0.0),
         attach=dict(type="str"),
+        probe_command=dict(type="raw"),
+        probe_timeout=dict(type="float", default=60.0),
     )
     spec.update(TOOL_ARGS)
     spec.update(PROGRESS_ARGS)
@@ -152,9 +186,10 @@ def main():
         module.fail_json(msg="attach is handled by the gpuckpt.fleet.gpu_restore action plugin; run this module as a task")
     if p["wait_for_image"] and not p["migration_id"]:
         module.fail_json(msg="wait_for_image needs migration_id: the image it waits for is the migration's")
-    if p["wait_for_image"] < 0 or p["validate_wait"] < 0:
-        module.fail_json(msg="wait_for_image and validate_wait must not be negative")
+    if p["wait_for_image"] < 0 or p["validate_wait"] < 0 or p["probe_timeout"] <= 0:
+        module.fail_json(msg="wait_for_image and validate_wait must not be negative, probe_timeout must be positive")
     check_path_arg(module, "image_dir", p["image_dir"])
+    probe = probe_argv(module, p["probe_command"])
 
     def restore():
         # In a migration the image may not be there yet (wait_for_image): the backend is chosen from
@@ -163,9 +198,31 @@ def main():
         options = {k: p[k] for k in ("gpu_map", "force", "verify", "libcuda_path", "sign_key", "validate_wait",
                                      "parallel", "progress_file", "wait_for_image")}
         return engine.restore(p["image_dir"], backend=LazyBackend(p), journal=journal,
-                              check_mode=module.check_mode, **options)
+                              check_mode=module.check_mode, probe_command=probe, probe_timeout=p["probe_timeout"],
+                              **options)
 
     run_engine(module, restore)
+
+
+def probe_argv(module, value):
+    """probe_command as an argument vector: a list as given, a string split as a shell would split it."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, (list, tuple)):
+        argv = [str(v) for v in value]
+    elif isinstance(value, str):
+        try:
+            argv = shlex.split(value)
+        except ValueError as exc:
+            module.fail_json(msg="probe_command %r cannot be split into arguments: %s; nothing was done" % (value, exc),
+                             stage="preflight")
+    else:
+        module.fail_json(msg="probe_command must be a string or a list of strings, got %s; nothing was done"
+                         % type(value).__name__, stage="preflight")
+    if not argv or any("\0" in a for a in argv):
+        module.fail_json(msg="probe_command %r is empty or holds a NUL byte; nothing was done" % (value,),
+                         stage="preflight")
+    return argv
 
 
 class LazyBackend(object):

@@ -19,6 +19,7 @@ from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, alive, tree
 from loopback_workloads import MIGRATE, changed_tasks
 
 CHECKPOINT = "gpuckpt.fleet.checkpoint"
+FACTS = os.path.join(REPO, "tests", "integration", "playbooks", "facts_raw.yml")
 RESTORE = "gpuckpt.fleet.restore"
 pytestmark = pytest.mark.skipif(not available(), reason="containerd 2.x and python3-grpcio (tests/setup.sh) needed")
 
@@ -98,6 +99,16 @@ def test_task_checkpoint_then_restore_is_a_task_containerd_manages(
     w = containerd_workload(namespace="k8s.io")
     host_pids = w.host_pids()
     image_dir = str(tmp_path / "img")
+    # the node's facts name the container that holds these CUDA processes, by runtime and namespace
+    facts = playbook(FACTS, {"facts_args": {"list_containers": ["containerd"], "containerd_address": containerd.address,
+                                            "check_criu": False}}, env=fakecuda.env)
+    assert facts.rc == 0, facts.stdout
+    gpk = facts.task("cuda_process_facts")["ansible_facts"]["gpuckpt"]
+    [mine] = [c for c in gpk["gpu_containers"] if c["id"] == w.id] or [{k: gpk.get(k) for k in ("gpu_containers", "container_errors", "cuda_processes")}]
+    assert mine.get("namespace") == "k8s.io" and mine["runtime"] == "containerd" and mine["pid"] == host_pids[0]
+    assert sorted(c["pid"] for c in mine["cuda_processes"]) == sorted(host_pids)
+    assert sorted(c["ns_pid"] for c in mine["cuda_processes"])[0] == 1, "pids inside the container, init first"
+    assert {p["pid"]: p.get("container", {}).get("id") for p in gpk["cuda_processes"]}[host_pids[0]] == w.id
     run = playbook(CHECKPOINT, w.vars(image_dir), env=fakecuda.env)
     assert run.rc == 0, run.stdout
     res = run.task("Checkpoint container")
@@ -113,10 +124,12 @@ def test_task_checkpoint_then_restore_is_a_task_containerd_manages(
 
     containerd.ctr("tasks", "delete", w.id, namespace="k8s.io")
     containerd.ctr("containers", "delete", w.id, namespace="k8s.io")
-    run = playbook(RESTORE, w.vars(image_dir), env=fakecuda.env)
+    # the probe runs inside the restored container: its root is the container's, with its layer
+    run = playbook(RESTORE, w.vars(image_dir, gpuckpt_probe_command="cat /var/written-in-the-layer"), env=fakecuda.env)
     assert run.rc == 0, run.stdout
     rs = run.task("Restore from")
     assert rs["changed"] is True and len(rs["cuda_pids"]) == 2
+    assert rs["probe"]["rc"] == 0 and rs["probe"]["stdout"].strip() == w.id, rs["probe"]
     assert w.task()["status"] == "RUNNING"
     assert all(fakecuda.state(p) == "running" for p in rs["cuda_pids"])
     w.went_on_intact(stopped_at)
@@ -289,6 +302,25 @@ def test_containerd_restore_failing_on_target_resumes_the_paused_source(
         assert run.rc != 0
         assert "rolled back; the workload runs on hosta" in run.stdout
         assert "is not unpacked into snapshotter" in run.stdout
+        assert w.status("hosta") == "RUNNING" and not w.exists("hostb")
+        w.went_on_intact(w.counts())
+        assert w.no_count_twice()
+    finally:
+        w.cleanup()
+
+
+def test_a_probe_failing_in_the_restored_task_rolls_back_to_the_paused_source(
+        playbook, hosts, loopback_containerds, tmp_path):
+    """The restore on hostb works, but the user's probe fails inside the restored container: that copy
+    is stopped and deleted, and the task paused on hosta runs on; one copy, no count written twice."""
+    w = RemoteContainerdWorkload(hosts, str(tmp_path / "cw"))
+    try:
+        inventory = _inventory_with_addresses(hosts, w)
+        v = dict(_migrate_vars(w, "t-ctrd-probe"), probe_command=["/bin/sh", "-c", "test -e /no/such/file"])
+        run = playbook(MIGRATE, v, inventory=inventory)
+        assert run.rc != 0
+        assert "rolled back; the workload runs on hosta" in run.stdout
+        assert "the probe /bin/sh -c test -e /no/such/file exited with rc=1" in run.stdout, run.stdout[-3000:]
         assert w.status("hosta") == "RUNNING" and not w.exists("hostb")
         w.went_on_intact(w.counts())
         assert w.no_count_twice()

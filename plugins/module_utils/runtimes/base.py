@@ -15,6 +15,7 @@ import signal
 from .. import discovery
 from ..criu import Criu
 from ..errors import GpuCkptError, InvalidTarget
+from ..run import find_binary, run
 
 
 def _state(pid):
@@ -149,6 +150,32 @@ class Backend(object):
         """Stop what a failed restore brought up, so the target is left clean."""
         raise NotImplementedError
 
+    def probe(self, root_pid, argv, timeout):
+        """Run the user's post-restore probe (``nvidia-smi``, a health check) inside the restored
+        workload: in all of its root process's namespaces, its root directory and working directory, with
+        its environment, so that a container's own PATH and libraries answer, as `exec` into it would.
+        Returns the command's Result; the caller decides what a failure means."""
+        nsenter = find_binary("nsenter", what="install util-linux")
+        env = _environ(root_pid)
+        return run([nsenter, "--target", str(root_pid), "--all", "--root", "--wd", "--"] + list(argv),
+                   timeout=timeout, check=False, stage="probe", pid=root_pid, env=env, new_session=True)
+
+
+def _environ(pid):
+    """The environment of ``pid`` (NUL separated in /proc), or a minimal PATH when it cannot be read."""
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as fh:
+            raw = fh.read().split(b"\0")
+    except OSError:
+        raw = []
+    env = {}
+    for item in raw:
+        key, sep, value = item.decode("utf-8", "replace").partition("=")
+        if sep and key:
+            env[key] = value
+    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    return env
+
 
 def _why(needs):
     out = []
@@ -211,10 +238,17 @@ class ContainerBackend(Backend):
     can_hold_stopped = False
 
     def __init__(self, criu_path=None, criu_options=(), timeout=None):
-        self.criu = Criu(criu_path)
+        self._criu_path, self._criu = criu_path, None
         self.extra = list(criu_options or ())
         self.timeout = timeout
         self.container = None
+
+    @property
+    def criu(self):
+        """CRIU, found when first needed (preflight): listing containers for facts needs none."""
+        if self._criu is None:
+            self._criu = Criu(self._criu_path)
+        return self._criu
 
     def runtime_facts(self):
         """The runtime's own version facts (and checks), merged into preflight()'s."""
@@ -222,6 +256,14 @@ class ContainerBackend(Backend):
 
     def remove(self):
         """Remove self.container (forcefully)."""
+        raise NotImplementedError
+
+    def present(self):
+        """Whether this runtime is installed and in use on this host (for facts: no error when not)."""
+        return False
+
+    def running_containers(self):
+        """[{id, pid (host pid of its init), status, ...}] of the containers that run or are paused."""
         raise NotImplementedError
 
     def preflight(self, full=True):

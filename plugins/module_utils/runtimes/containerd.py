@@ -35,7 +35,7 @@ import stat
 import tarfile
 
 from .. import discovery
-from ..containerd_api import RUNC_OPTIONS_URL, Client, ContainerdError, msg, without_fields
+from ..containerd_api import DEFAULT_ADDRESS, RUNC_OPTIONS_URL, Client, ContainerdError, msg, without_fields
 from ..errors import CommandError, GpuCkptError, InvalidTarget
 from .base import ContainerBackend, ns_pid
 from .runc import CGROUP2_ROOT, cgroup2_frozen, cgroup2_path
@@ -74,6 +74,27 @@ class ContainerdBackend(ContainerBackend):
             raise InvalidTarget("containerd at %s has no namespace %r (it has: %s); nothing was frozen"
                                 % (api.address, self.namespace, ", ".join(known) or "none"), stage="preflight",
                                 hint="set containerd_namespace (k8s.io for a Kubernetes node's pods)")
+
+    def present(self):
+        try:
+            return stat.S_ISSOCK(os.stat(self.address or DEFAULT_ADDRESS).st_mode)
+        except OSError:
+            return False
+
+    def running_containers(self):
+        """The tasks of every namespace but moby (Docker's: runtime docker lists them)."""
+        out = []
+        api = Client(self.address, self.namespace, timeout=30)
+        try:
+            for namespace in api.namespaces():
+                if namespace == "moby":
+                    continue
+                api.namespace = namespace
+                out += [{"id": t["id"], "pid": t["pid"], "status": t["status"], "namespace": namespace}
+                        for t in api.tasks() if t["pid"] and t["status"] in ("running", "paused")]
+        finally:
+            api.close()
+        return out
 
     # -- Backend -----------------------------------------------------------------------------------------
     def runtime_facts(self):

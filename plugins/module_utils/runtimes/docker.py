@@ -84,6 +84,25 @@ class DockerBackend(ContainerBackend):
                                 stage="preflight", hint="check the name (docker ps) and docker_host")
         return json.loads(res.stdout)[0]
 
+    def present(self):
+        try:
+            return bool(find_binary("docker", self.docker_path, required=False)) and os.path.exists(self._socket())
+        except InvalidTarget:
+            return False
+
+    def running_containers(self):
+        ids = run(self._cmd("ps", "--quiet", "--no-trunc"), stage="facts").stdout.split()
+        if not ids:
+            return []
+        res = run(self._cmd("container", "inspect", "--format", "{{.Name}} {{.State.Pid}} {{.State.Status}}", *ids),
+                  stage="facts")
+        out = []
+        for line in res.stdout.splitlines():
+            name, pid, status = (line.split() + ["", "", ""])[:3]
+            if pid.isdigit() and int(pid) > 0:
+                out.append({"id": name.lstrip("/"), "pid": int(pid), "status": status})
+        return out
+
     def runtime_facts(self):
         res = run(self._cmd("version", "--format", "{{.Server.Version}} {{.Server.Experimental}}"),
                   stage="preflight", hint="is dockerd running, and is docker_host right?")

@@ -65,6 +65,15 @@ class PodmanBackend(ContainerBackend):
 
     passes_criu_flags = ("--tcp-established", "--file-locks")
 
+    def present(self):
+        return bool(find_binary("podman", self.podman_path, required=False)) and \
+            os.path.isdir(self.root or "/var/lib/containers/storage")
+
+    def running_containers(self):
+        res = run(self._cmd("ps", "--format", "json"), stage="facts")
+        return [{"id": (c.get("Names") or [c.get("Id")])[0], "pid": int(c["Pid"]), "status": c.get("State")}
+                for c in json.loads(res.stdout or "null") or [] if c.get("Pid")]
+
     def runtime_facts(self):
         res = run(self._cmd("--version"), stage="preflight")
         return {"podman_version": res.stdout.split()[-1] if res.stdout else None}

@@ -93,6 +93,14 @@ class RuncBackend(ContainerBackend):
     # the flags runc knows are offered here.
     passes_criu_flags = ("--tcp-established", "--ext-unix-sk", "--shell-job", "--file-locks")
 
+    def present(self):
+        return bool(find_binary("runc", self.runc_path, required=False)) and os.path.isdir(self.root or "/run/runc")
+
+    def running_containers(self):
+        res = run(self._cmd("list", "--format", "json"), stage="facts")
+        return [{"id": c["id"], "pid": c["pid"], "status": c["status"]} for c in json.loads(res.stdout or "null") or []
+                if c.get("pid") and c.get("status") in ("running", "paused")]
+
     # -- Backend ---------------------------------------------------------------------------------
     def runtime_facts(self):
         res = run(self._cmd("--version"), stage="preflight")
