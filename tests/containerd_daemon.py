@@ -30,8 +30,8 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", 
 
 
 def available():
-    return os.path.exists(CONTAINERD) and subprocess.run(["/usr/bin/python3", "-c", "import grpc"],
-                                                         check=False).returncode == 0
+    python = os.environ.get("GPUCKPT_WORKLOAD_PYTHON") or "/usr/bin/python3"  # the one that runs the modules
+    return os.path.exists(CONTAINERD) and subprocess.run([python, "-c", "import grpc"], check=False).returncode == 0
 
 
 def oci_archive(path, layer_tar, name):

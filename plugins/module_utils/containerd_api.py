@@ -287,6 +287,13 @@ class Client(object):
                         (6, record.get("snapshotter")), (7, record.get("snapshot_key")), (11, record.get("sandbox")))
         self._call("/containerd.services.containers.v1.Containers/Create", msg((1, container)), stage)
 
+    def update_spec(self, container_id, spec, spec_url, stage):
+        """Replace a container's OCI spec (Containers/Update with the field mask ``spec``); its task, when
+        started after this, runs with it."""
+        container = msg((1, container_id), (5, any_msg(spec_url, json.dumps(spec).encode())))
+        self._call("/containerd.services.containers.v1.Containers/Update", msg((1, container), (2, msg((1, "spec")))),
+                   stage)
+
     def delete_container(self, container_id, stage):
         self._call("/containerd.services.containers.v1.Containers/Delete", msg((1, container_id)), stage)
 

@@ -2,19 +2,35 @@
 # On the GPU machine: put the carried CRIU (and ssh/sshd/rsync where the image lacks them) in place.
 set -euo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
-rm -rf /opt/gpuckpt-criu && cp -r "$repo/.carry/criu" /opt/gpuckpt-criu && ln -sf /opt/gpuckpt-criu/criu /usr/local/sbin/criu
-if [ -d "$repo/.carry/ssh" ]; then
-  rm -rf /opt/gpuckpt-ssh && cp -r "$repo/.carry/ssh" /opt/gpuckpt-ssh
+carry="$repo/.carry"
+if [ -f "$carry/tools.tar.xz" ]; then  # prepare_carry.sh packs the tools into one archive
+  rm -rf /tmp/gpuckpt-carry && mkdir -p /tmp/gpuckpt-carry && tar -C /tmp/gpuckpt-carry -xJf "$carry/tools.tar.xz"
+  carry=/tmp/gpuckpt-carry
+fi
+rm -rf /opt/gpuckpt-criu && cp -r "$carry/criu" /opt/gpuckpt-criu && ln -sf /opt/gpuckpt-criu/criu /usr/local/sbin/criu
+if [ -d "$carry/ssh" ]; then
+  rm -rf /opt/gpuckpt-ssh && cp -r "$carry/ssh" /opt/gpuckpt-ssh
   for b in sshd ssh ssh-keygen rsync; do
     command -v "$b" >/dev/null 2>&1 || ln -sf "/opt/gpuckpt-ssh/bin/$b" "/usr/local/bin/$b"
   done
 fi
-if [ -x "$repo/.carry/runc/runc" ] && ! command -v runc >/dev/null 2>&1; then
-  install -m 0755 "$repo/.carry/runc/runc" /usr/local/sbin/runc
+if [ -x "$carry/runc/runc" ] && ! command -v runc >/dev/null 2>&1; then
+  install -m 0755 "$carry/runc/runc" /usr/local/sbin/runc
   if ! ldconfig -p | grep -q 'libseccomp.so.2 '; then
-    cp "$repo"/.carry/runc/libseccomp.so.2* /usr/local/lib/ && ldconfig
+    cp "$carry"/runc/libseccomp.so.2* /usr/local/lib/ && ldconfig
   fi
 fi
+if [ -d "$carry/containerd/bin" ]; then  # tests/containerd_daemon.py looks for it there
+  mkdir -p /usr/local/lib/gpuckpt-containerd && rm -rf /usr/local/lib/gpuckpt-containerd/bin
+  cp -a "$carry/containerd/bin" /usr/local/lib/gpuckpt-containerd/bin
+fi
+# The containerd backend's grpc client, for the Python that runs the modules (the workload's python3).
+py=${GPUCKPT_WORKLOAD_PYTHON:-python3}
+if ! "$py" -c 'import grpc' 2>/dev/null && ls "$repo"/.whl/grpcio-*.whl >/dev/null 2>&1; then
+  "$py" -m pip install -q --no-index --no-deps --break-system-packages "$repo"/.whl/grpcio-*.whl "$repo"/.whl/typing_extensions-*.whl 2>&1 | tail -n 2 \
+    || "$py" -m pip install -q --no-index --no-deps "$repo"/.whl/grpcio-*.whl 2>&1 | tail -n 2
+fi
+"$py" -c 'import grpc; print("grpc", grpc.__version__)' || true
 id sshd >/dev/null 2>&1 || useradd -r -M -d /run/sshd -s /usr/sbin/nologin sshd 2>/dev/null || \
   echo 'sshd:x:995:65534::/run/sshd:/usr/sbin/nologin' >> /etc/passwd
 mkdir -p /run/sshd && chmod 0755 /run/sshd

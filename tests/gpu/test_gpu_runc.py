@@ -33,22 +33,31 @@ pytestmark = pytest.mark.skipif(shutil.which("runc") is None,
 
 
 def gpu_bundle(bundle, args, workdir, cgroup):
-    """A runc bundle for a CUDA process: the host's /usr, /etc and /opt read-only, /dev/nvidia* as
-    devices (what CDI writes), no rlimits (these VMs refuse setrlimit above their own), and the host's
-    network (as GPU jobs often run): CRIU locks a container network of its own with iptables-restore,
-    which the GPU machine lacks (the engine refuses that case in preflight, tests/integration/test_runc.py)."""
+    """A runc bundle for a CUDA process (see gpu_spec), its mountpoints made in its rootfs."""
     write_runc_bundle(bundle, args, env=["%s=%s" % kv for kv in PASS_ENV.items()], rw=[workdir], cgroup=cgroup)
     path = os.path.join(bundle, "config.json")
     with open(path) as fh:
         cfg = json.load(fh)
+    gpu_spec(cfg, os.path.join(bundle, "rootfs"))
+    with open(path, "w") as fh:
+        json.dump(cfg, fh)
+
+
+def gpu_spec(cfg, rootfs=None):
+    """Make an OCI spec run a CUDA process: the host's /usr, /etc and /opt read-only, /dev/nvidia* as
+    devices with their cgroup rules (what CDI writes), no rlimits (these VMs refuse setrlimit above their
+    own), and the host's network (as GPU jobs often run): CRIU locks a container network of its own with
+    iptables-restore, which the GPU machine lacks (the engine refuses that case in preflight,
+    tests/integration/test_runc.py). ``rootfs``: where to make mountpoints (None: the runtime makes them)."""
     cfg["process"].pop("rlimits", None)
     # Each host mount under the bound trees is bound on its own (runc tells CRIU that its config's bind
     # mounts are external): an rbind would carry submounts that CRIU cannot dump, like the GPU
     # machine's /usr/local/nvidia (the driver's libraries on a filesystem CRIU does not support).
     roots = ("/usr", "/etc", "/opt")
-    if os.path.isdir("/opt"):
-        os.makedirs(os.path.join(bundle, "rootfs", "opt"), exist_ok=True)
-        cfg["mounts"].append({"destination": "/opt", "type": "bind", "source": "/opt", "options": ["rbind", "ro"]})
+    bound = {m["destination"] for m in cfg["mounts"]}
+    for root in roots:
+        if os.path.isdir(root) and root not in bound:
+            cfg["mounts"].append({"destination": root, "type": "bind", "source": root, "options": ["rbind", "ro"]})
     for m in cfg["mounts"]:
         if m["destination"] in roots:
             m["options"] = ["bind" if o == "rbind" else o for o in m["options"]]
@@ -59,9 +68,12 @@ def gpu_bundle(bundle, args, workdir, cgroup):
             if any(point.startswith(r + "/") for r in roots) and os.path.exists(point):
                 subs.append(point)
     for point in sorted(set(subs), key=len):
-        if os.path.isdir(point):
-            os.makedirs(os.path.join(bundle, "rootfs", point.lstrip("/")), exist_ok=True)
+        if rootfs and os.path.isdir(point):
+            os.makedirs(os.path.join(rootfs, point.lstrip("/")), exist_ok=True)
         cfg["mounts"].append({"destination": point, "type": "bind", "source": point, "options": ["bind", "ro"]})
+    if rootfs:
+        for root in roots:
+            os.makedirs(os.path.join(rootfs, root.lstrip("/")), exist_ok=True)
     cfg["linux"]["namespaces"] = [n for n in cfg["linux"]["namespaces"] if n["type"] != "network"]
     devices, allow = [], []
     for dev in sorted(glob.glob("/dev/nvidia*")):
@@ -74,8 +86,7 @@ def gpu_bundle(bundle, args, workdir, cgroup):
     assert devices, "no /dev/nvidia* device nodes on this machine"
     cfg["linux"]["devices"] = cfg["linux"].get("devices", []) + devices
     cfg["linux"].setdefault("resources", {}).setdefault("devices", []).extend(allow)
-    with open(path, "w") as fh:
-        json.dump(cfg, fh)
+    return cfg
 
 
 class RuncTorch(RuncOnLoopbackHosts, TorchWorkload):
