@@ -12,7 +12,7 @@ import subprocess
 import tarfile
 import time
 
-from helpers import skeleton_tar
+from helpers import MANAGED_PYTHON, skeleton_tar
 
 PREFIX = "/usr/local/lib/gpuckpt-containerd/bin"  # tests/setup.sh installs containerd 2.1.9 there
 CONTAINERD, CTR = os.path.join(PREFIX, "containerd"), os.path.join(PREFIX, "ctr")
@@ -30,8 +30,9 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.cri.v1.images", 
 
 
 def available():
-    python = os.environ.get("GPUCKPT_WORKLOAD_PYTHON") or "/usr/bin/python3"  # the one that runs the modules
-    return os.path.exists(CONTAINERD) and subprocess.run([python, "-c", "import grpc"], check=False).returncode == 0
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # modules run over ssh get none
+    return os.path.exists(CONTAINERD) and subprocess.run([MANAGED_PYTHON, "-c", "import grpc"], env=env,
+                                                         check=False).returncode == 0
 
 
 def oci_archive(path, layer_tar, name):

@@ -17,6 +17,7 @@ The messages are small and their numbers are part of containerd's stable API.
 from __future__ import annotations
 
 import json
+import sys
 import time
 
 from .errors import GpuCkptError, InvalidTarget
@@ -163,8 +164,9 @@ class ContainerdError(GpuCkptError):
 def _grpc():
     try:
         import grpc  # pylint: disable=import-outside-toplevel
-    except ImportError:
-        raise InvalidTarget("the containerd backend needs Python's grpc module on this host", stage="preflight",
+    except ImportError as exc:
+        raise InvalidTarget("the containerd backend needs Python's grpc module on this host (%s: %s)"
+                            % (sys.executable, exc), stage="preflight",
                             hint="install python3-grpcio (Debian, Ubuntu) or python3-grpcio/grpcio with pip for the "
                                  "Python that Ansible runs here")
     return grpc
@@ -338,7 +340,14 @@ def _container(f):
         spec = {}
     return {"id": _str(f, 1), "labels": _map(f, 2), "image": _str(f, 3), "runtime": _str(runtime, 1),
             "runtime_options_url": options_url, "runtime_options": options, "spec_url": spec_url, "spec": spec,
-            "snapshotter": _str(f, 6), "snapshot_key": _str(f, 7), "sandbox": _str(f, 11)}
+            "snapshotter": _str(f, 6), "snapshot_key": _str(f, 7), "sandbox": _str(f, 11),
+            "created_at": _timestamp((f.get(8) or [b""])[-1])}
+
+
+def _timestamp(raw):
+    """A google.protobuf.Timestamp as "seconds.nanoseconds" (it names one creation of a container)."""
+    t = fields(raw) if raw else {}
+    return "%d.%09d" % (_int(t, 1), _int(t, 2))
 
 
 def _process(f):

@@ -195,6 +195,8 @@ def commit_source(journal, backend=None, target_phase=None, remove_image=False, 
         killed = []
         if doc.get("after") == "stopped":
             _changed, killed = engine.release_stopped(_source_manifest(doc), backend)
+        elif backend is not None:
+            backend.release_exited(_source_manifest(doc))
         removed = False
         if remove_image and doc.get("image_dir"):
             removed = remove_tree(doc["image_dir"], doc.get("image_dir_identity"))

@@ -24,13 +24,19 @@ if [ -d "$carry/containerd/bin" ]; then  # tests/containerd_daemon.py looks for 
   mkdir -p /usr/local/lib/gpuckpt-containerd && rm -rf /usr/local/lib/gpuckpt-containerd/bin
   cp -a "$carry/containerd/bin" /usr/local/lib/gpuckpt-containerd/bin
 fi
-# The containerd backend's grpc client, for the Python that runs the modules (the workload's python3).
-py=${GPUCKPT_WORKLOAD_PYTHON:-python3}
-if ! "$py" -c 'import grpc' 2>/dev/null && ls "$repo"/.whl/grpcio-*.whl >/dev/null 2>&1; then
-  "$py" -m pip install -q --no-index --no-deps --break-system-packages "$repo"/.whl/grpcio-*.whl "$repo"/.whl/typing_extensions-*.whl 2>&1 | tail -n 2 \
-    || "$py" -m pip install -q --no-index --no-deps "$repo"/.whl/grpcio-*.whl 2>&1 | tail -n 2
-fi
-"$py" -c 'import grpc; print("grpc", grpc.__version__)' || true
+# The containerd backend's grpc client, for the Pythons that run the modules (the tests' managed
+# /usr/bin/python3, and the workload's), checked without the carried wheels' PYTHONPATH, which modules
+# run over ssh do not get. A wheel is a zip: unpacked into the interpreter's site directory, no pip needed.
+for py in /usr/bin/python3 "${GPUCKPT_WORKLOAD_PYTHON:-python3}"; do
+  if ! env -u PYTHONPATH "$py" -c 'import grpc' 2>/dev/null && ls "$repo"/.whl/grpcio-*.whl >/dev/null 2>&1; then
+    site=$(env -u PYTHONPATH "$py" -c 'import site; print(site.getsitepackages()[0])')
+    mkdir -p "$site"
+    for whl in "$repo"/.whl/grpcio-*.whl "$repo"/.whl/typing_extensions-*.whl; do
+      env -u PYTHONPATH "$py" -m zipfile -e "$whl" "$site"
+    done
+  fi
+  env -u PYTHONPATH "$py" -c 'import grpc, sys; print(sys.executable, "grpc", grpc.__version__)' || true
+done
 id sshd >/dev/null 2>&1 || useradd -r -M -d /run/sshd -s /usr/sbin/nologin sshd 2>/dev/null || \
   echo 'sshd:x:995:65534::/run/sshd:/usr/sbin/nologin' >> /etc/passwd
 mkdir -p /run/sshd && chmod 0755 /run/sshd

@@ -122,8 +122,8 @@ def test_task_checkpoint_then_restore_is_a_task_containerd_manages(
     again = playbook(CHECKPOINT, w.vars(image_dir), env=fakecuda.env)
     assert again.rc == 0 and again.task("Checkpoint container")["changed"] is False
 
-    containerd.ctr("tasks", "delete", w.id, namespace="k8s.io")
-    containerd.ctr("containers", "delete", w.id, namespace="k8s.io")
+    # The checkpointed container stays, its task stopped, until its image is restored in its place.
+    assert w.exists() and w.task()["status"] == "STOPPED"
     # the probe runs inside the restored container: its root is the container's, with its layer
     run = playbook(RESTORE, w.vars(image_dir, gpuckpt_probe_command="cat /var/written-in-the-layer"), env=fakecuda.env)
     assert run.rc == 0, run.stdout

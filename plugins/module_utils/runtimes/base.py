@@ -150,6 +150,11 @@ class Backend(object):
         """Stop what a failed restore brought up, so the target is left clean."""
         raise NotImplementedError
 
+    def release_exited(self, manifest):
+        """A migration whose source exited after its dump committed: remove what the runtime keeps of
+        the source (a stopped container). Returns whether anything was removed."""
+        return False
+
     def probe(self, root_pid, argv, timeout):
         """Run the user's post-restore probe (``nvidia-smi``, a health check) inside the restored
         workload: in all of its root process's namespaces, its root directory and working directory, with

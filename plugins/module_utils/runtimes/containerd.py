@@ -16,7 +16,8 @@ checkpoint annotation (what containerd's CRI restore uses): a task that containe
 ``ctr tasks ls`` shows and which can be paused, killed and deleted. Its stdout and stderr are appended
 to ``<work dir>/container.log`` by the shim.
 
-- after=exit:    checkpoint with exit: the task stops; its container stays (the image is the way back)
+- after=exit:    checkpoint with exit: the task stops; its container stays until its image is restored in
+                 its place (a rollback) or its migration commits (``release_exited``)
 - after=running: checkpoint; containerd pauses the task for the dump and resumes it
 - after=stopped: pause, then checkpoint: containerd leaves a task it did not pause paused, so the
   source is held until ``resume`` (roll back) or its removal (commit).
@@ -177,6 +178,7 @@ class ContainerdBackend(ContainerBackend):
                 "root_pid": int(target), "ns_pids": self._ns, "cgroup_v2_path": self._cgroup_seen,
                 "record": {k: rec[k] for k in RECORD_KEYS},
                 "runtime_options_b64": _b64(rec["runtime_options"]), "rootfs_diff": diff,
+                "created_at": rec.get("created_at"),
                 "criu_options": self.extra, "auto_flags": list(self.auto_flags)}
 
     def restore(self, image_dir, work_dir, manifest):
@@ -191,11 +193,9 @@ class ContainerdBackend(ContainerBackend):
         created = snapshot = False
         try:
             self._check_namespace(api)
-            if api.container(self.container) is not None:
-                raise InvalidTarget("a containerd container %s already exists in namespace %s on this host; refusing "
-                                    "to start a second copy" % (self.container, self.namespace), stage="preflight",
-                                    hint="remove it (ctr -n %s containers rm) if it is a leftover, or restore elsewhere"
-                                    % self.namespace)
+            existing = api.container(self.container)
+            if existing is not None:
+                self._remove_checkpointed(api, existing, rt, "preflight", refuse=True)
             parent = record.get("snapshot_parent")
             if record.get("snapshot_key") and parent and api.snapshot(record["snapshotter"], parent) is None:
                 raise InvalidTarget("image %s is not unpacked into snapshotter %s on this host (layer %s is missing); "
@@ -293,6 +293,38 @@ class ContainerdBackend(ContainerBackend):
             task = api.task(self.container, stage="resume-source")
             if task is not None and task["status"] in ("paused", "pausing"):
                 api.resume(self.container, "resume-source")
+        finally:
+            api.close()
+
+    def _remove_checkpointed(self, api, existing, rt, stage, refuse):
+        """The container this image was checkpointed from, left with a stopped task (after=exit), is
+        removed: before its own image is restored into its place (a rollback, or a restore on the host of
+        the checkpoint), or once its migration committed. It is known by its creation time, recorded at
+        the dump; any other container of that name, or one whose task runs, is refused (``refuse``) or
+        left alone."""
+        task = api.task(self.container, stage=stage)
+        ours = bool(rt.get("created_at")) and existing.get("created_at") == rt.get("created_at")
+        if not ours or (task is not None and task["status"] != "stopped"):
+            if not refuse:
+                return False
+            raise InvalidTarget("a containerd container %s already exists in namespace %s on this host%s; refusing "
+                                "to start a second copy" % (self.container, self.namespace,
+                                                            " and runs" if ours else ""),
+                                stage="preflight",
+                                hint="remove it (ctr -n %s containers rm) if it is a leftover, or restore elsewhere"
+                                % self.namespace)
+        self._remove(api, existing["snapshotter"] or None, existing["snapshot_key"])
+        return True
+
+    def release_exited(self, manifest):
+        """Commit of a migration whose source exited: remove its stopped container (and snapshot)."""
+        rt = manifest.get("runtime") or {}
+        self.container = rt.get("container") or self.container
+        self.namespace = rt.get("namespace") or self.namespace
+        api = self.client()
+        try:
+            existing = api.container(self.container, stage="release-source")
+            return existing is not None and self._remove_checkpointed(api, existing, rt, "release-source", refuse=False)
         finally:
             api.close()
 
