@@ -154,6 +154,15 @@ def test_containerd_gpu_task_migrates_there_and_back_with_its_gpu_memory(playboo
                                                                           record):
     w = ContainerdTorch(containerd_hosts, str(tmp_path / "w"), GIB)
     try:
+        # the node's facts name the task that holds the GPU process, with its pids on the host and inside
+        facts = playbook(os.path.join(REPO, "tests", "integration", "playbooks", "facts_raw.yml"),
+                         {"facts_args": {"list_containers": ["containerd"], "check_criu": False,
+                                         "containerd_address": os.path.join(containerd_dir("hosta"), "containerd.sock")}})
+        assert facts.rc == 0, facts.stdout
+        gpk = facts.task("cuda_process_facts")["ansible_facts"]["gpuckpt"]
+        mine = [c for c in gpk["gpu_containers"] if c["id"] == w.id]
+        record("gpu_containerd_facts", gpu_containers=gpk["gpu_containers"], container_errors=gpk["container_errors"])
+        assert mine and mine[0]["namespace"] == NAMESPACE and mine[0]["cuda_processes"][0]["ns_pid"] == 1, gpk
         _migrate(playbook, containerd_hosts, w, "hosta", "hostb", "gpu-ctrd-1", record)
         _migrate(playbook, containerd_hosts, w, "hostb", "hosta", "gpu-ctrd-2", record)
     finally:

@@ -166,6 +166,31 @@ class Backend(object):
                    timeout=timeout, check=False, stage="probe", pid=root_pid, env=env, new_session=True)
 
 
+# What CRIU says when a container holds a mount it cannot dump, and what the user can do about it.
+# GPU containers meet these through the NVIDIA Container Toolkit (docs/migration.md, "GPU containers").
+MOUNT_TROUBLE = (
+    ("doesn't have a proper root mount",
+     "a mount inside the container is not in its spec (a hook made it: the NVIDIA Container Toolkit's legacy "
+     "mode binds the driver's libraries that way), and the runtime tells CRIU only about the spec's bind mounts; "
+     "run GPU containers with CDI (nvidia-ctk cdi generate, and the toolkit's mode cdi or containerd's "
+     "enable_cdi), which puts the devices and the driver's mounts into the spec"),
+    ("unreachable sharing",
+     "a mount of the container shares propagation with a mount outside it (shared or slave bind mounts, as "
+     "some device plugins and CSI drivers make): give those mounts private propagation (rprivate) in the spec"),
+    ("nvidia-ctk-hook",
+     "the NVIDIA Container Toolkit's hook mounted a tmpfs of its own into the container; run the container "
+     "with CDI mode, whose spec declares every mount"),
+)
+
+
+def mount_hint(log_text, default=None):
+    """A hint for CRIU's log text when it names a mount CRIU could not dump, else ``default``."""
+    for words, hint in MOUNT_TROUBLE:
+        if words in (log_text or ""):
+            return hint
+    return default
+
+
 def _environ(pid):
     """The environment of ``pid`` (NUL separated in /proc), or a minimal PATH when it cannot be read."""
     try:

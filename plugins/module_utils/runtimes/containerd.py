@@ -38,7 +38,7 @@ import tarfile
 from .. import discovery
 from ..containerd_api import DEFAULT_ADDRESS, RUNC_OPTIONS_URL, Client, ContainerdError, msg, without_fields
 from ..errors import CommandError, GpuCkptError, InvalidTarget
-from .base import ContainerBackend, ns_pid
+from .base import ContainerBackend, mount_hint, ns_pid
 from .runc import CGROUP2_ROOT, cgroup2_frozen, cgroup2_path
 
 CRIU_SUBDIR = "checkpoint"
@@ -157,9 +157,10 @@ class ContainerdBackend(ContainerBackend):
                                open_tcp="--tcp-established" in flags, external_unix_sockets="--ext-unix-sk" in flags,
                                file_locks="--file-locks" in flags, timeout=self.timeout)
             except ContainerdError as exc:
+                log = _log_errors(os.path.join(work_dir, "dump.log"))
                 raise CommandError("containerd's checkpoint of %s failed: %s" % (self.container, exc.msg),
-                                   stage="runtime-dump", stderr=_log_errors(os.path.join(work_dir, "dump.log")),
-                                   hint="see dump.log in the work dir")
+                                   stage="runtime-dump", stderr=log,
+                                   hint=mount_hint(log, "see dump.log in the work dir"))
             if self._upper and not paused:
                 # The task ran on (after=running) or stopped (after=exit): its writable layer is read now;
                 # for after=running the files may have changed since the dump, as with any live copy.

@@ -30,7 +30,7 @@ import subprocess
 from .. import discovery
 from ..errors import CommandError, InvalidTarget
 from ..run import find_binary, kill_command, run
-from .base import ContainerBackend, ns_pid
+from .base import ContainerBackend, mount_hint, ns_pid
 
 CGROUP2_ROOT = "/sys/fs/cgroup"  # the unified hierarchy; tests point this elsewhere
 
@@ -137,6 +137,7 @@ class RuncBackend(ContainerBackend):
                 with open(log, errors="replace") as fh:
                     exc.stderr = (exc.stderr or "") + "\n--- %s ---\n" % log + "".join(
                         [ln for ln in fh if "Error" in ln][-15:])
+            exc.hint = mount_hint(exc.stderr, exc.hint)
             if after == "stopped":
                 run(self._cmd("resume", self.container), stage="runtime-dump", check=False)
             raise
