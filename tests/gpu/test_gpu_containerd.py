@@ -150,8 +150,8 @@ def _migrate(playbook, hosts, w, source, target, mid, record):
     assert w.status(target) == "RUNNING"
 
 
-def test_containerd_gpu_task_migrates_there_and_back_with_its_gpu_memory(playbook, containerd_hosts, tmp_path,
-                                                                          record):
+def test_containerd_gpu_task_migrates_there_and_back_with_its_gpu_memory(
+        playbook, containerd_hosts, tmp_path, record):
     w = ContainerdTorch(containerd_hosts, str(tmp_path / "w"), GIB)
     try:
         # the node's facts name the task that holds the GPU process, with its pids on the host and inside
