@@ -33,7 +33,7 @@ def test_execution_environment_definition_passes_ansible_builder(tmp_path):
     os.rename(built[0], os.path.join(out, "gpuckpt-fleet.tar.gz"))
     ctx = str(tmp_path / "context")
     res = subprocess.run([os.path.join(VENV_BIN, "ansible-builder"), "create", "-f",
-                          os.path.join(REPO, "meta", "execution-environment.yml"), "-c", ctx],
+                          os.path.join(REPO, "ee", "execution-environment.yml"), "-c", ctx],
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, check=False)
     assert res.returncode == 0, res.stdout
     # Containerfile (podman) or Dockerfile (docker), by the container runtime ansible-builder finds
@@ -41,6 +41,23 @@ def test_execution_environment_definition_passes_ansible_builder(tmp_path):
     containerfile = open(os.path.join(ctx, name)).read()
     assert "gpuckpt-fleet.tar.gz" in containerfile
     assert os.path.exists(os.path.join(ctx, "_build", "collections", "gpuckpt-fleet.tar.gz"))
+
+
+@pytest.mark.skipif(not os.path.exists(os.path.join(VENV_BIN, "ansible-builder")), reason="needs tests/setup.sh")
+def test_an_ee_that_lists_the_installed_collection_introspects(tmp_path):
+    """ansible-builder reads meta/execution-environment.yml of every collection an EE lists, as the
+    collection's dependency file: it must be that form (a full build definition there crashed it)."""
+    out = str(tmp_path / "built")
+    subprocess.run([os.path.join(VENV_BIN, "ansible-galaxy"), "collection", "build", "--output-path", out, REPO],
+                   check=True, stdout=subprocess.PIPE, cwd=REPO)
+    [tarball] = glob.glob(os.path.join(out, "gpuckpt-fleet-*.tar.gz"))
+    installed = str(tmp_path / "collections")
+    subprocess.run([os.path.join(VENV_BIN, "ansible-galaxy"), "collection", "install", "--offline", "-p", installed,
+                    tarball], check=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, cwd=REPO)
+    res = subprocess.run([os.path.join(VENV_BIN, "ansible-builder"), "introspect", "--sanitize", installed],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, check=False)
+    assert res.returncode == 0, res.stdout
+    assert "openssh-client [platform:dpkg]" in res.stdout and "gpuckpt.fleet" in res.stdout, res.stdout
 
 
 def _argspec_options():
