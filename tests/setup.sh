@@ -137,4 +137,4 @@ ln -sfn "$repo" "$coll/fleet"
 
 # The libcuda stand-in (CI only: no GPU here).
 make -s -C "$repo/tests/fakecuda" >/dev/null
-log "ready: criu $CRIU_VERSION, $("$venv/bin/ansible-playbook" --version | head -n1)"
+log "ready: criu $CRIU_VERSION, $("$venv/bin/ansible-playbook" --version | sed -n 1p)"
