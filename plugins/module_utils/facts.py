@@ -52,6 +52,9 @@ def gpu_containers(backends, procs):
         except GpuCkptError as exc:
             errors[backend.name] = exc.msg
             continue
+        except (OSError, ValueError, KeyError, TypeError) as exc:  # a runtime's odd answer is not a failure of facts
+            errors[backend.name] = "%s: %s" % (type(exc).__name__, exc)
+            continue
         for c in listed:
             tree = discovery.process_tree(int(c["pid"]))
             cuda = [p for p in tree if p in by_pid]
