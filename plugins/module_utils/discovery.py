@@ -194,7 +194,8 @@ def _thread_names(pid):
     return names
 
 
-def _environ(pid):
+def environ(pid):
+    """The environment of ``pid`` (from /proc), {} when it cannot be read."""
     try:
         with open("/proc/%d/environ" % pid, "rb") as fh:
             items = fh.read().split(b"\0")
@@ -228,7 +229,7 @@ def unsupported_features(pid):
       process did); the consumer's restore fails (CUDA_ERROR_INVALID_VALUE) and it stays frozen."""
     found = []
     shm = _shm_maps(pid)
-    env = _environ(pid)
+    env = environ(pid)
     nccl_loaded = any("libnccl" in os.path.basename(p) for p in _mapped_files(pid))
     try:
         world = int(env.get("WORLD_SIZE", "1") or 1)

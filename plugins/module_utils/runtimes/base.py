@@ -159,10 +159,21 @@ class Backend(object):
         """Run the user's post-restore probe (``nvidia-smi``, a health check) inside the restored
         workload: in all of its root process's namespaces, its root directory and working directory, with
         its environment, so that a container's own PATH and libraries answer, as `exec` into it would.
-        Returns the command's Result; the caller decides what a failure means."""
+        nsenter itself runs on the host as root, so the workload's variables that steer the host's
+        dynamic loader (LD_PRELOAD, LD_LIBRARY_PATH, ...) are not given to it: they are set again inside,
+        through the container's own `env`. The rest travels in the environment, never in argv (which
+        every user can read). Returns the command's Result; the caller decides what a failure means."""
         nsenter = find_binary("nsenter", what="install util-linux")
-        env = _environ(root_pid)
-        return run([nsenter, "--target", str(root_pid), "--all", "--root", "--wd", "--"] + list(argv),
+        env = discovery.environ(root_pid)
+        loader = ["%s=%s" % (k, env.pop(k)) for k in sorted(env) if k.startswith("LD_") or k in UNSAFE_FOR_ROOT]
+        env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+        inner = list(argv)
+        if loader:
+            env_bin = next((b for b in ("/usr/bin/env", "/bin/env")
+                            if os.path.isfile("/proc/%d/root%s" % (root_pid, b))), None)
+            if env_bin:
+                inner = [env_bin] + loader + inner
+        return run([nsenter, "--target", str(root_pid), "--all", "--root", "--wd", "--"] + inner,
                    timeout=timeout, check=False, stage="probe", pid=root_pid, env=env, new_session=True)
 
 
@@ -183,28 +194,18 @@ MOUNT_TROUBLE = (
 )
 
 
+# Variables besides LD_* that glibc ignores for set-uid programs: what a root process on the host must
+# not take from a workload's environment.
+UNSAFE_FOR_ROOT = ("GCONV_PATH", "GETCONF_DIR", "HOSTALIASES", "LOCALDOMAIN", "LOCPATH", "MALLOC_TRACE", "NIS_PATH",
+                   "NLSPATH", "RESOLV_HOST_CONF", "RES_OPTIONS", "TMPDIR", "TZDIR")
+
+
 def mount_hint(log_text, default=None):
     """A hint for CRIU's log text when it names a mount CRIU could not dump, else ``default``."""
     for words, hint in MOUNT_TROUBLE:
         if words in (log_text or ""):
             return hint
     return default
-
-
-def _environ(pid):
-    """The environment of ``pid`` (NUL separated in /proc), or a minimal PATH when it cannot be read."""
-    try:
-        with open("/proc/%d/environ" % pid, "rb") as fh:
-            raw = fh.read().split(b"\0")
-    except OSError:
-        raw = []
-    env = {}
-    for item in raw:
-        key, sep, value = item.decode("utf-8", "replace").partition("=")
-        if sep and key:
-            env[key] = value
-    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
-    return env
 
 
 def _why(needs):
