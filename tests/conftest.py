@@ -72,9 +72,10 @@ def fakecuda(tmp_path, monkeypatch):
 class Workload(CountingWorkload):
     """The counter workload (tests/workloads/counter.py): a parent and children counting into files."""
 
-    def __init__(self, directory, fakecuda=None, children=1, mb=8, serve=None):
+    def __init__(self, directory, fakecuda=None, children=1, mb=8, serve=None, cache_mb=0, quiesce=False):
         self.dir = directory
-        cmd = [sys.executable, COUNTER, "--dir", directory, "--daemon", "--children", str(children), "--mb", str(mb)]
+        cmd = [sys.executable, COUNTER, "--dir", directory, "--daemon", "--children", str(children), "--mb", str(mb),
+               "--cache-mb", str(cache_mb)] + (["--quiesce"] if quiesce else [])
         if serve:
             cmd += ["--serve", str(serve)]
         if fakecuda:

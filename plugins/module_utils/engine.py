@@ -33,7 +33,7 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from . import discovery, image
+from . import discovery, hugepages, image, quiesce
 from . import driver as cuda
 from .errors import DriverUnavailable, GpuCkptError, ImageError, InvalidTarget, TransactionError
 from .journal import Fenced, identities, process_identity, same_process
@@ -239,7 +239,8 @@ class CheckpointOptions(object):
 
     def __init__(self, leave_running=False, leave_stopped=False, lock_timeout=30.0, libcuda_path=None,
                  check_mode=False, sign_key=None, parallel=True, progress_file=None, nonce=None,
-                 journal_wait=30.0):
+                 journal_wait=30.0, host_huge_pages=False, quiesce_signal=None, quiesce_command=None,
+                 quiesce_timeout=30.0):
         if leave_running and leave_stopped:
             raise InvalidTarget("leave_running and leave_stopped exclude each other", stage="preflight")
         if lock_timeout is None or float(lock_timeout) <= 0:
@@ -248,6 +249,14 @@ class CheckpointOptions(object):
         self.lock_timeout, self.libcuda_path = float(lock_timeout), libcuda_path
         self.check_mode, self.sign_key, self.parallel = check_mode, sign_key, parallel
         self.progress_file, self.nonce, self.journal_wait = progress_file, nonce, journal_wait
+        self.host_huge_pages = bool(host_huge_pages)
+        if quiesce_signal and quiesce_command:
+            raise InvalidTarget("quiesce_signal and quiesce_command exclude each other", stage="preflight")
+        if quiesce_timeout is None or float(quiesce_timeout) <= 0:
+            raise InvalidTarget("quiesce_timeout must be positive, got %s" % quiesce_timeout, stage="preflight")
+        self.quiesce_signal = quiesce.signal_number(quiesce_signal) if quiesce_signal else None
+        self.quiesce_command = list(quiesce_command) if quiesce_command else None
+        self.quiesce_timeout = float(quiesce_timeout)
 
     @property
     def after(self):
@@ -262,6 +271,8 @@ class _Ctx(object):
         self.made = None
         self.keep_image = False
         self.runtime_info = None
+        self.hasher = None
+        self.quiesce = None
         self.manifest = None
         self.journal_data = {}
         self.__dict__.update(kw)
@@ -304,6 +315,8 @@ def plan_checkpoint(target, image_dir, opts, backend):
         gpu_stage = "skipped: no CUDA driver on this host (%s); CPU-only workload" % driver_problem.msg
     else:
         gpu_stage = "skipped: no process of the tree is a CUDA process"
+    if opts.quiesce_signal:
+        quiesce.check_caught(cuda_pids or [root], *opts.quiesce_signal)
     proc_states = {str(p): (discovery.read_stat(p) or {}).get("state") for p in pids}
     return _Ctx(target=target, image_dir=image_dir, root=root, pids=pids, cuda_pids=cuda_pids, drv=drv,
                 gpu_stage=gpu_stage, runtime_facts=runtime_facts, identities=identities(pids),
@@ -327,6 +340,14 @@ def _checkpoint_steps(ctx, clock, sender):
     def discard_dir(c):
         if not c.keep_image:
             image.discard(c.image_dir, c.made)
+
+    def ask_to_quiesce(c):
+        """The workload gives back what it need not keep (see quiesce.py); it runs on meanwhile."""
+        if opts.quiesce_signal:
+            c.quiesce = quiesce.by_signal(c.cuda_pids or [c.root], opts.quiesce_signal[0], opts.quiesce_signal[1],
+                                          opts.quiesce_timeout)
+        elif opts.quiesce_command:
+            c.quiesce = quiesce.by_command(backend, c.root, opts.quiesce_command, opts.quiesce_timeout)
 
     def begin_freeze(c):
         c.frozen_at = time.time()
@@ -358,6 +379,7 @@ def _checkpoint_steps(ctx, clock, sender):
     def dump(c):
         if sender is not None:
             sender.watch(c.image_dir)  # the page files' completed pieces go while the dump writes them
+        c.hasher = image.ChunkHasher(c.image_dir).follow()  # and are hashed while it writes them
         c.runtime_info = backend.dump(c.root, c.image_dir, c.work, c.after)
         clock.stop("runtime_dump")
         if sender is not None:
@@ -365,6 +387,8 @@ def _checkpoint_steps(ctx, clock, sender):
 
     def undump(c):
         """Put back what the dump left: thaw a held tree, or bring an exited one back from its image."""
+        if c.hasher is not None:
+            c.hasher.stop()
         if c.after == "stopped":
             backend.resume([p for p in c.pids if c.states.get(str(p)) not in STOPPED])
         elif c.after == "exit":
@@ -387,7 +411,7 @@ def _checkpoint_steps(ctx, clock, sender):
         clock.stop("cuda_resume_source")
 
     def write_manifest(c):
-        files = image.checksum_files(c.image_dir)
+        files = c.hasher.checksums() if c.hasher is not None else image.checksum_files(c.image_dir)
         clock.stop("checksum")
         host = host_facts(drv)
         host.update(c.runtime_facts)
@@ -399,7 +423,8 @@ def _checkpoint_steps(ctx, clock, sender):
                         [{"pid": p} for p in c.pids]},
              "gpu_stage": c.gpu_stage, "leave_running": c.after == "running", "leave_stopped": c.after == "stopped",
              "frozen_at": c.frozen_at,
-             "sizes": {"image_bytes": sum(f["size"] for f in files.values()), "files": len(files)},
+             "sizes": {"image_bytes": sum(f["size"] for f in files.values()), "files": len(files),
+                       "hashed_during_dump": c.hasher.hashed_early() if c.hasher is not None else 0},
              "timings": dict(clock.stages), "driver_call_seconds": _driver_seconds(drv, c.calls0), "files": files}
         if c.migration_id:
             m["migration"] = {"id": c.migration_id, "nonce": opts.nonce}
@@ -416,8 +441,10 @@ def _checkpoint_steps(ctx, clock, sender):
 
     ctx.pid_map = {}
     ctx.calls0 = len(drv.calls) if drv else 0
-    steps = [Step("image_dir", make_dir, discard_dir, phase="planned"),
-             Step("freeze", begin_freeze, phase="freezing")]
+    steps = [Step("image_dir", make_dir, discard_dir, phase="planned")]
+    if opts.quiesce_signal or opts.quiesce_command:
+        steps.append(Step("quiesce", ask_to_quiesce))
+    steps.append(Step("freeze", begin_freeze, phase="freezing"))
     if ctx.cuda_pids:
         steps += [Step("cuda_lock", lock, unlock, partial=True),
                   Step("cuda_checkpoint", checkpoint_gpu, restore_gpu, partial=True)]
@@ -441,13 +468,17 @@ def checkpoint(target, image_dir, backend=None, journal=None, sender=None, migra
     image_dir = os.path.abspath(image_dir)
     progress = StageProgress(opts.progress_file, CHECKPOINT_STAGES, image_dir)
     try:
-        with _NoHangup():
+        with _NoHangup(), hugepages.HugePages(opts.host_huge_pages and not opts.check_mode) as thp:
             if journal is None:
-                return _checkpoint(target, image_dir, opts, backend or ProcessBackend(), None, sender, migration_id,
-                                   progress)
-            with journal.hold(wait=opts.journal_wait, purpose="the checkpoint of %s" % target):
-                return _checkpoint(target, image_dir, opts, backend or ProcessBackend(), journal, sender,
-                                   migration_id or journal.id, progress)
+                res = _checkpoint(target, image_dir, opts, backend or ProcessBackend(), None, sender, migration_id,
+                                  progress)
+            else:
+                with journal.hold(wait=opts.journal_wait, purpose="the checkpoint of %s" % target):
+                    res = _checkpoint(target, image_dir, opts, backend or ProcessBackend(), journal, sender,
+                                      migration_id or journal.id, progress)
+        if thp.report is not None:
+            res["huge_pages"] = thp.report
+        return res
     finally:
         progress.close()
 
@@ -498,10 +529,15 @@ def _checkpoint(target, image_dir, opts, backend, journal, sender, migration_id,
         if sender is not None:
             sender.abort()
         raise
+    finally:
+        if ctx.hasher is not None:
+            ctx.hasher.stop()
     if sender is not None:
         push_report = _deliver(sender, ctx, journal, clock)
     if push_report is not None:
         result["push"] = push_report
+    if ctx.quiesce is not None:
+        result["quiesce"] = ctx.quiesce
     result.update(changed=True, manifest_id=ctx.manifest["id"], timings=dict(clock.stages), frozen_at=ctx.frozen_at,
                   driver_call_seconds=ctx.manifest["driver_call_seconds"],
                   image_bytes=ctx.manifest["sizes"]["image_bytes"],
@@ -671,12 +707,13 @@ def gpu_pairs_for(gpu_map, visible):
 class RestoreOptions(object):
     def __init__(self, gpu_map=None, force=False, libcuda_path=None, check_mode=False, sign_key=None, verify=True,
                  validate_wait=0.5, pid_wait=10.0, parallel=True, progress_file=None, wait_for_image=0.0,
-                 journal_wait=60.0, probe_command=None, probe_timeout=60.0):
+                 journal_wait=60.0, probe_command=None, probe_timeout=60.0, host_huge_pages=False):
         self.gpu_map, self.force, self.libcuda_path, self.check_mode = gpu_map, force, libcuda_path, check_mode
         self.sign_key, self.verify, self.validate_wait, self.pid_wait = sign_key, verify, validate_wait, pid_wait
         self.parallel, self.progress_file, self.wait_for_image = parallel, progress_file, wait_for_image
         self.journal_wait = journal_wait
         self.probe = (list(probe_command), probe_timeout) if probe_command else None
+        self.host_huge_pages = bool(host_huge_pages)
 
 
 def restore(image_dir, backend=None, journal=None, **options):
@@ -692,11 +729,15 @@ def restore(image_dir, backend=None, journal=None, **options):
             waited = None
             if journal is not None and opts.wait_for_image and not opts.check_mode:
                 waited = wait_for_delivery(journal, opts.wait_for_image, opts.libcuda_path)
-            if journal is None:
-                res = _restore(image_dir, opts, backend, None, progress)
-            else:
-                with journal.hold(wait=opts.journal_wait, purpose="the restore of %s" % image_dir):
-                    res = _restore(image_dir, opts, backend, journal, progress)
+            # (the image is waited for first: huge pages matter from the runtime's restore on)
+            with hugepages.HugePages(opts.host_huge_pages and not opts.check_mode) as thp:
+                if journal is None:
+                    res = _restore(image_dir, opts, backend, None, progress)
+                else:
+                    with journal.hold(wait=opts.journal_wait, purpose="the restore of %s" % image_dir):
+                        res = _restore(image_dir, opts, backend, journal, progress)
+            if thp.report is not None:
+                res["huge_pages"] = thp.report
             if waited is not None and res.get("timings") is not None:
                 res["timings"] = dict(res["timings"], wait_for_image=round(waited, 6))
             return res

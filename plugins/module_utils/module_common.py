@@ -4,6 +4,8 @@
 """What the three modules share: options for finding the tools, and turning engine errors into fail_json."""
 from __future__ import annotations
 
+import shlex
+
 from .errors import GpuCkptError
 
 TOOL_ARGS = dict(
@@ -75,6 +77,10 @@ PROGRESS_ARGS = dict(
     progress_file=dict(type="path"),  # set by the action plugin of the same name (plugins/action)
 )
 
+SPEED_ARGS = dict(
+    host_huge_pages=dict(type="bool", default=False),
+)
+
 
 MIGRATION_ARGS = dict(
     migration_id=dict(type="str"),
@@ -88,6 +94,28 @@ def journal_for(params, role):
         return None
     from .journal import Journal
     return Journal(params["journal_dir"], params["migration_id"], role)
+
+
+def command_argv(module, name, value):
+    """A command option (a probe, a quiesce command) as an argument vector: a list as given, a string
+    split as a shell would split it (no shell runs it). None when not given."""
+    if value is None or value == "" or value == []:
+        return None
+    argv = None
+    if isinstance(value, (list, tuple)):
+        argv = [str(v) for v in value]
+    elif isinstance(value, str):
+        try:
+            argv = shlex.split(value)
+        except ValueError as exc:
+            module.fail_json(msg="%s %r cannot be split into arguments: %s; nothing was done" % (name, value, exc),
+                             stage="preflight")
+    else:
+        module.fail_json(msg="%s must be a string or a list of strings, got %s; nothing was done"
+                         % (name, type(value).__name__), stage="preflight")
+    if not argv or any("\0" in a for a in argv):
+        module.fail_json(msg="%s %r is empty or holds a NUL byte; nothing was done" % (name, value), stage="preflight")
+    return argv
 
 
 def check_path_arg(module, name, value):

@@ -43,7 +43,7 @@ from .progress import BytesProgress
 
 CHUNK = image.CHUNK
 FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
-GROWING = re.compile(r"^pages-\d+\.img$")  # CRIU appends page data to these while it dumps
+GROWING = image.GROWING
 # The receiver program: these modules' sources, in this order (each needs only those before it).
 RECEIVER_MODULES = (errors, fsutil, journal, image, receiver)
 HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\[\]-]+$")

@@ -71,6 +71,30 @@ options:
     description: Seconds to wait for in-flight CUDA work to finish when locking each process.
     type: float
     default: 30
+  quiesce_signal:
+    description:
+      - Before anything is frozen, send this signal (V(SIGUSR1), V(USR1) or its number) to each CUDA process
+        (the root process when none) so that the workload gives back memory it need not keep, such as a PyTorch
+        caching allocator's free blocks, which would otherwise be copied, dumped, sent and restored.
+      - The workload handles it and acknowledges by writing C(/tmp/gpuckpt-quiesced.<its pid>) in its own root.
+        The collection's C(tools/gpuckpt_quiesce.py) does both for a PyTorch job (C(torch.cuda.empty_cache())).
+      - A process that does not catch the signal is refused before anything is sent. Without an acknowledgement
+        within O(quiesce_timeout) the checkpoint goes on, and the result's C(quiesce.warning) says so.
+      - The workload runs on while it quiesces, so this adds no downtime.
+    type: str
+  quiesce_command:
+    description:
+      - Before anything is frozen, run this command inside the workload (its namespaces, root, working directory
+        and environment, like an exec), for example a call to an inference server's endpoint that frees its cache.
+        A string is split as a shell would split it (no shell runs it), or give a list.
+      - A failure or a timeout fails the checkpoint before the freeze. Nothing is frozen, but whatever the
+        command changed in the workload stays changed.
+      - Excludes O(quiesce_signal).
+    type: raw
+  quiesce_timeout:
+    description: Seconds to wait for the acknowledgements of O(quiesce_signal), or for O(quiesce_command) to end.
+    type: float
+    default: 30
   push:
     description:
       - Send the image to another host while it is being written, over parallel persistent ssh streams
@@ -133,6 +157,7 @@ extends_documentation_fragment:
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
   - gpuckpt.fleet.common.progress
+  - gpuckpt.fleet.common.speed
   - gpuckpt.fleet.common.runtime
 notes:
   - Needs root (CRIU and the driver's checkpoint API act on other processes).
@@ -165,6 +190,23 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+quiesce:
+  description:
+    - With O(quiesce_signal), C(signal), C(pids), C(seconds), C(acknowledged) (each process's acknowledgement, as
+      it wrote it), and C(not_acknowledged) with C(warning) when some did not answer in time.
+    - With O(quiesce_command), C(cmd), C(rc), C(seconds), C(stdout) and C(stderr) (their last 2000 characters).
+  returned: when O(quiesce_signal) or O(quiesce_command) was given and the checkpoint was made
+  type: dict
+  sample: {"signal": "SIGUSR1", "pids": [4242], "seconds": 0.41,
+           "acknowledged": {"4242": {"seq": 1, "pid": 4242, "released_bytes": 30064771072}}}
+huge_pages:
+  description:
+    - With O(host_huge_pages), what was done. C(mode) and C(previous) (the setting found), C(put_back) when
+      this operation was the last to hold it, C(error) when it could not be set or put back.
+    - Also returned, with C(note), when this operation put back a setting that a killed module had left.
+  returned: when O(host_huge_pages) was set, or a setting was put back
+  type: dict
+  sample: {"requested": true, "mode": "always", "previous": "madvise", "put_back": "madvise"}
 image_dir:
   description: Absolute path of the image.
   returned: always
@@ -232,8 +274,8 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, trans
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, RUNTIMES, TOOL_ARGS, check_path_arg, journal_for, make_backend,
-    run_engine)
+    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, RUNTIMES, SPEED_ARGS, TOOL_ARGS, check_path_arg, command_argv,
+    journal_for, make_backend, run_engine)
 
 NONCE_RE = re.compile(r"^[A-Za-z0-9]{8,64}$")
 
@@ -247,6 +289,9 @@ def main():
         leave_running=dict(type="bool", default=False),
         leave_stopped=dict(type="bool", default=False),
         lock_timeout=dict(type="float", default=30),
+        quiesce_signal=dict(type="str"),
+        quiesce_command=dict(type="raw"),
+        quiesce_timeout=dict(type="float", default=30),
         sign_key=dict(type="str", no_log=True),
         parallel=dict(type="bool", default=True),
         nonce=dict(type="str"),
@@ -264,10 +309,12 @@ def main():
     )
     spec.update(TOOL_ARGS)
     spec.update(PROGRESS_ARGS)
+    spec.update(SPEED_ARGS)
     spec.update(RUNTIME_ARGS)
     spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
-                           mutually_exclusive=[("leave_running", "leave_stopped"), ("pid", "container")],
+                           mutually_exclusive=[("leave_running", "leave_stopped"), ("pid", "container"),
+                                               ("quiesce_signal", "quiesce_command")],
                            required_if=[("runtime", "process", ["pid"]), ("runtime", "runc", ["container"]),
                                         ("runtime", "podman", ["container"]), ("runtime", "docker", ["container"])])
     p = module.params
@@ -288,7 +335,9 @@ def main():
             module.fail_json(**exc.to_dict())
         sender = transfer.Sender(target, q["dest"], streams=q["streams"], receiver=receiver)
     options = {k: p[k] for k in ("leave_running", "leave_stopped", "lock_timeout", "libcuda_path", "sign_key",
-                                 "parallel", "progress_file", "nonce")}
+                                 "parallel", "progress_file", "nonce", "host_huge_pages", "quiesce_signal",
+                                 "quiesce_timeout")}
+    options["quiesce_command"] = command_argv(module, "quiesce_command", p["quiesce_command"])
     run_engine(module, lambda: engine.checkpoint(
         p["pid"] if p["runtime"] == "process" else p["container"], p["image_dir"],
         backend=make_backend(p["runtime"], p), journal=journal_for(p, "source"), sender=sender,

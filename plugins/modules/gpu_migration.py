@@ -109,6 +109,11 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+huge_pages:
+  description: With C(note), when this run put back the host's transparent huge pages setting that a killed
+    checkpoint or restore (O(gpuckpt.fleet.gpu_checkpoint#module:host_huge_pages)) had left changed.
+  returned: when it did
+  type: dict
 journal:
   description: The journal as read (phase, history, pids, image_dir...), with alive_pids, stopped_pids and running_pids.
   returned: always
@@ -129,7 +134,7 @@ msg:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import migration
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import hugepages, migration
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError, InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
     RUNTIME_ARGS, backend_of_image, check_path_arg, make_backend)
@@ -184,6 +189,11 @@ def main():
             changed, msg = migration.rollback_source(journal, _backend(journal, p), target_phase=p["target_phase"],
                                                      target_lost=p["target_lost"], libcuda_path=p["libcuda_path"],
                                                      wait=p["wait"])
+        # A module killed while it held the host's huge pages setting (host_huge_pages) left it changed:
+        # a migration's settlement and recover.yml put it back too.
+        note = hugepages.settle()
+        if note:
+            out["huge_pages"] = {"note": note}
         st = migration.status(journal)
         module.exit_json(changed=changed, msg=msg, journal=st, phase=st.get("phase"), **out)
     except GpuCkptError as exc:

@@ -84,6 +84,7 @@ extends_documentation_fragment:
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
   - gpuckpt.fleet.common.progress
+  - gpuckpt.fleet.common.speed
   - gpuckpt.fleet.common.runtime
 notes:
   - Needs root. The pids recorded in the image must be free on this host (CRIU restores the same pids).
@@ -106,6 +107,14 @@ EXAMPLES = r"""
 """
 
 RETURN = r"""
+huge_pages:
+  description:
+    - With O(host_huge_pages), what was done. C(mode) and C(previous) (the setting found), C(put_back) when
+      this operation was the last to hold it, C(error) when it could not be set or put back.
+    - Also returned, with C(note), when this operation put back a setting that a killed module had left.
+  returned: when O(host_huge_pages) was set, or a setting was put back
+  type: dict
+  sample: {"requested": true, "mode": "always", "previous": "madvise", "put_back": "madvise"}
 pids:
   description: Pids of the restored process tree, root first.
   returned: success
@@ -151,14 +160,12 @@ bad_files:
   type: list
 """
 
-import shlex
-
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, TOOL_ARGS, backend_of_image, check_path_arg, journal_for, make_backend,
-    run_engine)
+    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, SPEED_ARGS, TOOL_ARGS, backend_of_image, check_path_arg, command_argv,
+    journal_for, make_backend, run_engine)
 
 
 def main():
@@ -178,6 +185,7 @@ def main():
     )
     spec.update(TOOL_ARGS)
     spec.update(PROGRESS_ARGS)
+    spec.update(SPEED_ARGS)
     spec.update(RUNTIME_ARGS)
     spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
@@ -189,40 +197,19 @@ def main():
     if p["wait_for_image"] < 0 or p["validate_wait"] < 0 or p["probe_timeout"] <= 0:
         module.fail_json(msg="wait_for_image and validate_wait must not be negative, probe_timeout must be positive")
     check_path_arg(module, "image_dir", p["image_dir"])
-    probe = probe_argv(module, p["probe_command"])
+    probe = command_argv(module, "probe_command", p["probe_command"])
 
     def restore():
         # In a migration the image may not be there yet (wait_for_image): the backend is chosen from
         # the manifest once it has arrived.
         journal = journal_for(p, "target")
         options = {k: p[k] for k in ("gpu_map", "force", "verify", "libcuda_path", "sign_key", "validate_wait",
-                                     "parallel", "progress_file", "wait_for_image")}
+                                     "parallel", "progress_file", "wait_for_image", "host_huge_pages")}
         return engine.restore(p["image_dir"], backend=LazyBackend(p), journal=journal,
                               check_mode=module.check_mode, probe_command=probe, probe_timeout=p["probe_timeout"],
                               **options)
 
     run_engine(module, restore)
-
-
-def probe_argv(module, value):
-    """probe_command as an argument vector: a list as given, a string split as a shell would split it."""
-    if value is None or value == "" or value == []:
-        return None
-    if isinstance(value, (list, tuple)):
-        argv = [str(v) for v in value]
-    elif isinstance(value, str):
-        try:
-            argv = shlex.split(value)
-        except ValueError as exc:
-            module.fail_json(msg="probe_command %r cannot be split into arguments: %s; nothing was done" % (value, exc),
-                             stage="preflight")
-    else:
-        module.fail_json(msg="probe_command must be a string or a list of strings, got %s; nothing was done"
-                         % type(value).__name__, stage="preflight")
-    if not argv or any("\0" in a for a in argv):
-        module.fail_json(msg="probe_command %r is empty or holds a NUL byte; nothing was done" % (value,),
-                         stage="preflight")
-    return argv
 
 
 class LazyBackend(object):

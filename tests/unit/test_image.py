@@ -157,3 +157,66 @@ def test_missing_and_bad_manifest(tmp_path):
     (tmp_path / "m" / "manifest.json").write_text('{"schema_version": 99}')
     with pytest.raises(ImageError, match="schema 99"):
         image.load_manifest(str(tmp_path / "m"))
+
+
+def _wait_for(cond, timeout=10.0):
+    import time
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
+
+
+def test_chunks_hashed_while_the_dump_writes_match_a_hash_of_the_final_files(tmp_path, monkeypatch):
+    """The checksums taken while the page files grow are the checksums of the finished image, and
+    the whole chunks written during the dump are not hashed again at the end."""
+    monkeypatch.setattr(image, "CHUNK", 2**16)
+    d = tmp_path / "img"
+    image.prepare_dir(str(d))
+    hasher = image.ChunkHasher(str(d), workers=2, poll=0.005).follow()
+    try:
+        with open(d / "pages-1.img", "wb") as fh:
+            for unused in range(8):  # appended in odd sizes, as a dump writes
+                fh.write(os.urandom(40000))
+                fh.flush()
+            _wait_for(lambda: hasher.hashed_early() >= 4 * 2**16)
+            fh.write(os.urandom(12345))
+        (d / "core-1.img").write_bytes(b"core")
+        (d / "pages-2.img").write_bytes(b"")
+        final = hasher.checksums()
+    finally:
+        hasher.stop()
+    assert final == image.checksum_files(str(d))
+    assert hasher.hashed_early() >= 4 * 2**16
+    assert len(final["pages-1.img"]["sha256_chunks"]) == -(-(8 * 40000 + 12345) // 2**16)
+
+
+def test_a_page_file_replaced_during_the_dump_is_hashed_again(tmp_path, monkeypatch):
+    monkeypatch.setattr(image, "CHUNK", 2**16)
+    d = tmp_path / "img"
+    image.prepare_dir(str(d))
+    hasher = image.ChunkHasher(str(d), workers=1, poll=0.005).follow()
+    try:
+        (d / "pages-1.img").write_bytes(os.urandom(3 * 2**16))
+        _wait_for(lambda: hasher.hashed_early() >= 3 * 2**16)
+        os.unlink(d / "pages-1.img")  # a new inode, other bytes: the early digests must not be used
+        (d / "pages-1.img").write_bytes(os.urandom(3 * 2**16))
+        final = hasher.checksums()
+    finally:
+        hasher.stop()
+    assert final == image.checksum_files(str(d))
+
+
+def test_a_hasher_stopped_on_a_failed_dump_leaves_nothing_open(tmp_path, monkeypatch):
+    monkeypatch.setattr(image, "CHUNK", 2**16)
+    d = tmp_path / "img"
+    made = image.prepare_dir(str(d))
+    before = len(os.listdir("/proc/self/fd"))
+    hasher = image.ChunkHasher(str(d), workers=1, poll=0.005).follow()
+    (d / "pages-1.img").write_bytes(os.urandom(4 * 2**16))
+    _wait_for(lambda: hasher.hashed_early() > 0)
+    hasher.stop()
+    hasher.stop()
+    image.discard(str(d), made)
+    assert not d.exists()
+    assert len(os.listdir("/proc/self/fd")) == before

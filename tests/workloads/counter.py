@@ -78,6 +78,19 @@ def run(role, args):
     for unused in range(args.mb):  # 1 MiB at a time: randbytes() of more than 256 MiB overflows
         buf += rng.randbytes(2**20)
     digest0 = hashlib.sha256(buf).hexdigest()
+    # A cache the process could do without (as a caching allocator's free blocks): given back when
+    # gpuckpt.fleet asks before a checkpoint (--quiesce: tools/gpuckpt_quiesce.py's handler).
+    cache = [bytearray(b"\xa5") * 2**20 for unused in range(args.cache_mb)]
+    if args.quiesce:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+        import gpuckpt_quiesce
+
+        def release():
+            n = sum(len(b) for b in cache)
+            del cache[:]
+            gpuckpt_quiesce.release_pytorch_cache()
+            return {"released_bytes": n}
+        gpuckpt_quiesce.install(release=release)
     write_atomic(os.path.join(args.dir, role + ".digest"), digest0)
     count = 0
     counts = os.open(os.path.join(args.dir, role + ".counts"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -102,6 +115,8 @@ def main():
     ap.add_argument("--children", type=int, default=1)
     ap.add_argument("--mb", type=int, default=8)
     ap.add_argument("--interval", type=float, default=0.05)
+    ap.add_argument("--cache-mb", type=int, default=0, help="MiB of releasable cache in each process")
+    ap.add_argument("--quiesce", action="store_true", help="release the cache on SIGUSR1 (gpuckpt_quiesce)")
     ap.add_argument("--fakecuda")
     ap.add_argument("--listen", help="the parent listens on this abstract unix socket name")
     ap.add_argument("--serve", type=int, help="the parent answers requests on this TCP port of 127.0.0.1")

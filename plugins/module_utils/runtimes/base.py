@@ -155,8 +155,8 @@ class Backend(object):
         the source (a stopped container). Returns whether anything was removed."""
         return False
 
-    def probe(self, root_pid, argv, timeout):
-        """Run the user's post-restore probe (``nvidia-smi``, a health check) inside the restored
+    def probe(self, root_pid, argv, timeout, stage="probe"):
+        """Run the user's post-restore probe (``nvidia-smi``, a health check) or quiesce command inside the
         workload: in all of its root process's namespaces, its root directory and working directory, with
         its environment, so that a container's own PATH and libraries answer, as `exec` into it would.
         nsenter itself runs on the host as root, so the workload's variables that steer the host's
@@ -174,7 +174,7 @@ class Backend(object):
             if env_bin:
                 inner = [env_bin] + loader + inner
         return run([nsenter, "--target", str(root_pid), "--all", "--root", "--wd", "--"] + inner,
-                   timeout=timeout, check=False, stage="probe", pid=root_pid, env=env, new_session=True)
+                   timeout=timeout, check=False, stage=stage, pid=root_pid, env=env, new_session=True)
 
 
 # What CRIU says when a container holds a mount it cannot dump, and what the user can do about it.
