@@ -22,7 +22,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, hugepages, image  # noqa: E402
 from gpu_helpers import TorchWorkload, raw_driver  # noqa: E402
 
 
@@ -68,16 +68,46 @@ print(json.dumps({"pinned_d2h_GBps": d2h / 1e9, "pinned_h2d_GBps": h2d / 1e9, "f
     emit("floors", gib=gib, **res)
 
 
-def cycle(w, image_dir, label, parallel=False):
-    ck = engine.checkpoint(w.pid, image_dir, parallel=parallel)
+def cycle(w, image_dir, label, parallel=False, **options):
+    ck = engine.checkpoint(w.pid, image_dir, parallel=parallel, **options)
     stopped = w.counts()
-    rs = engine.restore(image_dir, parallel=parallel)
+    rs = engine.restore(image_dir, parallel=parallel, host_huge_pages=options.get("host_huge_pages", False))
     w.wait_counting(beyond=stopped)
     ok = w.verified_after(stopped)
     shutil.rmtree(image_dir)
     return {"label": label, "checkpoint": ck["timings"], "checkpoint_driver": ck["driver_call_seconds"],
             "restore": rs["timings"], "restore_driver": rs["driver_call_seconds"], "image_bytes": ck["image_bytes"],
-            "data_intact": ok}
+            "data_intact": ok, "thp": hugepages.read_mode(), "huge_pages": ck.get("huge_pages"),
+            "quiesce": ck.get("quiesce")}
+
+
+def speed(args):
+    """The speed options in one run, on one PyTorch process holding --speed GiB of tensors and
+    --cache-gib GiB of freed blocks in its caching allocator: THP as the host has it vs always for the
+    operation (alternated, twice each), the checksums taken during the dump vs after it, then the
+    quiesce signal (last: it empties the cache)."""
+    wdir = os.path.join(args.image_root, "w-speed")
+    shutil.rmtree(wdir, ignore_errors=True)
+    w = TorchWorkload(wdir, gib=args.speed, verify_every=2.0, cache_gib=args.cache_gib, quiesce=True)
+    img = os.path.join(args.image_root, "img-speed")
+    cycles = []
+    try:
+        plan = [("host-thp", {}), ("thp-always", {"host_huge_pages": True})] * 2
+        plan.append(("thp-always-hash-after-dump", {"host_huge_pages": True, "_hash_after": True}))
+        plan.append(("thp-always-quiesced", {"host_huge_pages": True, "quiesce_signal": "SIGUSR1"}))
+        for label, opts in plan:
+            follow = image.ChunkHasher.follow
+            if opts.pop("_hash_after", False):
+                image.ChunkHasher.follow = lambda self: self  # the checksums all taken after the dump, as before
+            try:
+                cycles.append(cycle(w, img, label, **opts))
+            finally:
+                image.ChunkHasher.follow = follow
+            w.wait_counting(beyond=w.counts())
+        emit("speed", gib=args.speed, cache_gib=args.cache_gib, host_thp=hugepages.read_mode(), cycles=cycles)
+    finally:
+        w.kill()
+        time.sleep(2)
 
 
 def main():
@@ -85,9 +115,14 @@ def main():
     ap.add_argument("--sizes", default="4,16")
     ap.add_argument("--image-root", default="/tmp/gpuckpt-bench")
     ap.add_argument("--no-floors", action="store_true")
+    ap.add_argument("--speed", type=float, default=0, help="GiB of tensors for the speed options' run (see speed())")
+    ap.add_argument("--cache-gib", type=float, default=0, help="GiB the allocator keeps cached in that run")
     ap.add_argument("--multi", type=float, default=0,
                     help="GiB per process of a 3-process workload: driver calls one after another vs in parallel")
     args = ap.parse_args()
+    if args.speed:
+        speed(args)
+        return
     if args.multi:
         wdir = os.path.join(args.image_root, "w-multi")
         shutil.rmtree(wdir, ignore_errors=True)

@@ -40,10 +40,11 @@ def nvidia_smi_pids():
 class TorchWorkload(CountingWorkload):
     count_timeout = 120
 
-    def __init__(self, directory, gib, children=0, device=0, verify_every=1.0):
+    def __init__(self, directory, gib, children=0, device=0, verify_every=1.0, cache_gib=0, quiesce=False):
         self.dir = directory
         cmd = [WORKLOAD_PYTHON, TORCH_COUNTER, "--dir", directory, "--gib", str(gib), "--children", str(children),
-               "--device", str(device), "--daemon", "--verify-every", str(verify_every)]
+               "--device", str(device), "--daemon", "--verify-every", str(verify_every), "--cache-gib", str(cache_gib)]
+        cmd += ["--quiesce"] if quiesce else []
         t = time.monotonic()
         out = subprocess.run(cmd, stdout=subprocess.PIPE, env=_clean_env(), universal_newlines=True, timeout=900, check=False)
         if not out.stdout.strip():

@@ -44,6 +44,11 @@ if [ -n "${GPUCKPT_MIGRATE_BENCH_GIB:-}" ]; then
   python3 bench/migrate_bench.py --torch-gib "$GPUCKPT_MIGRATE_BENCH_GIB" --pid-namespaces 0 ${GPUCKPT_MIGRATE_BENCH_ARGS:-} 2>&1 \
     | tee "$OUT/migrate_bench.log" | grep -E "RESULT|Error|error|\|" || rc=1
 fi
+# The speed options in one run (issue 15): GPUCKPT_SPEED_GIB=8 GPUCKPT_SPEED_CACHE_GIB=8
+if [ -n "${GPUCKPT_SPEED_GIB:-}" ]; then
+  python3 bench/gpu_bench.py --speed "$GPUCKPT_SPEED_GIB" --cache-gib "${GPUCKPT_SPEED_CACHE_GIB:-0}" 2>&1 \
+    | tee "$OUT/speed.log" | grep -E "RESULT|Error|error" || rc=1
+fi
 # Three CUDA processes: driver calls one after another vs in parallel (issue 4): GPUCKPT_MULTI_GIB=4
 if [ -n "${GPUCKPT_MULTI_GIB:-}" ]; then
   python3 bench/gpu_bench.py --multi "$GPUCKPT_MULTI_GIB" 2>&1 | tee "$OUT/multi.log" | grep -E "RESULT|Error|error" || rc=1

@@ -54,6 +54,34 @@ def test_checkpoint_restore_pytorch_process(playbook, torch_workloads, tmp_path,
            restore_driver_calls=rs["driver_call_seconds"], raw_driver=raw, fill_seconds=w.fill_seconds)
 
 
+def test_quiesced_pytorch_process_with_huge_pages(playbook, torch_workloads, tmp_path, record):
+    """The job gives its allocator's cache back on SIGUSR1 (tools/gpuckpt_quiesce.py) before the freeze,
+    and THP is always while the checkpoint and the restore run: smaller image, data intact, the host's
+    setting put back."""
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
+        thp_before = fh.read()
+    w = torch_workloads(gib=2, cache_gib=4, quiesce=True)
+    image_dir = str(tmp_path / "img")
+    run = playbook("gpuckpt.fleet.checkpoint", {"gpuckpt_pid": w.pid, "gpuckpt_image_dir": image_dir,
+                                                 "gpuckpt_quiesce_signal": "SIGUSR1", "gpuckpt_host_huge_pages": True})
+    assert run.rc == 0, run.stdout
+    ck = run.task("Checkpoint pid")
+    ack = ck["quiesce"]["acknowledged"][str(w.pid)]
+    assert ack["released_bytes"] >= 4 * 2**30, ack
+    assert ck["image_bytes"] < 4 * 2**30, "the released cache must not be saved (%d bytes)" % ck["image_bytes"]
+    assert ck["huge_pages"]["mode"] == "always"
+    stopped = w.counts()
+    run = playbook("gpuckpt.fleet.restore", {"gpuckpt_image_dir": image_dir, "gpuckpt_host_huge_pages": True})
+    assert run.rc == 0, run.stdout
+    rs = run.task("Restore from")
+    w.wait_counting(beyond=stopped)
+    assert w.verified_after(stopped)
+    with open("/sys/kernel/mm/transparent_hugepage/enabled") as fh:
+        assert fh.read() == thp_before
+    record("quiesce_huge_pages", gib=2, cache_gib=4, image_bytes=ck["image_bytes"], quiesce=ck["quiesce"],
+           checkpoint_timings=ck["timings"], restore_timings=rs["timings"], huge_pages=ck["huge_pages"])
+
+
 def test_leave_running_on_gpu(playbook, torch_workloads, tmp_path, record):
     w = torch_workloads(gib=GIB)
     image_dir = str(tmp_path / "img")

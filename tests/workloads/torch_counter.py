@@ -50,6 +50,15 @@ def run(role, args, on_ready):
         buf[i:i + m] = torch.randint(-2**62, 2**62, (m,), generator=gen, device=dev, dtype=torch.int64)
     weights = torch.arange(1, CHUNK_ELEMS + 1, device=dev, dtype=torch.int64) * 2654435761
     digest0 = gpu_digest(torch, buf, weights)
+    if args.cache_gib:
+        # What a training step leaves behind: blocks freed by the job that PyTorch's caching allocator
+        # keeps reserved for reuse. A checkpoint saves them unless the job gives them back first.
+        torch.ones(int(args.cache_gib * 2**30) // 8, dtype=torch.int64, device=dev)  # freed at once, kept reserved
+        torch.cuda.synchronize()
+    if args.quiesce:
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+        import gpuckpt_quiesce
+        gpuckpt_quiesce.install()
     write_atomic(os.path.join(args.dir, role + ".digest"), digest0)
     count, digest, digest_count, last_verify = 0, digest0, 0, time.monotonic()
     on_ready()
@@ -75,6 +84,8 @@ def main():
     ap.add_argument("--device", type=int, default=0)
     ap.add_argument("--interval", type=float, default=0.05)
     ap.add_argument("--verify-every", type=float, default=1.0)
+    ap.add_argument("--cache-gib", type=float, default=0, help="GiB freed after the fill, kept by the allocator")
+    ap.add_argument("--quiesce", action="store_true", help="release the allocator's cache on SIGUSR1 (gpuckpt_quiesce)")
     ap.add_argument("--daemon", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
