@@ -20,7 +20,7 @@ ask on their behalf, so the lever is the host's setting: with ``host_huge_pages`
   administrator made meanwhile is kept.
 - STATE_DIR is on /run (a tmpfs): a reboot forgets the record together with the setting.
 - The trade-off while it holds: other processes' new anonymous memory also gets huge pages (more
-  memory per sparse mapping); for minutes, not for the life of the host. The ``gpuckpt_thp_mode``
+  memory per sparse mapping); for minutes, not for the life of the host. The ``criu_thp_mode``
   variable of the criu role sets it for good instead, where an operator prefers that.
 """
 from __future__ import annotations

@@ -63,7 +63,7 @@ def test_quiesced_pytorch_process_with_huge_pages(playbook, torch_workloads, tmp
     w = torch_workloads(gib=2, cache_gib=4, quiesce=True)
     image_dir = str(tmp_path / "img")
     run = playbook("gpuckpt.fleet.checkpoint", {"gpuckpt_pid": w.pid, "gpuckpt_image_dir": image_dir,
-                                                 "gpuckpt_quiesce_signal": "SIGUSR1", "gpuckpt_host_huge_pages": True})
+                                                "gpuckpt_quiesce_signal": "SIGUSR1", "gpuckpt_host_huge_pages": True})
     assert run.rc == 0, run.stdout
     ck = run.task("Checkpoint pid")
     ack = ck["quiesce"]["acknowledged"][str(w.pid)]

@@ -40,6 +40,26 @@ def test_criu_role_rejects_a_bad_argument(playbook, tmp_path):
     assert "criu_install_method" in text and "bogus" in text and "one of" in text
 
 
+def test_criu_role_sets_huge_pages_for_good_only_when_they_differ(playbook, tmp_path):
+    """criu_thp_mode: probed, written only when it differs, kept for the next boots by a tmpfiles entry
+    (on a stand-in of the sysfs file: this host's own setting is not touched)."""
+    sysfs, tmpfiles = tmp_path / "enabled", tmp_path / "gpuckpt-thp.conf"
+    sysfs.write_text("always [madvise] never\n")
+    v = {"criu_thp_mode": "always", "criu_thp_sysfs": str(sysfs), "criu_thp_tmpfiles": str(tmpfiles),
+         "criu_run_check": False}
+    run = playbook(ROLE_CRIU, v)
+    assert run.rc == 0, run.stdout
+    assert run.task("Set transparent huge pages now to always")["changed"] is True
+    assert sysfs.read_text() == "always"
+    assert "w %s - - - - always" % sysfs in tmpfiles.read_text()
+    sysfs.write_text("[always] madvise never\n")  # as the kernel shows it once set
+    again = playbook(ROLE_CRIU, v)
+    assert again.rc == 0, again.stdout
+    assert again.task("Set transparent huge pages now to always")["_status"] == "skipped"
+    assert again.task("Keep it at every boot (systemd-tmpfiles)")["changed"] is False
+    assert sysfs.read_text() == "[always] madvise never\n"
+
+
 ROLE_CUDA_CHECKPOINT = os.path.join(HERE, "playbooks", "role_cuda_checkpoint.yml")
 
 
