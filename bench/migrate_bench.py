@@ -37,7 +37,8 @@ PASS_ENV = {k: os.environ[k] for k in ("LD_LIBRARY_PATH", "PATH") if k in os.env
 def start(hosts, args, workdir):
     env = " ".join("%s=%s" % kv for kv in PASS_ENV.items())
     if args.torch_gib:
-        cmd = "%s %s/tests/workloads/torch_counter.py --dir %s --gib %s --daemon" % (PY, REPO, workdir, args.torch_gib)
+        cmd = "%s %s/tests/workloads/torch_counter.py --dir %s --gib %s --daemon --cache-gib %s --quiesce" % (
+            PY, REPO, workdir, args.torch_gib, args.cache_gib)
     else:
         cmd = "%s %s/tests/workloads/counter.py --dir %s --mb %d --daemon" % (PY, REPO, workdir, args.mb)
     # Under a subreaper, as systemd or a container shim runs real workloads (tests/workloads/reaper.py).
@@ -99,7 +100,7 @@ def plain_chain(hosts, args, base, fast_cipher=False, tag="chain"):
     return total, size, steps
 
 
-def ours(hosts, args, base, streams, tag="ours", during_dump=True, restore_early=True):
+def ours(hosts, args, base, streams, tag="ours", during_dump=True, restore_early=True, extra=None):
     wdir = os.path.join(base, tag + "-w")
     pid = start(hosts, args, wdir)
     rec = os.path.join(base, tag + ".jsonl")
@@ -111,7 +112,7 @@ def ours(hosts, args, base, streams, tag="ours", during_dump=True, restore_early
     subprocess.run([PLAYBOOK, "gpuckpt.fleet.migrate", "-i", hosts.path("inventory.yml"), "-e",
                     json.dumps({"source": "hosta", "target": "hostb", "pid": pid, "migration_id": "bench-" + tag,
                                 "gpuckpt_transfer_streams": streams, "gpuckpt_transfer_during_dump": during_dump,
-                                "gpuckpt_restore_early": restore_early})],
+                                "gpuckpt_restore_early": restore_early}, **(extra or {}))],
                    check=True, env=env, stdout=open(os.path.join(base, tag + ".log"), "w"))
     res = {}
     for line in open(rec):
@@ -168,6 +169,12 @@ def main():
                          "host memory faulted in for the first time (the GPU machine's VM), which would bias the order")
     ap.add_argument("--also-late-restore", action="store_true",
                     help="also time our migration with the target's restore started after the transfer (not before the freeze)")
+    ap.add_argument("--cache-gib", type=float, default=0,
+                    help="GPU workload: GiB of freed blocks its caching allocator keeps (released on SIGUSR1)")
+    ap.add_argument("--also-huge-pages", action="store_true",
+                    help="also time our migration with gpuckpt_host_huge_pages (THP always while it runs)")
+    ap.add_argument("--also-quiesce", action="store_true",
+                    help="also time our migration with huge pages and quiesce_signal=SIGUSR1 (the cache released first)")
     ap.add_argument("--also-single-stream", action="store_true",
                     help="also time our migration with one ssh stream (one push stream during the dump), to show what the streams bring")
     args = ap.parse_args()
@@ -193,6 +200,9 @@ def main():
         single = variant("single", streams=1)[0] if args.also_single_stream else None
         after_dump = variant("after", during_dump=False)[0] if args.also_after_dump else None
         late = variant("late", restore_early=False)[0] if args.also_late_restore else None
+        thp = variant("thp", extra={"gpuckpt_host_huge_pages": True}) if args.also_huge_pages else None
+        quiet = variant("quiesced", extra={"gpuckpt_host_huge_pages": True, "quiesce_signal": "SIGUSR1"}) \
+            if args.also_quiesce else None
         chain, chain_size, chain_steps = plain_chain(hosts, args, base)
         settle("chain")
         fast_chain = None
@@ -202,6 +212,15 @@ def main():
         disk, link1, link_n = bandwidths(hosts, base, size, args.streams)
         link = max(link1, link_n)
         floor = stage1 + size / disk + size / link
+        # Issue 15's floor: nothing forces the image through a disk before the restore.
+        pipelined = stage1 + size / link
+
+        def measured(v):
+            if v is None:
+                return None
+            d, b, st1, _r = v
+            return {"downtime_s": d, "image_bytes": b, "stage1_s": st1, "pipelined_floor_s": st1 + b / link,
+                    "ratio_to_pipelined_floor": d / (st1 + b / link), "chain_over_it": chain / d}
         out = {"kind": "migration_downtime", "workload": ("torch %g GiB" % args.torch_gib) if args.torch_gib else
                ("cpu 2x%d MiB" % args.mb), "image_bytes": size, "downtime_s": down, "floor_s": floor,
                "stage1_s": stage1, "disk_GBps": disk / 1e9, "link_GBps": link / 1e9,
@@ -212,6 +231,8 @@ def main():
                "fast_chain_s": fast_chain, "fast_chain_steps": fast_chain_steps if fast_chain else None,
                "fast_chain_over_ours": fast_chain / down if fast_chain else None,
                "ours_over_floor": down / floor, "chain_over_ours": chain / down,
+               "pipelined_floor_s": pipelined, "ratio_to_pipelined_floor": down / pipelined,
+               "ours_huge_pages": measured(thp), "ours_huge_pages_quiesced": measured(quiet),
                "ours_stages": {"checkpoint": res["ck"]["timings"], "push": res["ck"].get("push"),
                                "transfer_s": res["sync"].get("seconds"),
                                "transfer_streams": res["sync"].get("streams"),
@@ -223,6 +244,11 @@ def main():
                 fh.write(json.dumps(out) + "\n")
         print("| %s | %.2f GB | %.2f s | %.2f s | %.2f s | %.2fx | %.2fx |" % (
             out["workload"], size / 1e9, floor, down, chain, down / floor, chain / down))
+        for name, v in (("huge pages", out["ours_huge_pages"]), ("huge pages + quiesce", out["ours_huge_pages_quiesced"])):
+            if v:
+                print("| %s, %s | %.2f GB | pipelined floor %.2f s | %.2f s | %.2fx of it | chain %.2fx slower |" % (
+                    out["workload"], name, v["image_bytes"] / 1e9, v["pipelined_floor_s"], v["downtime_s"],
+                    v["ratio_to_pipelined_floor"], v["chain_over_it"]))
     finally:
         hosts.stop()
         if not os.environ.get("GPUCKPT_BENCH_KEEP"):
