@@ -318,7 +318,10 @@ def plan_checkpoint(target, image_dir, opts, backend):
     if opts.quiesce_signal:
         quiesce.check_caught(cuda_pids or [root], *opts.quiesce_signal)
     proc_states = {str(p): (discovery.read_stat(p) or {}).get("state") for p in pids}
+    # The host's facts for the manifest are read now: asking NVML or nvidia-smi while the workload is
+    # frozen added 0.05-0.7 s of downtime (more with the push's streams busy on the same cores).
     return _Ctx(target=target, image_dir=image_dir, root=root, pids=pids, cuda_pids=cuda_pids, drv=drv,
+                host=host_facts(drv),
                 gpu_stage=gpu_stage, runtime_facts=runtime_facts, identities=identities(pids),
                 states=proc_states, after=opts.after, backend=backend, opts=opts)
 
@@ -413,7 +416,7 @@ def _checkpoint_steps(ctx, clock, sender):
     def write_manifest(c):
         files = c.hasher.checksums() if c.hasher is not None else image.checksum_files(c.image_dir)
         clock.stop("checksum")
-        host = host_facts(drv)
+        host = dict(c.host)
         host.update(c.runtime_facts)
         m = {"id": str(uuid.uuid4()), "created": _now(), "tool": "gpuckpt.fleet", "tool_version": COLLECTION_VERSION,
              "host": host, "runtime": c.runtime_info,
