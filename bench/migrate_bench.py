@@ -109,10 +109,11 @@ def ours(hosts, args, base, streams, tag="ours", during_dump=True, restore_early
                ANSIBLE_SSH_CONTROL_PATH_DIR=os.path.join(base, "cp-" + tag),
                ANSIBLE_CALLBACK_PLUGINS=os.path.join(REPO, "tests", "integration", "callback_plugins"),
                ANSIBLE_CALLBACKS_ENABLED="record_results")
-    subprocess.run([PLAYBOOK, "gpuckpt.fleet.migrate", "-i", hosts.path("inventory.yml"), "-e",
-                    json.dumps(dict({"source": "hosta", "target": "hostb", "pid": pid, "migration_id": "bench-" + tag,
-                                "gpuckpt_transfer_streams": streams, "gpuckpt_transfer_during_dump": during_dump,
-                                "gpuckpt_restore_early": restore_early}, **(extra or {})))],
+    extra_vars = {"source": "hosta", "target": "hostb", "pid": pid, "migration_id": "bench-" + tag,
+                  "gpuckpt_transfer_streams": streams, "gpuckpt_transfer_during_dump": during_dump,
+                  "gpuckpt_restore_early": restore_early}
+    extra_vars.update(extra or {})
+    subprocess.run([PLAYBOOK, "gpuckpt.fleet.migrate", "-i", hosts.path("inventory.yml"), "-e", json.dumps(extra_vars)],
                    check=True, env=env, stdout=open(os.path.join(base, tag + ".log"), "w"))
     res = {}
     for line in open(rec):

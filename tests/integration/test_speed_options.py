@@ -2,7 +2,7 @@
 (the workload releases a cache before the freeze) and transparent huge pages held for the operation.
 
 The GPU stage runs against the libcuda TEST DOUBLE (tests/fakecuda); on a GPU the same hook releases
-PyTorch's cached blocks (tests/gpu, bench/gpu_bench.py --quiesce)."""
+PyTorch's cached blocks (tests/gpu, bench/gpu_bench.py --speed)."""
 from __future__ import annotations
 
 import os
