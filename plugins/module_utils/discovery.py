@@ -261,18 +261,6 @@ def container_id(pid):
         return None
 
 
-def ns_pids(pid):
-    """NSpid line: the pid as seen in each nested pid namespace (host first)."""
-    try:
-        with open("/proc/%d/status" % pid) as fh:
-            for line in fh:
-                if line.startswith("NSpid:"):
-                    return [int(x) for x in line.split()[1:]]
-    except OSError:
-        pass
-    return [pid]
-
-
 def wait_gone(pids, timeout=10.0):
     """Wait until no pid in pids exists (PID 1 of some VMs reaps orphans slowly). Returns those left."""
     deadline = time.monotonic() + timeout

@@ -114,6 +114,11 @@ class CudaDriver(object):
         self.init_result = self.lib.cuInit(0)
         v = ctypes.c_int(0)
         self.api_version = v.value if self.lib.cuDriverGetVersion(ctypes.byref(v)) == 0 else 0
+        if 0 < self.api_version < MIN_API_VERSION:  # the symbols exist, but not the API they name there
+            raise DriverUnavailable(
+                "%s reports CUDA API %s, older than %s (driver 570), the first with the checkpoint API"
+                % (self.path, api_version_string(self.api_version), api_version_string(MIN_API_VERSION)),
+                stage="preflight", hint="upgrade the NVIDIA driver to 570 or newer (580+ to restore onto other GPUs)")
         self.path_resolved = self._resolved_path()
 
     def _resolved_path(self):

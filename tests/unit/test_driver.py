@@ -66,6 +66,12 @@ def test_library_without_checkpoint_api_says_driver_too_old():
     assert "older than 570" in str(exc.value) and "cuCheckpointProcessLock" in str(exc.value)
 
 
+def test_a_driver_older_than_the_checkpoint_api_is_refused(fakecuda, monkeypatch):
+    monkeypatch.setenv("FAKECUDA_API_VERSION", "12040")  # CUDA 12.4: driver 550
+    drv, problem = cuda.load()
+    assert drv is None and "older than 12.8" in problem.msg and "570" in problem.hint
+
+
 def test_missing_library_is_reported():
     drv, problem = cuda.load("/nonexistent/libcuda.so.1")
     assert drv is None and "cannot load" in problem.msg
