@@ -471,7 +471,8 @@ def checkpoint(target, image_dir, backend=None, journal=None, sender=None, migra
     image_dir = os.path.abspath(image_dir)
     progress = StageProgress(opts.progress_file, CHECKPOINT_STAGES, image_dir)
     try:
-        with _NoHangup(), hugepages.HugePages(opts.host_huge_pages and not opts.check_mode) as thp:
+        with _NoHangup(), hugepages.HugePages(opts.host_huge_pages and not opts.check_mode,
+                                              settle_stale=not opts.check_mode) as thp:
             if journal is None:
                 res = _checkpoint(target, image_dir, opts, backend or ProcessBackend(), None, sender, migration_id,
                                   progress)
@@ -733,7 +734,8 @@ def restore(image_dir, backend=None, journal=None, **options):
             if journal is not None and opts.wait_for_image and not opts.check_mode:
                 waited = wait_for_delivery(journal, opts.wait_for_image, opts.libcuda_path)
             # (the image is waited for first: huge pages matter from the runtime's restore on)
-            with hugepages.HugePages(opts.host_huge_pages and not opts.check_mode) as thp:
+            with hugepages.HugePages(opts.host_huge_pages and not opts.check_mode,
+                                     settle_stale=not opts.check_mode) as thp:
                 if journal is None:
                     res = _restore(image_dir, opts, backend, None, progress)
                 else:

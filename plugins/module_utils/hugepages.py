@@ -125,13 +125,14 @@ class HugePages(object):
     where it cannot be set (no THP, a read-only sysfs in a container) does not fail the operation:
     ``report`` says why, and the operation runs at the host's setting."""
 
-    def __init__(self, wanted, sysfs=THP_ENABLED, state_dir=STATE_DIR):
+    def __init__(self, wanted, sysfs=THP_ENABLED, state_dir=STATE_DIR, settle_stale=True):
         self.wanted, self.sysfs, self.state_dir = bool(wanted), sysfs, state_dir
+        self.settle_stale = settle_stale  # False in check mode: it changes nothing on the host
         self.holder = None
         self.report = None
 
     def __enter__(self):
-        note = settle(self.sysfs, self.state_dir)
+        note = settle(self.sysfs, self.state_dir) if self.settle_stale else None
         if not self.wanted:
             if note:
                 self.report = {"requested": False, "note": note}

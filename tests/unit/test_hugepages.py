@@ -98,3 +98,17 @@ def test_already_always_is_left_always(tmp_path):
     with hugepages.HugePages(True, sysfs, state) as thp:
         pass
     assert hugepages.read_mode(sysfs) == "always" and thp.report["previous"] == "always"
+
+
+def test_check_mode_leaves_a_stale_setting_to_a_real_run(tmp_path):
+    sysfs, state = _sysfs(tmp_path), str(tmp_path / "thp")
+    hugepages.HugePages(True, sysfs, state).__enter__()  # its holder "dies": this process is it, so fake one
+    for name in os.listdir(state):
+        if name.startswith("holder-"):
+            os.unlink(os.path.join(state, name))
+    with hugepages.HugePages(False, sysfs, state, settle_stale=False):
+        pass
+    assert hugepages.read_mode(sysfs) == "always"  # check mode changed nothing
+    with hugepages.HugePages(False, sysfs, state):
+        pass
+    assert hugepages.read_mode(sysfs) == "madvise"
