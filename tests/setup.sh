@@ -85,22 +85,33 @@ criu_ok || { log "CRIU $CRIU_VERSION is not installed at $CRIU_PREFIX/sbin/criu"
 # bookworm's 2.36. Its .deb is fetched with a private apt state (sid's binary lists never reach the
 # system's apt) and unpacked into $CTRD_PREFIX, apart from anything installed by packages. The
 # containerd backend talks to containerd's API through python3-grpcio on the managed hosts.
+# One .deb of another Debian suite, fetched with a private apt state (that suite's lists never reach the
+# system's apt) and unpacked into a temporary dir, whose path is printed. Usage: fetch_deb SUITE PKG=VERSION*
+fetch_deb() {
+  local suite=$1 want=$2 mirror aptdir
+  mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1)
+  [ -n "$mirror" ] || mirror=$(awk '$1=="deb"{print $2; exit}' /etc/apt/sources.list 2>/dev/null)
+  aptdir=$(mktemp -d /tmp/gpuckpt-apt.XXXXXX)
+  mkdir -p "$aptdir/lists/partial" "$aptdir/cache/archives/partial"
+  printf 'Types: deb\nURIs: %s\nSuites: %s\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
+    "$mirror" "$suite" >"$aptdir/suite.sources"
+  local aptopts=(-o "Dir::Etc::SourceList=$aptdir/suite.sources" -o Dir::Etc::SourceParts=/nonexistent
+                 -o "Dir::State::Lists=$aptdir/lists" -o "Dir::Cache=$aptdir/cache" -o Dir::State::status=/dev/null)
+  apt-get "${aptopts[@]}" update -qq >&2
+  (cd "$aptdir" && apt-get "${aptopts[@]}" download -qq "$want") >/dev/null 2>&1
+  dpkg -x "$aptdir"/*.deb "$aptdir/x"
+  echo "$aptdir"
+}
+
+# containerd 2.x: Debian sid's build needs only glibc 2.34 (checked below with objdump), so it runs on
+# bookworm's 2.36. It is unpacked into $CTRD_PREFIX, apart from anything installed by packages. The
+# containerd backend talks to containerd's API through python3-grpcio on the managed hosts.
 CTRD_VERSION=2.1.9
 CTRD_PREFIX=/usr/local/lib/gpuckpt-containerd
 ctrd_ok() { "$CTRD_PREFIX/bin/containerd" --version 2>/dev/null | grep -q " $CTRD_VERSION"; }
 if ! ctrd_ok; then
   log "fetching containerd $CTRD_VERSION from Debian sid"
-  mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1)
-  [ -n "$mirror" ] || mirror=$(awk '$1=="deb"{print $2; exit}' /etc/apt/sources.list 2>/dev/null)
-  aptdir=$(mktemp -d /tmp/gpuckpt-apt.XXXXXX)
-  mkdir -p "$aptdir/lists/partial" "$aptdir/cache/archives/partial"
-  printf 'Types: deb\nURIs: %s\nSuites: sid\nComponents: main\nSigned-By: /usr/share/keyrings/debian-archive-keyring.gpg\n' \
-    "$mirror" >"$aptdir/sid.sources"
-  aptopts=(-o "Dir::Etc::SourceList=$aptdir/sid.sources" -o Dir::Etc::SourceParts=/nonexistent
-           -o "Dir::State::Lists=$aptdir/lists" -o "Dir::Cache=$aptdir/cache" -o Dir::State::status=/dev/null)
-  apt-get "${aptopts[@]}" update -qq
-  (cd "$aptdir" && apt-get "${aptopts[@]}" download -qq "containerd=${CTRD_VERSION}*") >/dev/null
-  dpkg -x "$aptdir"/containerd_*.deb "$aptdir/x"
+  aptdir=$(fetch_deb sid "containerd=${CTRD_VERSION}*")
   for b in containerd containerd-shim-runc-v2 ctr; do
     need=$(objdump -T "$aptdir/x/usr/bin/$b" | grep -o 'GLIBC_2\.[0-9]*' | sort -t. -k2 -n | tail -n1)
     [ "${need#GLIBC_2.}" -le 36 ] || { log "$b needs $need, more than this machine's glibc"; exit 1; }
@@ -108,6 +119,23 @@ if ! ctrd_ok; then
   done
   rm -rf "$aptdir"
   ctrd_ok || { log "containerd $CTRD_VERSION did not install"; exit 1; }
+fi
+
+# gVisor's runsc, from bookworm-backports: a static binary. Not sid's or trixie's build of the same
+# release: those are built with Go 1.24/1.26, newer than gVisor 20240729 supports, and their sandboxes
+# panic at times (assertTaskGoroutine: "running on goroutine ...", seen in 1 of 5 starts here);
+# backports' is built with Go 1.22, which that release supports. --platform=systrap (its default) works
+# here; never --platform=kvm (it hangs in these VMs).
+RUNSC_VERSION=0.0~20240729.0-4~bpo12+2
+runsc_ok() { /usr/local/sbin/runsc --version 2>/dev/null | grep -q "20240729" && [ -f /usr/local/lib/gpuckpt-runsc.version ] \
+  && [ "$(cat /usr/local/lib/gpuckpt-runsc.version)" = "$RUNSC_VERSION" ]; }
+if ! runsc_ok; then
+  log "fetching runsc $RUNSC_VERSION from Debian bookworm-backports"
+  aptdir=$(fetch_deb bookworm-backports "runsc=$RUNSC_VERSION")
+  install -D -m 0755 "$aptdir/x/usr/bin/runsc" /usr/local/sbin/runsc
+  echo "$RUNSC_VERSION" >/usr/local/lib/gpuckpt-runsc.version
+  rm -rf "$aptdir"
+  runsc_ok || { log "runsc $RUNSC_VERSION did not install"; exit 1; }
 fi
 /usr/bin/python3 -c 'import grpc' 2>/dev/null || apt-get install -y -qq --no-install-recommends python3-grpcio >/dev/null
 
@@ -135,6 +163,10 @@ coll="$repo/.build/collections/ansible_collections/gpuckpt"
 mkdir -p "$coll"
 ln -sfn "$repo" "$coll/fleet"
 
-# The libcuda stand-in (CI only: no GPU here).
+# The libcuda stand-in (CI only: no GPU here), and the collection's own cuda-checkpoint tool, built by
+# the recipe the cuda_checkpoint role uses on the nodes.
 make -s -C "$repo/tests/fakecuda" >/dev/null
+sh "$repo/roles/cuda_checkpoint/files/build.sh" "$repo/roles/cuda_checkpoint/files/cuda_checkpoint.c" \
+  "$repo/.build/gpuckpt-cuda-checkpoint"
+
 log "ready: criu $CRIU_VERSION, $("$venv/bin/ansible-playbook" --version | sed -n 1p)"

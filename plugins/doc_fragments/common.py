@@ -131,4 +131,28 @@ options:
       - When restoring an image, the namespace recorded in it is used.
     type: str
     default: default
+  runsc_path:
+    description: Path of gVisor's runsc (searched in PATH when not given). Used with the runsc runtime.
+    type: path
+  runsc_root:
+    description:
+      - runsc's state directory (C(runsc --root)); runsc's default when not given.
+      - When restoring an image, the root recorded in it is used when not given.
+    type: path
+  runsc_flags:
+    description:
+      - runsc's global flags for every runsc command, as C(--name=value), for example C(--platform=systrap),
+        C(--network=none) or C(--nvproxy=true). Give the ones the sandbox was created with; they are recorded
+        in the image and given again to its restore when not set there.
+    type: list
+    elements: str
+    default: []
+  cuda_checkpoint_path:
+    description:
+      - With the runsc runtime, the path INSIDE the sandbox of a cuda-checkpoint tool (NVIDIA's, or the one the
+        C(gpuckpt.fleet.cuda_checkpoint) role builds), bind-mounted read-only into the container. The CUDA stage
+        runs there with C(runsc exec), on the sandbox's own pids, because the host cannot see a sandbox's processes.
+      - A sandbox without that tool and without NVIDIA devices in its spec is a CPU sandbox; its GPU stage is skipped.
+      - C(/usr/local/bin/cuda-checkpoint) when not given (or what the image recorded).
+    type: path
 """

@@ -100,10 +100,11 @@ def _error_fields(exc):
     return {}
 
 
-def _find_cuda_pids(drv, pids, driver_problem):
-    """CUDA pids among ``pids`` with their driver state; refuse when a GPU user can't be handled."""
+def _find_cuda_pids(drv, pids, driver_problem, host_pids=True):
+    """CUDA pids among ``pids`` with their driver state; refuse when a GPU user can't be handled.
+    ``host_pids`` False: the pids are a sandbox's, whose device files the host's /proc cannot show."""
     if drv is None:
-        holders = [p for p in pids if discovery.nvidia_fds(p)]
+        holders = [p for p in pids if host_pids and discovery.nvidia_fds(p)]
         if holders:
             raise DriverUnavailable("pid %s uses the GPU but the driver's checkpoint API is unavailable: %s"
                                     % (holders[0], driver_problem), stage="preflight", pid=holders[0],
@@ -116,7 +117,7 @@ def _find_cuda_pids(drv, pids, driver_problem):
             states[p] = s
     # A GPU device user the driver does not know (an NVML tool, a non-CUDA GPU API) cannot be moved
     # off the GPU, and CRIU would fail on its device files: say so before freezing anything.
-    strays = [p for p in pids if p not in states and discovery.nvidia_fds(p)]
+    strays = [p for p in pids if host_pids and p not in states and discovery.nvidia_fds(p)]
     if strays:
         p = strays[0]
         raise InvalidTarget("pid %d (%s) holds %s but the driver does not report it as a CUDA process; its GPU state "
@@ -287,16 +288,18 @@ def plan_checkpoint(target, image_dir, opts, backend):
                             % backend.name, stage="preflight",
                             hint="checkpoint it without leave_stopped; its image is the way back")
     runtime_facts = backend.preflight()
-    net_problem = network_lock_problem(root, getattr(backend, "extra", ()))
+    net_problem = network_lock_problem(root, getattr(backend, "extra", ())) if backend.uses_criu else None
     if net_problem:
         raise InvalidTarget(net_problem + "; nothing was frozen", stage="preflight", pid=root,
                             hint="install iptables (the gpuckpt.fleet.criu role does), or run the workload "
                                  "on the host's network")
     backend.plan_tree(pids)  # file locks, external unix sockets: the runtime's flags, or a refusal
     image.check_dir(image_dir)
-    drv, driver_problem = cuda.load(opts.libcuda_path)
-    cuda_pids, states = _find_cuda_pids(drv, pids, driver_problem)
-    for p in cuda_pids:
+    drv, driver_problem = backend.load_cuda(opts.libcuda_path)
+    sandboxed = backend.cuda_in_sandbox
+    cuda_pids, states = _find_cuda_pids(drv, backend.cuda_candidates(root, pids), driver_problem,
+                                        host_pids=not sandboxed)
+    for p in ([] if sandboxed else cuda_pids):  # (a sandbox's pids are not the host's: /proc cannot tell)
         features = discovery.unsupported_features(p)
         if features:
             raise InvalidTarget("pid %d uses %s, which the driver's checkpoint API does not support (it checkpoints "
@@ -315,6 +318,10 @@ def plan_checkpoint(target, image_dir, opts, backend):
         gpu_stage = "skipped: no CUDA driver on this host (%s); CPU-only workload" % driver_problem.msg
     else:
         gpu_stage = "skipped: no process of the tree is a CUDA process"
+    if opts.quiesce_signal and sandboxed:
+        raise InvalidTarget("quiesce_signal cannot reach processes inside a %s sandbox (the host does not see them); "
+                            "nothing was frozen" % backend.name, stage="preflight",
+                            hint="use quiesce_command, which runs inside the sandbox")
     if opts.quiesce_signal:
         quiesce.check_caught(cuda_pids or [root], *opts.quiesce_signal)
     proc_states = {str(p): (discovery.read_stat(p) or {}).get("state") for p in pids}
@@ -782,7 +789,7 @@ def _journal_gate(journal, image_dir, manifest, opts):
 
 def _restore_preflight(backend, needs_driver, libcuda_path):
     backend.preflight(full=False)  # `criu check` is for checkpoint/facts; here it would add downtime
-    return cuda.load(libcuda_path) if needs_driver else (None, None)
+    return backend.load_cuda(libcuda_path) if needs_driver else (None, None)
 
 
 def _restore(image_dir, opts, backend, journal, progress):
@@ -809,7 +816,8 @@ def _restore(image_dir, opts, backend, journal, progress):
 
     clock = _Clock(progress)
     clock.start()
-    left = discovery.wait_gone(target["pids"], opts.pid_wait)  # zombies of a just-dumped tree
+    # zombies of a just-dumped tree (CRIU restores the same pids; a runtime without CRIU needs none free)
+    left = discovery.wait_gone(target["pids"], opts.pid_wait) if backend.uses_criu else []
     if left and backend.name == "process":
         p = left[0]
         raise InvalidTarget("pid %d, which the image needs, is in use by %s (%s): the original workload may still "
@@ -901,10 +909,11 @@ def resume_stopped(manifest, backend=None, drv=None, libcuda_path=None):
     states = target.get("states") or {}
     changed = backend.is_held(mine)
     backend.resume([p for p in mine if states.get(str(p)) not in STOPPED])
-    cuda_pids = [p for p in target["cuda_pids"] if p in mine]
+    # (a sandbox's CUDA pids are its own, not host pids: they live while the sandbox does)
+    cuda_pids = list(target["cuda_pids"]) if backend.cuda_in_sandbox else [p for p in target["cuda_pids"] if p in mine]
     if cuda_pids:
         if drv is None:
-            drv, problem = cuda.load(libcuda_path)
+            drv, problem = backend.load_cuda(libcuda_path)
             if drv is None:
                 raise problem
         for p in cuda_pids:

@@ -40,13 +40,38 @@ def _free_bytes(path):
     return st.f_bavail * st.f_frsize
 
 
-def gpu_containers(backends, procs):
+def _sandbox_cuda(backend, container, libcuda_path):
+    """The CUDA processes inside a running sandbox (gVisor), asked through the tool inside it: the host
+    sees none of them. [] for a paused sandbox (an exec would wait for it) or a CPU one."""
+    if container.get("status") != "running":
+        return []
+    backend.container, backend.sandbox_host_pid = container["id"], int(container["pid"])
+    drv, unused = backend.load_cuda(libcuda_path)
+    out = []
+    for p in backend.cuda_candidates(int(container["pid"]), [int(container["pid"])]):
+        state = drv.state_or_error(p)
+        if state is not None:
+            out.append({"pid": p, "ns_pid": p, "cuda_state": state, "in_sandbox": True})
+    return out
+
+
+def gpu_containers(backends, procs, libcuda_path=None):
     """The containers of each runtime in ``backends`` whose processes include CUDA processes of
     ``procs`` (cuda_process_facts' list), with host and in-container pids; each such process is given
-    its ``container``. A runtime that cannot be asked is reported in the errors, not failed."""
+    its ``container``. A sandbox's CUDA processes (gVisor) are asked inside it, with its own pids.
+    A runtime that cannot be asked is reported in the errors, not failed."""
     by_pid = {p["pid"]: p for p in procs if p.get("exists")}
     found, errors = [], {}
     for backend in backends:
+        if backend.cuda_in_sandbox:
+            try:
+                for c in backend.running_containers():
+                    inside = _sandbox_cuda(backend, c, libcuda_path)
+                    if inside:
+                        found.append(dict(c, runtime=backend.name, pids=[int(c["pid"])], cuda_processes=inside))
+            except GpuCkptError as exc:
+                errors[backend.name] = exc.msg
+            continue
         try:
             listed = backend.running_containers()
         except GpuCkptError as exc:

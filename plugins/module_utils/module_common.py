@@ -26,8 +26,12 @@ RUNTIME_ARGS = dict(
     docker_host=dict(type="str"),
     containerd_address=dict(type="path", default="/run/containerd/containerd.sock"),
     containerd_namespace=dict(type="str", default="default"),
+    runsc_path=dict(type="path"),
+    runsc_root=dict(type="path"),
+    runsc_flags=dict(type="list", elements="str", default=[]),
+    cuda_checkpoint_path=dict(type="path"),
 )
-RUNTIMES = ["process", "runc", "podman", "docker", "containerd"]
+RUNTIMES = ["process", "runc", "podman", "docker", "containerd", "runsc"]
 
 
 def _timeout(params):
@@ -56,6 +60,10 @@ def _make_backend(name, params, bundle):
         return ContainerdBackend(params.get("containerd_address"), params.get("containerd_namespace"),
                                  params.get("runc_root"), params.get("criu_path"), params.get("criu_options"),
                                  timeout=_timeout(params))
+    if name == "runsc":
+        from .runtimes.runsc import RunscBackend
+        return RunscBackend(params.get("runsc_path"), params.get("runsc_root"), bundle, params.get("runsc_flags"),
+                            params.get("cuda_checkpoint_path"), timeout=_timeout(params))
     if name == "runc":
         from .runtimes.runc import RuncBackend
         return RuncBackend(params.get("runc_path"), params.get("runc_root"), bundle, params.get("criu_path"),

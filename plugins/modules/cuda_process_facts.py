@@ -40,19 +40,22 @@ options:
   runtime:
     description: The runtime of O(container).
     type: str
-    choices: [runc, podman, docker, containerd]
+    choices: [runc, podman, docker, containerd, runsc]
     default: runc
   list_containers:
     description:
       - The runtimes whose containers holding CUDA processes to report as C(gpu_containers) (each with its
         runtime, id, C(namespace) for containerd, host pid of its init, and its CUDA processes with their host
         and in-container pids; each such entry of C(cuda_processes) gets its C(container) too).
-      - By default every runtime that is in use on this host (runc's state directory, containerd's and dockerd's
-        sockets, Podman's storage); V([]) lists none. containerd's namespace moby is left to C(docker).
+      - A gVisor sandbox (V(runsc)) hides its processes from the host: its CUDA processes are asked inside it with
+        the cuda-checkpoint tool at O(cuda_checkpoint_path) there, and listed with the sandbox's own pids
+        (C(in_sandbox) true). Paused sandboxes are not asked.
+      - By default every runtime that is in use on this host (runc's state directory, runsc's, containerd's and
+        dockerd's sockets, Podman's storage); V([]) lists none. containerd's namespace moby is left to C(docker).
       - A runtime that cannot be asked is named in C(container_errors); the facts do not fail for it.
     type: list
     elements: str
-    choices: [runc, podman, docker, containerd]
+    choices: [runc, podman, docker, containerd, runsc]
   check_pids:
     description: Report which of these pids are in use on this host (as C(pids_in_use)).
     type: list
@@ -109,7 +112,7 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils import facts as host
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS, make_backend
 
-CONTAINER_RUNTIMES = ["runc", "podman", "docker", "containerd"]
+CONTAINER_RUNTIMES = ["runc", "podman", "docker", "containerd", "runsc"]
 
 
 def main():
@@ -142,7 +145,7 @@ def main():
         if p["list_containers"] is None:
             backends = [b for b in backends if b.present()]
         facts["gpu_containers"], facts["container_errors"] = host_facts.gpu_containers(
-            backends, facts["cuda_processes"])
+            backends, facts["cuda_processes"], p["libcuda_path"])
     except GpuCkptError as exc:
         module.fail_json(**exc.to_dict())
     module.exit_json(changed=False, ansible_facts={"gpuckpt": facts})

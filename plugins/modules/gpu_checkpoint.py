@@ -43,9 +43,13 @@ options:
         checkpointed through containerd's API. CRIU's images go to C(checkpoint/) in O(image_dir), the container's
         writable layer to C(rootfs-diff.tar), and its record (spec, runtime options, image) to the manifest.
         With O(leave_stopped=true) the task is paused. Needs Python's grpc module (python3-grpcio) on the host.
+      - V(runsc) is a gVisor sandbox, checkpointed by C(runsc checkpoint) into O(image_dir). Its CUDA stage runs inside
+        the sandbox through the cuda-checkpoint tool at O(cuda_checkpoint_path) there, on the sandbox's own pids.
+        With O(leave_stopped=true) the sandbox is paused. O(quiesce_signal) cannot reach its processes;
+        O(quiesce_command) runs inside it.
       - V(podman) and V(docker) do not support O(leave_stopped=true), because they checkpoint only running containers.
     type: str
-    choices: [process, runc, podman, docker, containerd]
+    choices: [process, runc, podman, docker, containerd, runsc]
     default: process
   container:
     description: The container's id or name. Required with a container O(runtime).
@@ -316,7 +320,8 @@ def main():
                            mutually_exclusive=[("leave_running", "leave_stopped"), ("pid", "container"),
                                                ("quiesce_signal", "quiesce_command")],
                            required_if=[("runtime", "process", ["pid"]), ("runtime", "runc", ["container"]),
-                                        ("runtime", "podman", ["container"]), ("runtime", "docker", ["container"])])
+                                        ("runtime", "podman", ["container"]), ("runtime", "docker", ["container"]),
+                                        ("runtime", "runsc", ["container"])])
     p = module.params
     check_path_arg(module, "image_dir", p["image_dir"])
     if p["nonce"] is not None and not NONCE_RE.match(p["nonce"]):

@@ -41,7 +41,7 @@ options:
     default: true
   bundle:
     description:
-      - For an image of a runc container, the container's bundle (config.json and rootfs) on this host.
+      - For an image of a runc container or a runsc sandbox, the container's bundle (config.json and rootfs) on this host.
       - By default, the bundle path recorded in the image.
     type: path
   validate_wait:

@@ -12,6 +12,11 @@
  * /proc/<pid>/mem (root). So the state travels with a CRIU image to another host or pid namespace,
  * and is restored with the process, exactly as the real GPU state does.
  *
+ * A sandbox may forbid writing another process's memory (gVisor's /proc/<pid>/mem is read-only even
+ * for root). There $FAKECUDA_PROC_STATE_DIR names a directory INSIDE the sandbox (a tmpfs that the
+ * sandbox's checkpoint saves with its memory) where each process's state is the file <pid>, pids as
+ * the sandbox sees them: the state still travels with the sandbox's image, as the real one does.
+ *
  * Workloads "use the GPU" through two test-only calls:
  *   fakeCudaAttach()  makes the calling process a running CUDA process;
  *   fakeCudaSync()    blocks while the process is not running, like a real CUDA call under a lock.
@@ -95,7 +100,36 @@ static uintptr_t state_addr(int pid) {
     return base ? base + off : 0;
 }
 
+static const char *proc_state_dir(void) {
+    const char *d = getenv("FAKECUDA_PROC_STATE_DIR");
+    return (d && *d) ? d : NULL;
+}
+
+static int read_state_file(int pid) {
+    char p[4096];
+    snprintf(p, sizeof p, "%s/%d", proc_state_dir(), pid);
+    FILE *f = fopen(p, "r");
+    if (!f) return -1;
+    int s = -1;
+    if (fscanf(f, "%d", &s) != 1) s = -1;
+    fclose(f);
+    return s;
+}
+
+static void write_state_file(int pid, int s) {
+    char p[4096], tmp[4200];
+    mkdir(proc_state_dir(), 0700);
+    snprintf(p, sizeof p, "%s/%d", proc_state_dir(), pid);
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", p, (int)getpid());
+    FILE *f = fopen(tmp, "w");
+    if (!f) return;
+    fprintf(f, "%d\n", s);
+    fclose(f);
+    rename(tmp, p);
+}
+
 static int read_state(int pid) {
+    if (proc_state_dir()) return read_state_file(pid);
     if (pid == getpid()) return fakecuda_state;
     uintptr_t addr = state_addr(pid);
     if (!addr) return -1;
@@ -110,6 +144,7 @@ static int read_state(int pid) {
 }
 
 static void write_state(int pid, int s) {
+    if (proc_state_dir()) { write_state_file(pid, s); return; }
     if (pid == getpid()) { fakecuda_state = s; return; }
     uintptr_t addr = state_addr(pid);
     if (!addr) return;
@@ -224,6 +259,7 @@ int cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
 /* ---- test-only entry points used by the CI workloads ---- */
 int fakeCudaAttach(void) {
     fakecuda_state = RUNNING;
+    if (proc_state_dir()) write_state_file(getpid(), RUNNING);
     log_call("attach", getpid());
     return CUDA_SUCCESS;
 }
@@ -231,7 +267,7 @@ int fakeCudaAttach(void) {
 /* Blocks while this pid is locked or checkpointed, as a real CUDA call would under the driver's lock. */
 int fakeCudaSync(void) {
     for (;;) {
-        int s = fakecuda_state;
+        int s = proc_state_dir() ? read_state_file(getpid()) : fakecuda_state;
         if (s == RUNNING) return CUDA_SUCCESS;
         if (s == FAILED || s < 0) return CUDA_ERROR_UNKNOWN;
         usleep(2000);

@@ -13,6 +13,7 @@ import shutil
 import signal
 
 from .. import discovery
+from .. import driver as cuda
 from ..criu import Criu
 from ..errors import GpuCkptError, InvalidTarget
 from ..run import find_binary, run
@@ -61,6 +62,18 @@ class Backend(object):
     tcp_established = False
     # CRIU options this runtime can pass on (None: any); the others make plan_tree refuse the tree
     passes_criu_flags = None
+    uses_criu = True         # False: the runtime saves its own state (gVisor); CRIU's checks do not apply
+    # True: the workload's processes live on a sandbox's own kernel (gVisor), out of the host's sight; its
+    # CUDA pids are the sandbox's, reached only through load_cuda()'s driver, never through the host's /proc
+    cuda_in_sandbox = False
+
+    def load_cuda(self, libcuda_path):
+        """(driver, None) that reaches the workload's CUDA processes, or (None, the reason it cannot)."""
+        return cuda.load(libcuda_path)
+
+    def cuda_candidates(self, root, pids):
+        """The pids to ask the driver about: the workload's host pids (a sandbox: its own pids)."""
+        return pids
 
     def plan_tree(self, pids):
         """Before anything is frozen: find what CRIU must be told for this tree, or cannot do, and
