@@ -47,7 +47,7 @@ options:
       - The runtimes whose containers holding CUDA processes to report as C(gpu_containers) (each with its
         runtime, id, C(namespace) for containerd, host pid of its init, and its CUDA processes with their host
         and in-container pids; each such entry of C(cuda_processes) gets its C(container) too).
-      - A gVisor sandbox (V(runsc)) hides its processes from the host: its CUDA processes are asked inside it with
+      - A gVisor sandbox (V(runsc)) hides its processes from the host; its CUDA processes are asked inside it with
         the cuda-checkpoint tool at O(cuda_checkpoint_path) there, and listed with the sandbox's own pids
         (C(in_sandbox) true). Paused sandboxes are not asked.
       - By default every runtime that is in use on this host (runc's state directory, runsc's, containerd's and

@@ -76,7 +76,7 @@ def test_cuda_checkpoint_role_fails_clearly_without_a_driver(playbook, tmp_path)
 def test_cuda_checkpoint_role_installs_the_binary_then_changes_nothing(playbook, tmp_path):
     # TEST DOUBLE of the cuda-checkpoint binary (NVIDIA's is not reachable here): answers --help.
     fake = tmp_path / "cuda-checkpoint-src"
-    fake.write_text("#!/bin/sh\necho 'CUDA checkpoint and restore utility'\n")
+    fake.write_text("#!/bin/sh\necho 'CUDA checkpoint and restore utility: --action lock|checkpoint|restore|unlock'\n")
     dest = tmp_path / "bin" / "cuda-checkpoint"
     dest.parent.mkdir()
     v = {"cuda_checkpoint_require_driver": False, "cuda_checkpoint_source_file": str(fake),
@@ -87,6 +87,23 @@ def test_cuda_checkpoint_role_installs_the_binary_then_changes_nothing(playbook,
     assert _recap_changed(run) == 1
     again = playbook(ROLE_CUDA_CHECKPOINT, v)
     assert again.rc == 0 and _recap_changed(again) == 0
+
+
+def test_cuda_checkpoint_role_builds_the_collection_s_tool_then_changes_nothing(playbook, tmp_path):
+    """Without NVIDIA's binary, the role builds the collection's own cuda-checkpoint on the node (a
+    real build with the node's compiler), installs it, and rebuilds it only when its source changes."""
+    dest = tmp_path / "bin" / "cuda-checkpoint"
+    v = {"cuda_checkpoint_require_driver": False, "cuda_checkpoint_path": str(dest),
+         "cuda_checkpoint_build_dir": str(tmp_path / "src")}
+    run = playbook(ROLE_CUDA_CHECKPOINT, v)
+    assert run.rc == 0, run.stdout
+    res = subprocess.run([str(dest), "--version"], stdout=subprocess.PIPE, universal_newlines=True, check=True)
+    assert res.stdout.startswith("gpuckpt-cuda-checkpoint ")
+    again = playbook(ROLE_CUDA_CHECKPOINT, v)
+    assert again.rc == 0 and _recap_changed(again) == 0, again.stdout
+    (tmp_path / "src" / "cuda_checkpoint.c").write_text("/* an older source */\n")
+    third = playbook(ROLE_CUDA_CHECKPOINT, v)
+    assert third.rc == 0 and third.task("Build and install it")["changed"], third.stdout
 
 
 ROLE_NCR = os.path.join(HERE, "playbooks", "role_nvidia_container_runtime.yml")

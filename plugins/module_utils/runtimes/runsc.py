@@ -316,8 +316,9 @@ class RunscBackend(ContainerBackend):
             with open(log_path, "rb") as fh:
                 fh.seek(start)
                 said = fh.read().decode("utf-8", "replace")[-3000:]
-            raise CommandError("runsc restore %s" % ("did not finish within runtime_timeout (%ss)" % self.timeout
-                                                      if rc is None else "exited with rc=%d" % rc),
+            what = ("did not finish within runtime_timeout (%ss)" % self.timeout if rc is None
+                    else "exited with rc=%d" % rc)
+            raise CommandError("runsc restore %s" % what,
                                stage="runtime-restore", cmd=self._cmd(*args), rc=rc, stderr=said,
                                hint="see container.log in the work dir")
         st = self.state(self.container)

@@ -5,6 +5,7 @@
 # checked here with objdump when it is installed, so a build that would need a newer glibc fails.
 set -eu
 src=$1 out=$2 cc=${3:-cc}
+mkdir -p "$(dirname "$out")"
 tmp="$out.tmp.$$"
 trap 'rm -f "$tmp"' EXIT
 case "$(uname -m)" in

@@ -246,6 +246,13 @@ int main(int argc, char **argv) {
         if (!strcmp(a, "--toggle")) { toggle = 1; continue; }
         if (!strcmp(a, "--get-state")) { get_state = 1; continue; }
         if (!strcmp(a, "--get-restore-tid")) { get_tid = 1; continue; }
+        int takes_value = !strcmp(a, "--pid") || !strcmp(a, "-p") || !strcmp(a, "--action") ||
+                          !strcmp(a, "--timeout") || !strcmp(a, "--device-map");
+        if (!takes_value) {
+            fprintf(stderr, "gpuckpt-cuda-checkpoint: unknown option %s\n", a);
+            usage(stderr);
+            return EXIT_USAGE;
+        }
         if (!val) { fprintf(stderr, "gpuckpt-cuda-checkpoint: %s needs a value\n", a); usage(stderr); return EXIT_USAGE; }
         i++;
         if (!strcmp(a, "--pid") || !strcmp(a, "-p")) {
@@ -260,12 +267,8 @@ int main(int argc, char **argv) {
                 fprintf(stderr, "gpuckpt-cuda-checkpoint: bad timeout '%s' (milliseconds)\n", val);
                 return EXIT_USAGE;
             }
-        } else if (!strcmp(a, "--device-map")) {
-            device_map = val;
         } else {
-            fprintf(stderr, "gpuckpt-cuda-checkpoint: unknown option %s\n", a);
-            usage(stderr);
-            return EXIT_USAGE;
+            device_map = val;
         }
     }
     if (toggle + get_state + get_tid + (action != NULL) != 1 || !pid) {
