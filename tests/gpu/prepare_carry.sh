@@ -2,6 +2,7 @@
 # Run HERE (the CI-kind machine) before a GPU run: the GPU machine has no internet and no apt, so
 # everything the GPU tests need beyond its image travels along in two git-ignored folders:
 #   .carry/criu/  CRIU 4.2.1 built by tests/setup.sh, with the shared libraries it needs beyond glibc
+#   .carry/gpuckpt-cuda-checkpoint  the collection's cuda-checkpoint tool, built by tests/setup.sh
 #                 (the GPU machine's glibc 2.39 runs binaries built against bookworm's 2.36)
 #   .whl/         wheels for Python 3.12: ansible-core 2.21 and pytest, with their dependencies
 set -euo pipefail
@@ -19,6 +20,8 @@ d=$(dirname "$(readlink -f "$0")")
 LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$d/criu.bin" "$@"
 SH
 chmod +x .carry/criu/criu
+# The collection's own cuda-checkpoint, built here by tests/setup.sh (it needs only glibc 2.2.5's symbols).
+cp .build/gpuckpt-cuda-checkpoint .carry/gpuckpt-cuda-checkpoint
 rm -rf .whl && mkdir -p .whl
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
