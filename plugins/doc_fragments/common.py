@@ -155,4 +155,16 @@ options:
       - A sandbox without that tool and without NVIDIA devices in its spec is a CPU sandbox; its GPU stage is skipped.
       - C(/usr/local/bin/cuda-checkpoint) when not given (or what the image recorded).
     type: path
+  runsc_cuda_stage:
+    description:
+      - Who runs the CUDA stage of a gVisor sandbox. V(engine) runs it here, through O(cuda_checkpoint_path) inside
+        the sandbox, with the collection's order (every process locked before any is checkpointed) and rollback.
+      - V(runsc) lets runsc do it (C(runsc checkpoint --cuda-checkpoint-path), gVisor release-20260608 and later,
+        which toggles each CUDA process and toggles them back on restore). A runsc without that flag is refused
+        before anything is frozen. The order and the failure handling of that stage are then runsc's; the restore
+        still checks that every CUDA process runs. Not yet run by the collection's tests (Debian's runsc lacks it).
+      - A restore follows what the image was taken with.
+    type: str
+    choices: [engine, runsc]
+    default: engine
 """

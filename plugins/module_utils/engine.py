@@ -312,7 +312,9 @@ def plan_checkpoint(target, image_dir, opts, backend):
         raise InvalidTarget("CUDA pid %d is %s, not running: another checkpoint is in progress or failed"
                             % (p, s), stage="preflight", pid=p,
                             hint="restore/unlock it first (gpu_restore on its image) or investigate")
-    if cuda_pids:
+    if cuda_pids and backend.owns_cuda_stage:
+        gpu_stage = "done by the %s runtime itself" % backend.name
+    elif cuda_pids:
         gpu_stage = "done"
     elif drv is None:
         gpu_stage = "skipped: no CUDA driver on this host (%s); CPU-only workload" % driver_problem.msg
@@ -455,11 +457,12 @@ def _checkpoint_steps(ctx, clock, sender):
     if opts.quiesce_signal or opts.quiesce_command:
         steps.append(Step("quiesce", ask_to_quiesce))
     steps.append(Step("freeze", begin_freeze, phase="freezing"))
-    if ctx.cuda_pids:
+    engine_cuda = bool(ctx.cuda_pids) and not backend.owns_cuda_stage  # (else the runtime's dump does it)
+    if engine_cuda:
         steps += [Step("cuda_lock", lock, unlock, partial=True),
                   Step("cuda_checkpoint", checkpoint_gpu, restore_gpu, partial=True)]
     steps.append(Step("runtime_dump", dump, undump, phase="frozen"))
-    if ctx.after == "running" and ctx.cuda_pids:
+    if ctx.after == "running" and engine_cuda:
         steps.append(Step("cuda_resume_source", resume_gpu_now))
     steps.append(Step("manifest", write_manifest, remove_manifest, phase="checkpointed"))
     return steps
@@ -651,14 +654,16 @@ def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_
         cuda_pids = backend.map_pids(manifest, new_pids)
         if cuda_pids is None:
             cuda_pids = _map_pids(manifest, new_pids)
-        _each(cuda_pids, lambda p: drv.restore(p, gpu_pairs), parallel)
+        by_runtime = backend.owns_cuda_stage  # its restore brought the GPU memory back and unlocked
+        if not by_runtime:
+            _each(cuda_pids, lambda p: drv.restore(p, gpu_pairs), parallel)
         clock.stop("cuda_restore")
         if probe:
             # Its GPU memory is back but its CUDA processes are still locked: a failing probe is rolled
             # back before the restored copy made progress of its own (no work done twice).
             clock.probe = _probe(backend, new_pids[0], probe[0], probe[1])
             clock.stop("probe")
-        for p in cuda_pids:
+        for p in ([] if by_runtime else cuda_pids):
             drv.unlock(p)
         clock.stop("cuda_unlock")
         clock.resumed_at = time.time()  # the workload runs again from here: the end of its downtime

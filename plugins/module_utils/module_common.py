@@ -30,6 +30,7 @@ RUNTIME_ARGS = dict(
     runsc_root=dict(type="path"),
     runsc_flags=dict(type="list", elements="str", default=[]),
     cuda_checkpoint_path=dict(type="path"),
+    runsc_cuda_stage=dict(type="str", choices=["engine", "runsc"], default="engine"),
 )
 RUNTIMES = ["process", "runc", "podman", "docker", "containerd", "runsc"]
 
@@ -63,7 +64,8 @@ def _make_backend(name, params, bundle):
     if name == "runsc":
         from .runtimes.runsc import RunscBackend
         return RunscBackend(params.get("runsc_path"), params.get("runsc_root"), bundle, params.get("runsc_flags"),
-                            params.get("cuda_checkpoint_path"), timeout=_timeout(params))
+                            params.get("cuda_checkpoint_path"), timeout=_timeout(params),
+                            cuda_stage=params.get("runsc_cuda_stage") or "engine")
     if name == "runc":
         from .runtimes.runc import RuncBackend
         return RuncBackend(params.get("runc_path"), params.get("runc_root"), bundle, params.get("criu_path"),

@@ -189,6 +189,11 @@ def test_quiesce_signal_and_a_missing_tool_are_refused_before_anything_is_frozen
     assert run.rc != 0
     msg = run.task("Checkpoint")["msg"]
     assert "could not run inside sandbox" in msg and "/no/such/tool" in msg, msg
+    # runsc's own CUDA stage (--cuda-checkpoint-path) asked of a runsc that lacks it
+    run = playbook(CHECKPOINT, w.vars(str(tmp_path / "img3"), gpuckpt_runsc_cuda_stage="runsc"), env=fakecuda.env)
+    assert run.rc != 0
+    msg = run.task("Checkpoint")["msg"]
+    assert "no --cuda-checkpoint-path" in msg and "nothing was frozen" in msg, msg
     assert [c for c in w.calls() if c[0] == "lock"] == []
     assert w.status() == "running" and w.is_counting()
 

@@ -66,6 +66,9 @@ class Backend(object):
     # True: the workload's processes live on a sandbox's own kernel (gVisor), out of the host's sight; its
     # CUDA pids are the sandbox's, reached only through load_cuda()'s driver, never through the host's /proc
     cuda_in_sandbox = False
+    # True: the runtime's own dump and restore run the CUDA stage (runsc --cuda-checkpoint-path); the
+    # engine then only finds the CUDA pids, checks them after a restore, and settles a held source
+    owns_cuda_stage = False
 
     def load_cuda(self, libcuda_path):
         """(driver, None) that reaches the workload's CUDA processes, or (None, the reason it cannot)."""

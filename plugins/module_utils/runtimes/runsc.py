@@ -21,9 +21,12 @@ its stubs), never the workload's processes, so neither CRIU nor the host's drive
 The workload's host pids are the sandbox's own process (one identity for the journal); its CUDA pids
 are the sandbox's pids, which a restore keeps.
 
-Newer runsc releases (release-20260608 and later) can run the CUDA stage themselves with
-``runsc checkpoint --cuda-checkpoint-path``; that flag is looked for in ``runsc help checkpoint`` and
-reported (``facts``), but the stage is still run here, where its order and rollback are the engine's.
+Newer runsc releases (release-20260608 and later) can run the CUDA stage themselves: ``runsc checkpoint
+--cuda-checkpoint-path`` toggles every CUDA process inside the sandbox (lock + checkpoint each, in
+parallel) before saving it, and its restore toggles them back. ``cuda_stage="runsc"`` uses that (the
+flag is looked for in ``runsc help checkpoint`` and its absence refused before anything is frozen);
+the order and the failure handling of the CUDA stage are then runsc's, and the engine checks the CUDA
+processes run after a restore. The default, ``engine``, keeps the stage here.
 GPU sandboxes need runsc's nvproxy to support the host's driver (580.x from release-20260608).
 """
 from __future__ import annotations
@@ -145,8 +148,13 @@ class RunscBackend(ContainerBackend):
     cuda_in_sandbox = True
     passes_criu_flags = ()
 
-    def __init__(self, runsc_path=None, root=None, bundle=None, runsc_flags=(), tool=None, timeout=None):
+    def __init__(self, runsc_path=None, root=None, bundle=None, runsc_flags=(), tool=None, timeout=None,
+                 cuda_stage="engine"):
         super(RunscBackend, self).__init__(None, (), timeout)
+        if cuda_stage not in ("engine", "runsc"):
+            raise InvalidTarget("runsc_cuda_stage must be engine or runsc, got %r" % cuda_stage, stage="preflight")
+        # runsc: runsc's own checkpoint and restore run the CUDA stage (release-20260608 and later)
+        self.owns_cuda_stage = cuda_stage == "runsc"
         self.runsc_path, self.root, self.bundle = runsc_path, root, bundle
         self.runsc_flags = [str(f) for f in (runsc_flags or ())]
         for flag in self.runsc_flags:
@@ -243,9 +251,13 @@ class RunscBackend(ContainerBackend):
         res = run(self._cmd("--version"), stage="preflight")
         facts = {"runsc_version": res.stdout.splitlines()[0].split()[-1] if res.stdout else None,
                  "runsc_flags": self.runsc_flags}
-        if full:
+        if full or self.owns_cuda_stage:
             helptext = run(self._cmd("help", "checkpoint"), stage="preflight", check=False)
             facts["runsc_cuda_checkpoint_flag"] = "cuda-checkpoint-path" in (helptext.stdout + helptext.stderr)
+            if self.owns_cuda_stage and not facts["runsc_cuda_checkpoint_flag"]:
+                raise InvalidTarget("runsc_cuda_stage is runsc, but this runsc (%s) has no --cuda-checkpoint-path (gVisor "
+                                    "release-20260608 and later have it); nothing was frozen" % facts["runsc_version"],
+                                    stage="preflight", hint="upgrade runsc, or leave runsc_cuda_stage at engine")
         return facts
 
     def runtime_facts(self):
@@ -266,6 +278,8 @@ class RunscBackend(ContainerBackend):
         if after == "stopped":
             run(self._cmd("pause", self.container), stage="runtime-dump")
         args = ["checkpoint", "-image-path", image_dir]
+        if self.owns_cuda_stage:  # runsc toggles every CUDA process inside the sandbox with the tool there
+            args.append("--cuda-checkpoint-path=%s" % self.tool)
         if after in ("running", "stopped"):
             args.append("-leave-running")
         try:
@@ -279,7 +293,8 @@ class RunscBackend(ContainerBackend):
             run(self._cmd("delete", "-force", self.container), stage="runtime-dump", check=False)
         return {"backend": self.name, "container": self.container, "root_pid": int(target),
                 "bundle": self._bundle_seen, "runsc_root": self.root, "runsc_flags": self.runsc_flags,
-                "cuda_checkpoint_path": self.tool, "runsc_seconds": round(res.seconds, 6)}
+                "cuda_checkpoint_path": self.tool, "cuda_stage": "runsc" if self.owns_cuda_stage else "engine",
+                "runsc_seconds": round(res.seconds, 6)}
 
     def restore(self, image_dir, work_dir, manifest):
         rt = manifest.get("runtime") or {}
@@ -344,6 +359,8 @@ class RunscBackend(ContainerBackend):
             self.runsc_flags = list(rt.get("runsc_flags") or [])
         if self.tool == DEFAULT_TOOL and rt.get("cuda_checkpoint_path"):
             self.tool = rt["cuda_checkpoint_path"]
+        if rt.get("cuda_stage") == "runsc":  # the image's sandbox restores its CUDA processes itself
+            self.owns_cuda_stage = True
 
     def is_held(self, pids):
         st = self.state(self.container, required=False) if self.container else None
