@@ -23,6 +23,8 @@ sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, hugepages, image  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.criu import Criu  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend  # noqa: E402
 from gpu_helpers import TorchWorkload, raw_driver  # noqa: E402
 
 
@@ -68,10 +70,12 @@ print(json.dumps({"pinned_d2h_GBps": d2h / 1e9, "pinned_h2d_GBps": h2d / 1e9, "f
     emit("floors", gib=gib, **res)
 
 
-def cycle(w, image_dir, label, parallel=False, **options):
-    ck = engine.checkpoint(w.pid, image_dir, parallel=parallel, **options)
+def cycle(w, image_dir, label, parallel=False, criu_path=None, **options):
+    backend = ProcessBackend(criu_path) if criu_path else None
+    ck = engine.checkpoint(w.pid, image_dir, parallel=parallel, backend=backend, **options)
     stopped = w.counts()
-    rs = engine.restore(image_dir, parallel=parallel, host_huge_pages=options.get("host_huge_pages", False))
+    rs = engine.restore(image_dir, parallel=parallel, host_huge_pages=options.get("host_huge_pages", False),
+                        backend=ProcessBackend(criu_path) if criu_path else None)
     w.wait_counting(beyond=stopped)
     ok = w.verified_after(stopped)
     shutil.rmtree(image_dir)
@@ -110,6 +114,27 @@ def speed(args):
         time.sleep(2)
 
 
+def criu_compare(args):
+    """The installed CRIU against --criu-compare (another build), alternated on one PyTorch process of
+    --compare-gib GiB, THP always for every operation (the fast setting), two cycles each, one run."""
+    versions = {label: Criu(path).version() for label, path in (("default", None), ("compare", args.criu_compare))}
+    wdir = os.path.join(args.image_root, "w-criu")
+    shutil.rmtree(wdir, ignore_errors=True)
+    w = TorchWorkload(wdir, gib=args.compare_gib, verify_every=2.0)
+    img = os.path.join(args.image_root, "img-criu")
+    cycles = []
+    try:
+        for label, path in [("default", None), ("compare", args.criu_compare)] * 2:
+            c = cycle(w, img, "criu-%s-%s" % (label, versions[label]), criu_path=path, host_huge_pages=True)
+            c["criu_version"] = versions[label]
+            cycles.append(c)
+            w.wait_counting(beyond=w.counts())
+        emit("criu_compare", gib=args.compare_gib, versions=versions, cycles=cycles)
+    finally:
+        w.kill()
+        time.sleep(2)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="4,16")
@@ -119,7 +144,13 @@ def main():
     ap.add_argument("--cache-gib", type=float, default=0, help="GiB the allocator keeps cached in that run")
     ap.add_argument("--multi", type=float, default=0,
                     help="GiB per process of a 3-process workload: driver calls one after another vs in parallel")
+    ap.add_argument("--thp", action="store_true", help="the sizes' cycles with host_huge_pages (THP always)")
+    ap.add_argument("--criu-compare", help="another criu binary, compared with the installed one in one run")
+    ap.add_argument("--compare-gib", type=float, default=16, help="GiB of tensors for --criu-compare")
     args = ap.parse_args()
+    if args.criu_compare:
+        criu_compare(args)
+        return
     if args.speed:
         speed(args)
         return
@@ -145,12 +176,13 @@ def main():
         shutil.rmtree(wdir, ignore_errors=True)
         w = TorchWorkload(wdir, gib=gib, verify_every=2.0)
         try:
-            first = cycle(w, os.path.join(args.image_root, "img-%g-1" % gib), "first")
+            opts = {"host_huge_pages": True} if args.thp else {}
+            first = cycle(w, os.path.join(args.image_root, "img-%g-1" % gib), "first", **opts)
             raw = raw_driver(w.pids)[0]
             w.wait_counting(beyond=w.counts())
-            second = cycle(w, os.path.join(args.image_root, "img-%g-2" % gib), "second")
+            second = cycle(w, os.path.join(args.image_root, "img-%g-2" % gib), "second", **opts)
             emit("size", gib=gib, image_root=args.image_root, fill_seconds=w.fill_seconds, first=first,
-                 raw_driver=raw, second=second)
+                 raw_driver=raw, second=second, host_huge_pages=bool(args.thp))
         finally:
             w.kill()
             time.sleep(2)

@@ -20,6 +20,13 @@ d=$(dirname "$(readlink -f "$0")")
 LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$d/criu.bin" "$@"
 SH
 chmod +x .carry/criu/criu
+# Another CRIU to compare with in one GPU run (bench/gpu_bench.py --criu-compare), when one is named:
+#   GPUCKPT_CRIU_ALT=/path/to/criu bash tests/gpu/prepare_carry.sh   (e.g. 4.1.1 built from Debian's tarball)
+if [ -n "${GPUCKPT_CRIU_ALT:-}" ]; then
+  cp "$GPUCKPT_CRIU_ALT" .carry/criu/criu-alt.bin
+  sed 's/criu\.bin/criu-alt.bin/; s/CRIU 4.2.1 carried/Another CRIU carried/' .carry/criu/criu > .carry/criu/criu-alt
+  chmod +x .carry/criu/criu-alt
+fi
 # The collection's own cuda-checkpoint, built here by tests/setup.sh (it needs only glibc 2.2.5's symbols).
 cp .build/gpuckpt-cuda-checkpoint .carry/gpuckpt-cuda-checkpoint
 rm -rf .whl && mkdir -p .whl

@@ -37,6 +37,7 @@ fi
 # Benchmarks (issue 4): GPUCKPT_BENCH_SIZES="4,16" (GiB); GPUCKPT_BENCH_FLOORS=0 skips the floors.
 if [ -n "${GPUCKPT_BENCH_SIZES:-}" ]; then
   python3 bench/gpu_bench.py --sizes "$GPUCKPT_BENCH_SIZES" $([ "${GPUCKPT_BENCH_FLOORS:-1}" = 0 ] && echo --no-floors) \
+    $([ "${GPUCKPT_BENCH_THP:-0}" = 1 ] && echo --thp) \
     2>&1 | tee "$OUT/bench.log" | grep -E "RESULT|Error|error" || rc=1
 fi
 # Migration downtime against its floor and the plain chain (issue 3): GPUCKPT_MIGRATE_BENCH_GIB=4
@@ -48,6 +49,12 @@ fi
 if [ -n "${GPUCKPT_SPEED_GIB:-}" ]; then
   python3 bench/gpu_bench.py --speed "$GPUCKPT_SPEED_GIB" --cache-gib "${GPUCKPT_SPEED_CACHE_GIB:-0}" 2>&1 \
     | tee "$OUT/speed.log" | grep -E "RESULT|Error|error" || rc=1
+fi
+# The carried CRIU against another carried one (GPUCKPT_CRIU_ALT in prepare_carry.sh), in one run (issue 15):
+# GPUCKPT_CRIU_COMPARE_GIB=16
+if [ -n "${GPUCKPT_CRIU_COMPARE_GIB:-}" ]; then
+  python3 bench/gpu_bench.py --criu-compare /opt/gpuckpt-criu/criu-alt --compare-gib "$GPUCKPT_CRIU_COMPARE_GIB" 2>&1 \
+    | tee "$OUT/criu_compare.log" | grep -E "RESULT|Error|error" || rc=1
 fi
 # Three CUDA processes: driver calls one after another vs in parallel (issue 4): GPUCKPT_MULTI_GIB=4
 if [ -n "${GPUCKPT_MULTI_GIB:-}" ]; then
