@@ -24,7 +24,7 @@ apt_pkgs=(build-essential pkgconf libprotobuf-c-dev protobuf-c-compiler libproto
   python3-protobuf iproute2 rsync openssh-server openssh-client xz-utils procps
   runc iptables podman docker.io binutils python3-grpcio)  # runc 1.1.5, Podman 4.3.1, Docker 20.10 (bookworm); CRIU needs iptables for a netns
 for p in "${apt_pkgs[@]}"; do
-  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || need_apt+=("$p")
+  [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" == *"install ok installed"* ]] || need_apt+=("$p")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
   log "apt-get install ${need_apt[*]}"
@@ -108,7 +108,9 @@ fetch_deb() {
 # containerd backend talks to containerd's API through python3-grpcio on the managed hosts.
 CTRD_VERSION=2.1.9
 CTRD_PREFIX=/usr/local/lib/gpuckpt-containerd
-ctrd_ok() { "$CTRD_PREFIX/bin/containerd" --version 2>/dev/null | grep -q " $CTRD_VERSION"; }
+# (the version is read first, then matched: `cmd | grep -q` under pipefail fails when grep exits
+# before cmd has written all it prints, which it kills with SIGPIPE)
+ctrd_ok() { local v; v=$("$CTRD_PREFIX/bin/containerd" --version 2>/dev/null) || return 1; [[ "$v" == *" $CTRD_VERSION"* ]]; }
 if ! ctrd_ok; then
   log "fetching containerd $CTRD_VERSION from Debian sid"
   aptdir=$(fetch_deb sid "containerd=${CTRD_VERSION}*")
@@ -127,8 +129,8 @@ fi
 # backports' is built with Go 1.22, which that release supports. --platform=systrap (its default) works
 # here; never --platform=kvm (it hangs in these VMs).
 RUNSC_VERSION=0.0~20240729.0-4~bpo12+2
-runsc_ok() { /usr/local/sbin/runsc --version 2>/dev/null | grep -q "20240729" && [ -f /usr/local/lib/gpuckpt-runsc.version ] \
-  && [ "$(cat /usr/local/lib/gpuckpt-runsc.version)" = "$RUNSC_VERSION" ]; }
+runsc_ok() { local v; v=$(/usr/local/sbin/runsc --version 2>/dev/null) || return 1; [[ "$v" == *20240729* ]] \
+  && [ -f /usr/local/lib/gpuckpt-runsc.version ] && [ "$(cat /usr/local/lib/gpuckpt-runsc.version)" = "$RUNSC_VERSION" ]; }
 if ! runsc_ok; then
   log "fetching runsc $RUNSC_VERSION from Debian bookworm-backports"
   aptdir=$(fetch_deb bookworm-backports "runsc=$RUNSC_VERSION")

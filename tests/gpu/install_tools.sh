@@ -16,7 +16,7 @@ if [ -d "$carry/ssh" ]; then
 fi
 if [ -x "$carry/runc/runc" ] && ! command -v runc >/dev/null 2>&1; then
   install -m 0755 "$carry/runc/runc" /usr/local/sbin/runc
-  if ! ldconfig -p | grep -q 'libseccomp.so.2 '; then
+  if [[ "$(ldconfig -p)" != *"libseccomp.so.2 "* ]]; then
     cp "$carry"/runc/libseccomp.so.2* /usr/local/lib/ && ldconfig
   fi
 fi
