@@ -72,7 +72,16 @@ options:
     type: path
 notes:
   - Changes nothing; supports check mode.
+attributes:
+  check_mode:
+    support: full
+    details: It only reads the host.
+  diff_mode:
+    support: none
+  platform:
+    platforms: linux
 extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.RUNTIME
 """
 

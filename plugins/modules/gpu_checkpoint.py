@@ -157,7 +157,16 @@ options:
         C(begin) returns it). It is recorded in the source's journal before anything is frozen and in the manifest;
         the target restores only an image that carries it. A new one is made when not given.
     type: str
+attributes:
+  check_mode:
+    support: full
+    details: It validates the target, CRIU and the image directory, and reports what it would do.
+  diff_mode:
+    support: none
+  platform:
+    platforms: linux
 extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
   - gpuckpt.fleet.common.progress

@@ -82,7 +82,16 @@ options:
     description: Directory of the migration journals on the target.
     type: path
     default: /var/lib/gpuckpt/journal
+attributes:
+  check_mode:
+    support: full
+    details: It reads the image and reports how many bytes it would send.
+  diff_mode:
+    support: none
+  platform:
+    platforms: linux
 extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.progress
 notes:
   - This host must reach the target over ssh non-interactively (a key, or agent forwarding).

@@ -80,7 +80,16 @@ options:
         longer, it is killed with its CRIU and the rollback fails, keeping the image. V(0) sets no limit.
     type: float
     default: 0
+attributes:
+  check_mode:
+    support: partial
+    details: It reports the journal as it is (C(status)) for every action, and changes nothing.
+  diff_mode:
+    support: none
+  platform:
+    platforms: linux
 extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.runtime
 notes:
   - C(status) supports check mode; the other actions change nothing in check mode and report the journal.

@@ -80,7 +80,16 @@ options:
         waits for that job and returns its result, printing its progress (give the same O(progress_file)).
       - Handled by the action plugin; every other option is then ignored.
     type: str
+attributes:
+  check_mode:
+    support: full
+    details: It verifies the image and the host, and reports what it would restore.
+  diff_mode:
+    support: none
+  platform:
+    platforms: linux
 extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
   - gpuckpt.fleet.common.progress
