@@ -72,6 +72,8 @@ options:
     type: path
 notes:
   - Changes nothing; supports check mode.
+requirements:
+  - "Root to see other users' processes and to ask the driver about them."
 attributes:
   check_mode:
     support: full

@@ -157,6 +157,11 @@ options:
         C(begin) returns it). It is recorded in the source's journal before anything is frozen and in the manifest;
         the target restores only an image that carries it. A new one is made when not given.
     type: str
+requirements:
+  - "Root on the managed host."
+  - "CRIU 4.0 or newer (4.2 for TCP on kernel 6.16+), except with runtime runsc."
+  - "NVIDIA driver 570 or newer for CUDA processes (580 to restore them onto other GPUs)."
+  - "The runtime named by O(runtime) (runc, Podman, Docker with experimental features, containerd 2.x with python3-grpcio, gVisor runsc)."
 attributes:
   check_mode:
     support: full

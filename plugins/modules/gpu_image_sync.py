@@ -82,6 +82,8 @@ options:
     description: Directory of the migration journals on the target.
     type: path
     default: /var/lib/gpuckpt/journal
+requirements:
+  - "ssh from this host to O(dest_host), and python3 there."
 attributes:
   check_mode:
     support: full

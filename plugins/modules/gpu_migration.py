@@ -80,6 +80,8 @@ options:
         longer, it is killed with its CRIU and the rollback fails, keeping the image. V(0) sets no limit.
     type: float
     default: 0
+requirements:
+  - "Root on the managed host."
 attributes:
   check_mode:
     support: partial

@@ -80,6 +80,11 @@ options:
         waits for that job and returns its result, printing its progress (give the same O(progress_file)).
       - Handled by the action plugin; every other option is then ignored.
     type: str
+requirements:
+  - "Root on the managed host."
+  - "CRIU 4.0 or newer, except with runtime runsc."
+  - "NVIDIA driver 570 or newer for CUDA processes (580 for O(gpu_map))."
+  - "The runtime the image was taken with."
 attributes:
   check_mode:
     support: full
