@@ -141,6 +141,20 @@ if ! runsc_ok; then
 fi
 /usr/bin/python3 -c 'import grpc' 2>/dev/null || apt-get install -y -qq --no-install-recommends python3-grpcio >/dev/null
 
+# CRIU locks a dumped TCP connection with iptables DROP rules (marked 0xc114, CRIU's SOCCR_MARK) until
+# its restore unlocks it. A dump killed before its restore (an interrupted test run) leaves them, and a
+# later connection that reuses that port pair has its packets dropped: zdtm's socket-tcpbuf-local hung
+# so in a CI run on a reused machine. Only those rules are removed.
+for ipt in iptables ip6tables; do
+  command -v "$ipt" >/dev/null 2>&1 || continue
+  rules=$("$ipt" -S 2>/dev/null) || continue
+  while IFS= read -r rule; do
+    [[ "$rule" == "-A "*"--mark 0xc114"* ]] || continue
+    read -ra args <<<"${rule/#-A /-D }"
+    "$ipt" "${args[@]}" 2>/dev/null || true
+  done <<<"$rules"
+done
+
 # Controller-side Python: ansible-core 2.19 is the newest that runs on this machine's Python 3.11.
 venv="$repo/.venv"
 if [ ! -x "$venv/bin/ansible-playbook" ] || ! "$venv/bin/python" -m pip --disable-pip-version-check -q check >/dev/null 2>&1 \
