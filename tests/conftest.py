@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from helpers import (  # noqa: F401 - re-exported for tests
-    ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, MANAGED_PYTHON, REPO, CountingWorkload, alive, tree)
+    ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, MANAGED_PYTHON, REPO, CountingWorkload, FakeCuda, alive, tree)
 
 sys.path.insert(0, COLLECTIONS)
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))  # the loopback "hosts" (tests/hosts/loopback.py)
@@ -22,51 +22,25 @@ def pytest_configure(config):
         raise pytest.UsageError("run `bash tests/setup.sh` first (collection link, venv, CRIU, test double)")
 
 
-class FakeCuda(object):
-    """Handle on the libcuda TEST DOUBLE's per-pid state files."""
-
-    def __init__(self, state_dir):
-        self.state_dir = state_dir
-        self.lib = FAKE_LIBCUDA
-        os.makedirs(state_dir, exist_ok=True)
-
-    @property
-    def env(self):
-        return {"GPUCKPT_LIBCUDA": self.lib, "FAKECUDA_STATE_DIR": self.state_dir}
-
-    def state(self, pid):
-        """The pid's state as the test double reports it (read from inside that process), or None."""
-        import ctypes
-        lib = ctypes.CDLL(self.lib)
-        st = ctypes.c_int(-1)
-        if lib.cuCheckpointProcessGetState(int(pid), ctypes.byref(st)) != 0:
-            return None
-        return {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}[st.value]
-
-    def calls(self):
-        try:
-            with open(os.path.join(self.state_dir, "calls.log")) as fh:
-                return [tuple(line.split()[:2]) for line in fh if line.strip()]
-        except OSError:
-            return []
-
-    def inject(self, call, pid, code):
-        with open(os.path.join(self.state_dir, "inject"), "a") as fh:
-            fh.write("%s %d %d\n" % (call, pid, code))
-
-    def clear_injections(self):
-        try:
-            os.unlink(os.path.join(self.state_dir, "inject"))
-        except OSError:
-            pass
-
-
 @pytest.fixture
 def fakecuda(tmp_path, monkeypatch):
     fc = FakeCuda(str(tmp_path / "fakecuda"))
     for k, v in fc.env.items():
         monkeypatch.setenv(k, v)
     return fc
+
+
+@pytest.fixture
+def cuda_child(fakecuda):
+    """A child process registered with the test double as a CUDA process."""
+    code = ("import ctypes,sys,time; l=ctypes.CDLL(sys.argv[1]); l.fakeCudaAttach(); print('up', flush=True); "
+            "time.sleep(60)")
+    p = subprocess.Popen([sys.executable, "-c", code, fakecuda.lib], stdout=subprocess.PIPE,
+                         env=dict(os.environ, **fakecuda.env))
+    assert p.stdout.readline().strip() == b"up"
+    yield p.pid
+    p.kill()
+    p.wait()
 
 
 class Workload(CountingWorkload):

@@ -78,6 +78,45 @@ def hanging_wrapper(path, real, subcommand, child_pidfile):
     return str(path)
 
 
+class FakeCuda(object):
+    """Handle on the libcuda TEST DOUBLE's per-pid state files."""
+
+    def __init__(self, state_dir):
+        self.state_dir = state_dir
+        self.lib = FAKE_LIBCUDA
+        os.makedirs(state_dir, exist_ok=True)
+
+    @property
+    def env(self):
+        return {"GPUCKPT_LIBCUDA": self.lib, "FAKECUDA_STATE_DIR": self.state_dir}
+
+    def state(self, pid):
+        """The pid's state as the test double reports it (read from inside that process), or None."""
+        import ctypes
+        lib = ctypes.CDLL(self.lib)
+        st = ctypes.c_int(-1)
+        if lib.cuCheckpointProcessGetState(int(pid), ctypes.byref(st)) != 0:
+            return None
+        return {0: "running", 1: "locked", 2: "checkpointed", 3: "failed"}[st.value]
+
+    def calls(self):
+        try:
+            with open(os.path.join(self.state_dir, "calls.log")) as fh:
+                return [tuple(line.split()[:2]) for line in fh if line.strip()]
+        except OSError:
+            return []
+
+    def inject(self, call, pid, code):
+        with open(os.path.join(self.state_dir, "inject"), "a") as fh:
+            fh.write("%s %d %d\n" % (call, pid, code))
+
+    def clear_injections(self):
+        try:
+            os.unlink(os.path.join(self.state_dir, "inject"))
+        except OSError:
+            pass
+
+
 class CountingWorkload(object):
     """What every test workload shares: each role (parent, child1, ...) counts into <dir>/<role>.state
     and keeps the checksum of its memory pattern from the start in <dir>/<role>.digest."""

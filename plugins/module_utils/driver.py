@@ -89,7 +89,41 @@ def api_version_string(v):
     return "%d.%d" % (v // 1000, (v % 1000) // 10) if v else None
 
 
-class CudaDriver(object):
+def unsupported_hint(code):
+    """What to tell the user about a driver error ``code`` that says the process cannot be checkpointed."""
+    if code == CUDA_ERROR_NOT_SUPPORTED:
+        return ("the driver cannot checkpoint this process: it uses something the checkpoint API does "
+                "not support (managed/UVM memory, CUDA IPC memory, NCCL, MPS or MIG)")
+    return None
+
+
+class StateQueries(object):
+    """What every way of reaching the driver answers from ``get_state(pid)`` (a state number, or a
+    DriverError): the in-process driver below, and a sandbox's tool (runtimes/runsc.py)."""
+
+    def get_state(self, pid):
+        raise NotImplementedError
+
+    def cuda_state(self, pid):
+        """State name of ``pid``, or None when it is not a CUDA process. Any process that called
+        cuInit counts, even without a context (the driver says so; so does this controller itself).
+        Other driver errors are raised: a GPU process must never be mistaken for a CPU one."""
+        try:
+            return STATE_NAMES.get(self.get_state(pid), "unknown")
+        except DriverError as exc:
+            if exc.code in NOT_A_CUDA_PROCESS:
+                return None
+            raise
+
+    def state_or_error(self, pid):
+        """For reports: the state name, None when not a CUDA process, or the driver's error name."""
+        try:
+            return self.cuda_state(pid)
+        except DriverError as exc:
+            return exc.name
+
+
+class CudaDriver(StateQueries):
     """One loaded libcuda.so.1. Every call is timed into ``self.calls`` for the benchmarks."""
 
     def __init__(self, path=None):
@@ -148,10 +182,7 @@ class CudaDriver(object):
         secs = time.monotonic() - start
         self.calls.append({"call": name, "pid": pid, "seconds": secs, "rc": code})
         if code != 0:
-            hint = kw.get("hint")
-            if code == CUDA_ERROR_NOT_SUPPORTED:
-                hint = ("the driver cannot checkpoint this process: it uses something the checkpoint API does "
-                        "not support (managed/UVM memory, CUDA IPC memory, NCCL, MPS or MIG)")
+            hint = unsupported_hint(code) or kw.get("hint")
             raise DriverError(name, code, self.error_name(code), pid=pid, stage=kw.get("stage"), hint=hint)
         return secs
 
@@ -160,24 +191,6 @@ class CudaDriver(object):
         st = ctypes.c_int(-1)
         self._call("cuCheckpointProcessGetState", pid, ctypes.byref(st))
         return st.value
-
-    def cuda_state(self, pid):
-        """State name of ``pid``, or None when it is not a CUDA process. Any process that called
-        cuInit counts, even without a context (the driver says so; so does this controller itself).
-        Other driver errors are raised: a GPU process must never be mistaken for a CPU one."""
-        try:
-            return STATE_NAMES.get(self.get_state(pid), "unknown")
-        except DriverError as exc:
-            if exc.code in NOT_A_CUDA_PROCESS:
-                return None
-            raise
-
-    def state_or_error(self, pid):
-        """For reports: the state name, None when not a CUDA process, or the driver's error name."""
-        try:
-            return self.cuda_state(pid)
-        except DriverError as exc:
-            return exc.name
 
     def lock(self, pid, timeout_ms=30000):
         args = _LockArgs(timeoutMs=int(timeout_ms))

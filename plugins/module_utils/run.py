@@ -87,3 +87,19 @@ def run(cmd, timeout=None, check=True, stage=None, pid=None, env=None, cwd=None,
         raise CommandError("%s exited with rc=%d" % (os.path.basename(cmd[0]), proc.returncode), stage=stage,
                            pid=pid, cmd=cmd, rc=proc.returncode, stdout=_tail(out), stderr=_tail(err), hint=hint)
     return res
+
+
+def run_detaching(cmd, stdout, stderr, timeout=None, env=None):
+    """Run a command that leaves a daemon behind (``runc restore --detach``, ``runsc restore -detach``),
+    its output to ``stdout``/``stderr`` (files or pipes the caller reads: the daemon inherits them, so
+    they are never this function's pipes). It runs in a session of its own: past ``timeout`` seconds
+    it is killed with its whole process group (the CRIU it started). Returns its exit status, or None
+    when it was killed."""
+    proc = subprocess.Popen([str(c) for c in cmd], stdin=subprocess.DEVNULL, stdout=stdout, stderr=stderr,
+                            start_new_session=True, env=env)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        kill_command(proc, True)
+        proc.wait()
+        return None

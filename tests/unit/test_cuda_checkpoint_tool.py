@@ -8,7 +8,6 @@ import platform
 import re
 import shutil
 import subprocess
-import sys
 
 import pytest
 
@@ -22,18 +21,6 @@ def tool(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("tool") / "gpuckpt-cuda-checkpoint")
     subprocess.run(["sh", os.path.join(FILES, "build.sh"), os.path.join(FILES, "cuda_checkpoint.c"), out], check=True)
     return out
-
-
-@pytest.fixture
-def cuda_child(fakecuda):
-    code = ("import ctypes,sys,time; l=ctypes.CDLL(sys.argv[1]); l.fakeCudaAttach(); print('up', flush=True); "
-            "time.sleep(60)")
-    p = subprocess.Popen([sys.executable, "-c", code, fakecuda.lib], stdout=subprocess.PIPE,
-                         env=dict(os.environ, **fakecuda.env))
-    assert p.stdout.readline().strip() == b"up"
-    yield p.pid
-    p.kill()
-    p.wait()
 
 
 def _run(tool, *args, env=None):

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import ctypes.util
 import os
-import subprocess
-import sys
 import time
 
 import pytest
@@ -13,19 +11,6 @@ import pytest
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import driver as cuda
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, facts as host_facts
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import DriverError, DriverUnavailable, InvalidTarget
-
-
-@pytest.fixture
-def cuda_child(fakecuda):
-    """A child process registered with the test double as a CUDA process."""
-    code = ("import ctypes,sys,time; l=ctypes.CDLL(sys.argv[1]); l.fakeCudaAttach(); print('up', flush=True); "
-            "time.sleep(60)")
-    p = subprocess.Popen([sys.executable, "-c", code, fakecuda.lib], stdout=subprocess.PIPE,
-                         env=dict(os.environ, **fakecuda.env))
-    assert p.stdout.readline().strip() == b"up"
-    yield p.pid
-    p.kill()
-    p.wait()
 
 
 def test_state_machine_is_enforced(fakecuda, cuda_child):

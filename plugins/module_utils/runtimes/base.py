@@ -321,6 +321,22 @@ class ContainerBackend(Backend):
     def bind(self, manifest):
         self.container = (manifest.get("runtime") or {}).get("container") or self.container
 
+    def restore_bundle(self, manifest):
+        """For a runtime that restores into an OCI bundle (runc, runsc; ``state(id, required=False)``):
+        the bundle given, else the one recorded, refused when it has no config.json here or when a
+        container of that id already exists here (a restore must never start a second copy)."""
+        self.container = (manifest.get("runtime") or {}).get("container") or self.container
+        bundle = self.bundle or (manifest.get("runtime") or {}).get("bundle")
+        if not bundle or not os.path.isfile(os.path.join(bundle, "config.json")):
+            raise InvalidTarget("%s bundle %s has no config.json on this host: the container's bundle (rootfs "
+                                "and config) must be there to restore it" % (self.name, bundle), stage="preflight",
+                                hint="copy the bundle to the target, or pass bundle")
+        if self.state(self.container, required=False):
+            raise InvalidTarget("a %s container %s already exists on this host; refusing to start a second copy"
+                                % (self.name, self.container), stage="preflight",
+                                hint="delete it (%s delete) if it is a leftover, or restore elsewhere" % self.name)
+        return bundle
+
     def map_pids(self, manifest, new_pids):
         return map_by_ns_pid(manifest, new_pids)
 

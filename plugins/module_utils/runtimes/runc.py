@@ -29,7 +29,7 @@ import subprocess
 
 from .. import discovery
 from ..errors import CommandError, InvalidTarget
-from ..run import find_binary, kill_command, run
+from ..run import find_binary, run, run_detaching
 from .base import ContainerBackend, mount_hint, ns_pid
 
 CGROUP2_ROOT = "/sys/fs/cgroup"  # the unified hierarchy; tests point this elsewhere
@@ -179,17 +179,7 @@ class RuncBackend(ContainerBackend):
         return env
 
     def restore(self, image_dir, work_dir, manifest):
-        rt = manifest.get("runtime") or {}
-        self.container = rt.get("container") or self.container
-        bundle = self.bundle or rt.get("bundle")
-        if not bundle or not os.path.isfile(os.path.join(bundle, "config.json")):
-            raise InvalidTarget("runc bundle %s has no config.json on this host: the container's bundle (rootfs "
-                                "and config) must be there to restore it" % bundle, stage="preflight",
-                                hint="copy the bundle to the target, or pass bundle")
-        if self.state(self.container, required=False):
-            raise InvalidTarget("a runc container %s already exists on this host; refusing to start a second copy"
-                                % self.container, stage="preflight",
-                                hint="delete it (runc delete) if it is a leftover, or restore elsewhere")
+        bundle = self.restore_bundle(manifest)
         env = self.cgroup_env(bundle, manifest, work_dir)
         log = open(os.path.join(work_dir, "container.log"), "ab")
         # The relay holds the read end of the container's stdio pipe and outlives this module.
@@ -198,15 +188,7 @@ class RuncBackend(ContainerBackend):
         try:
             args = ["restore", "--detach", "--image-path", image_dir, "--work-path", work_dir, "--bundle", bundle]
             args += self.criu_flags(manifest) + [self.container]
-            # A session of its own: a restore that runs past runtime_timeout is killed with its CRIU.
-            proc = subprocess.Popen(self._cmd(*args), stdin=subprocess.DEVNULL, stdout=relay.stdin,
-                                    stderr=relay.stdin, start_new_session=True, env=env)
-            try:
-                rc = proc.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                kill_command(proc, True)
-                proc.wait()
-                rc = None
+            rc = run_detaching(self._cmd(*args), relay.stdin, relay.stdin, timeout=self.timeout, env=env)
         finally:
             relay.stdin.close()
         if rc != 0:

@@ -34,13 +34,12 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
 import time
 
 from .. import discovery
 from .. import driver as cuda
 from ..errors import CommandError, DriverError, DriverUnavailable, GpuCkptError, InvalidTarget
-from ..run import find_binary, kill_command, run
+from ..run import find_binary, run, run_detaching
 from .base import ContainerBackend
 
 DEFAULT_TOOL = "/usr/local/bin/cuda-checkpoint"  # where the seeds' runsc integration mounts it
@@ -48,7 +47,7 @@ TOOL_ERROR = re.compile(r"failed for pid (\d+): (\S+) \((\d+)\)")
 EXEC_TIMEOUT = 120.0  # seconds for one tool call inside the sandbox (a lock waits for running kernels)
 
 
-class SandboxCuda(object):
+class SandboxCuda(cuda.StateQueries):
     """The driver's checkpoint calls for processes inside a sandbox: each runs the cuda-checkpoint tool
     there (``runsc exec``), with the sandbox's pids. It answers like driver.CudaDriver, so that the
     engine's steps and undos stay the same; device facts come from the host's driver when it loads."""
@@ -83,11 +82,7 @@ class SandboxCuda(object):
         m = TOOL_ERROR.search(err)
         if res.rc == 1 and m:
             code = int(m.group(3))
-            hint = None
-            if code == cuda.CUDA_ERROR_NOT_SUPPORTED:
-                hint = ("the driver cannot checkpoint this process: it uses something the checkpoint API does not "
-                        "support (managed/UVM memory, CUDA IPC memory, NCCL, MPS or MIG)")
-            raise DriverError(call, code, m.group(2), pid=pid, stage=stage, hint=hint)
+            raise DriverError(call, code, m.group(2), pid=pid, stage=stage, hint=cuda.unsupported_hint(code))
         if res.rc == 3:
             raise DriverUnavailable("inside sandbox %s: %s" % (self.backend.container, err[-300:]), stage=stage,
                                     pid=pid, hint="the NVIDIA driver's libraries must be visible inside the sandbox "
@@ -105,24 +100,14 @@ class SandboxCuda(object):
         return names.get(out.split()[-1] if out else "", -1)
 
     def cuda_state(self, pid):
-        """As CudaDriver.cuda_state; a sandbox without a usable driver inside and without NVIDIA devices in
-        its spec is a CPU sandbox (None), one with devices is an error."""
+        """As the driver's; a sandbox without a usable driver inside and without NVIDIA devices in its spec
+        is a CPU sandbox (None), one with devices is an error."""
         try:
-            return cuda.STATE_NAMES.get(self.get_state(pid), "unknown")
-        except DriverError as exc:
-            if exc.code in cuda.NOT_A_CUDA_PROCESS:
-                return None
-            raise
+            return super(SandboxCuda, self).cuda_state(pid)
         except DriverUnavailable:
             if self.backend.gpu_in_spec():
                 raise
             return None
-
-    def state_or_error(self, pid):
-        try:
-            return self.cuda_state(pid)
-        except DriverError as exc:
-            return exc.name
 
     def lock(self, pid, timeout_ms=30000):
         return self._tool("cuCheckpointProcessLock", pid, ["--action", "lock", "--timeout", str(int(timeout_ms))],
@@ -297,17 +282,7 @@ class RunscBackend(ContainerBackend):
                 "runsc_seconds": round(res.seconds, 6)}
 
     def restore(self, image_dir, work_dir, manifest):
-        rt = manifest.get("runtime") or {}
-        self.container = rt.get("container") or self.container
-        bundle = self.bundle or rt.get("bundle")
-        if not bundle or not os.path.isfile(os.path.join(bundle, "config.json")):
-            raise InvalidTarget("runsc bundle %s has no config.json on this host: the container's bundle (rootfs "
-                                "and config) must be there to restore it" % bundle, stage="preflight",
-                                hint="copy the bundle to the target, or pass bundle")
-        if self.state(self.container, required=False):
-            raise InvalidTarget("a runsc container %s already exists on this host; refusing to start a second copy"
-                                % self.container, stage="preflight",
-                                hint="delete it (runsc delete) if it is a leftover, or restore elsewhere")
+        bundle = self.restore_bundle(manifest)
         # The sandbox that `runsc restore -detach` leaves behind inherits its stdio: a pipe would never
         # reach its end, so both go to the container's log (gVisor, unlike CRIU, takes files as stdio).
         log_path = os.path.join(work_dir, "container.log")
@@ -315,15 +290,7 @@ class RunscBackend(ContainerBackend):
         start = log.tell()
         args = ["restore", "-detach", "-image-path", image_dir, "-bundle", bundle, self.container]
         try:
-            # A session of its own: a restore that runs past runtime_timeout is killed with its children.
-            proc = subprocess.Popen(self._cmd(*args), stdin=subprocess.DEVNULL, stdout=log, stderr=log,
-                                    start_new_session=True)
-            try:
-                rc = proc.wait(timeout=self.timeout)
-            except subprocess.TimeoutExpired:
-                kill_command(proc, True)
-                proc.wait()
-                rc = None
+            rc = run_detaching(self._cmd(*args), log, log, timeout=self.timeout)
         finally:
             log.close()
         if rc != 0:
