@@ -62,7 +62,7 @@ class Target(object):
     """Where an image goes: a host reached with ssh as ``user`` on ``port``, and the receiver's Python.
     Every value is checked here, since it becomes part of an ssh command line."""
 
-    def __init__(self, host, user="root", port=22, ssh_args=(), python="python3", io_timeout=120):
+    def __init__(self, host, user="root", port=22, ssh_args=(), python="python3", io_timeout=120, become=False):
         host = str(host or "")
         if host.startswith("[") and host.endswith("]"):
             host = host[1:-1]  # an IPv6 address as an inventory may write it; ssh wants it bare
@@ -79,6 +79,13 @@ class Target(object):
             raise InvalidTarget("io_timeout must be at least 1 second, got %r" % io_timeout, stage="preflight")
         self.host, self.user, self.port = host, str(user), int(port)
         self.ssh_args, self.python, self.io_timeout = [str(a) for a in ssh_args or ()], str(python), int(io_timeout)
+        # A user other than root reaches the receiver through a passwordless sudo (the inventory's become):
+        # it writes into root's image and journal directories.
+        self.become = bool(become) and self.user != "root"
+
+    def remote_command(self, *words):
+        """The shell command that runs ``words`` on the target, through sudo when the target becomes root."""
+        return "exec " + " ".join((["sudo", "-n", "--"] if self.become else []) + [shlex.quote(w) for w in words])
 
     def ssh(self):
         # The user's ssh arguments first: for ssh, the first value given for an option wins. AES-GCM is
@@ -157,8 +164,7 @@ class Stream(object):
     def __init__(self, target, config, program, index):
         self.target, self.index = target, index
         self.err = tempfile.TemporaryFile()
-        remote = "exec %s -c %s %s" % (shlex.quote(target.python), shlex.quote(_BOOTSTRAP % len(program)),
-                                       shlex.quote(json.dumps(config, sort_keys=True)))
+        remote = target.remote_command(target.python, "-c", _BOOTSTRAP % len(program), json.dumps(config, sort_keys=True))
         self.cmd = target.ssh() + [remote]
         self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
                                      start_new_session=True)

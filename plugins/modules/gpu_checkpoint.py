@@ -111,10 +111,20 @@ options:
         anything is restored.
     type: dict
     suboptions:
-      host:
-        description: The target's address for ssh.
+      to:
+        description:
+          - The target as an inventory host. The action plugin fills O(push.host), O(push.port), O(push.user),
+            O(push.python) and O(push.become) from its C(ansible_host), C(ansible_port), C(ansible_user),
+            C(ansible_python_interpreter) and C(ansible_become), and adds C(-i) with its C(ansible_ssh_private_key_file)
+            (a path on this host) to O(push.ssh_args). Values given in the task win.
         type: str
-        required: true
+      host:
+        description: The target's address for ssh. Required unless O(push.to) is given.
+        type: str
+      become:
+        description: Run the receiver on the target through C(sudo -n), for a O(push.user) other than root.
+        type: bool
+        default: false
       dest:
         description: The image directory on the target (created, mode 0700).
         type: path
@@ -205,6 +215,14 @@ EXAMPLES = r"""
     image_dir: /var/lib/gpuckpt/images/m-42
     leave_stopped: true
     migration_id: m-42
+
+- name: Checkpoint and send the image to gpu-node-2 while it is written (ssh details from the inventory)
+  gpuckpt.fleet.gpu_checkpoint:
+    pid: 4242
+    image_dir: /var/lib/gpuckpt/images/job-1
+    push:
+      to: gpu-node-2
+      dest: /var/lib/gpuckpt/images/job-1
 """
 
 RETURN = r"""
@@ -313,8 +331,10 @@ def main():
         sign_key=dict(type="str", no_log=True),
         parallel=dict(type="bool", default=True),
         nonce=dict(type="str"),
-        push=dict(type="dict", options=dict(
-            host=dict(type="str", required=True),
+        push=dict(type="dict", required_one_of=[("host", "to")], options=dict(
+            to=dict(type="str"),
+            host=dict(type="str"),
+            become=dict(type="bool", default=False),
             dest=dict(type="path", required=True),
             user=dict(type="str", default="root"),
             port=dict(type="int", default=22),
@@ -348,8 +368,12 @@ def main():
             module.fail_json(msg="push.streams must be 0 (automatic) to 64, got %s; nothing was frozen" % q["streams"])
         receiver = {"migration_id": p["migration_id"], "journal_dir": q["journal_dir"], "nonce": p["nonce"]} \
             if p["migration_id"] else {"image_id": None}
+        if not q["host"]:
+            module.fail_json(msg="push.to %r was not resolved: run this module through its action plugin, or give "
+                             "push.host; nothing was frozen" % q["to"])
         try:
-            target = transfer.Target(q["host"], q["user"], q["port"], q["ssh_args"], q["python"], q["io_timeout"])
+            target = transfer.Target(q["host"], q["user"], q["port"], q["ssh_args"], q["python"], q["io_timeout"],
+                                     become=q["become"])
         except GpuCkptError as exc:
             module.fail_json(**exc.to_dict())
         sender = transfer.Sender(target, q["dest"], streams=q["streams"], receiver=receiver)

@@ -28,10 +28,24 @@ options:
     description: The image directory on this host (a complete image, with its manifest).
     type: path
     required: true
-  dest_host:
-    description: Address of the target as this host reaches it over ssh (usually its ansible_host); an IPv6 address may be bracketed.
+  dest_inventory_host:
+    description:
+      - The target as an inventory host. The action plugin fills O(dest_host), O(dest_port), O(dest_user),
+        O(python) and O(dest_become) from that host's C(ansible_host), C(ansible_port), C(ansible_user),
+        C(ansible_python_interpreter) and C(ansible_become), and adds C(-i) with its C(ansible_ssh_private_key_file)
+        (a path on the sending host) to O(ssh_args), as M(ansible.posix.synchronize) does.
+      - Values given in the task win. A name that is not an inventory host is refused.
     type: str
-    required: true
+  dest_host:
+    description:
+      - Address of the target as this host reaches it over ssh (usually its ansible_host); an IPv6 address may be bracketed.
+      - Required unless O(dest_inventory_host) is given.
+    type: str
+  dest_become:
+    description:
+      - Run the receiver on the target through C(sudo -n) (a passwordless sudo), for a O(dest_user) other than root.
+    type: bool
+    default: false
   dest:
     description: The image directory on the target. Outside a migration it is created (mode 0700) and must not hold anything else.
     type: path
@@ -101,10 +115,19 @@ notes:
 """
 
 EXAMPLES = r"""
-- name: Send the image to the target
+- name: Send the image to gpu-node-2 (its address, port, user and key from the inventory)
   gpuckpt.fleet.gpu_image_sync:
     src: /var/lib/gpuckpt/images/job-1
-    dest_host: "{{ hostvars['gpu-node-2']['ansible_host'] }}"
+    dest_inventory_host: gpu-node-2
+    dest: /var/lib/gpuckpt/images/job-1
+
+- name: Send the image to a host outside the inventory, over IPv6
+  gpuckpt.fleet.gpu_image_sync:
+    src: /var/lib/gpuckpt/images/job-1
+    dest_host: "fd00::12"
+    dest_port: 2222
+    dest_user: ckpt
+    dest_become: true
     dest: /var/lib/gpuckpt/images/job-1
 """
 
@@ -165,7 +188,9 @@ def _source_journal_hooks(journal):
 def main():
     module = AnsibleModule(argument_spec=dict(
         src=dict(type="path", required=True),
-        dest_host=dict(type="str", required=True),
+        dest_inventory_host=dict(type="str"),
+        dest_host=dict(type="str"),
+        dest_become=dict(type="bool", default=False),
         dest=dict(type="path", required=True),
         dest_user=dict(type="str", default="root"),
         dest_port=dict(type="int", default=22),
@@ -179,8 +204,11 @@ def main():
         journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
         dest_journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
         progress_file=dict(type="path"),
-    ), supports_check_mode=True)
+    ), required_one_of=[("dest_host", "dest_inventory_host")], supports_check_mode=True)
     p = module.params
+    if not p["dest_host"]:
+        module.fail_json(msg="dest_inventory_host %r was not resolved: run this module through its action plugin "
+                         "(gpuckpt.fleet.gpu_image_sync), or give dest_host; nothing was sent" % p["dest_inventory_host"])
     check_path_arg(module, "dest", p["dest"])
     if not 0 <= p["streams"] <= 64:
         module.fail_json(msg="streams must be between 0 (automatic) and 64, got %d; nothing was sent" % p["streams"],
@@ -189,7 +217,7 @@ def main():
         module.fail_json(msg="bwlimit and retries must not be negative; nothing was sent", stage="transfer")
     try:
         target = transfer.Target(p["dest_host"], p["dest_user"], p["dest_port"], p["ssh_args"], p["python"],
-                                 p["io_timeout"])
+                                 p["io_timeout"], become=p["dest_become"])
         manifest = image.load_manifest(p["src"])
         if module.check_mode:
             size = image.image_bytes(manifest)

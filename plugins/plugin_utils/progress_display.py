@@ -18,7 +18,7 @@ import threading
 import time
 import uuid
 
-from ansible.errors import AnsibleError
+from ansible.errors import AnsibleActionFail, AnsibleError
 from ansible.module_utils.common.text.converters import to_text
 from ansible.plugins.action import ActionBase
 from ansible.utils.display import Display
@@ -105,6 +105,11 @@ class ProgressActionBase(ActionBase):
         if bad:
             result.update(failed=True, msg=bad)
             return result
+        try:
+            args = self._derive_args(args, task_vars)
+        except AnsibleActionFail as exc:
+            result.update(failed=True, msg=to_text(exc.message))
+            return result
         if args.get("attach"):
             result.update(self._attach(args["attach"], args.get("progress_file"), interval, task_vars))
             return result
@@ -148,6 +153,10 @@ class ProgressActionBase(ActionBase):
             raise box["error"]
         result.update(box["result"])
         return result
+
+    def _derive_args(self, args, task_vars):
+        """The module's arguments, completed on the controller (from the inventory, say); as given here."""
+        return args
 
     @staticmethod
     def _bad_args(args):

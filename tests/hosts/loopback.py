@@ -55,7 +55,8 @@ def _wait_port(addr, port, timeout=15.0):
 
 
 class LoopbackHosts(object):
-    def __init__(self, base, port=22, pid_namespaces=True, python="/usr/bin/python3"):
+    def __init__(self, base, port=22, pid_namespaces=True, python="/usr/bin/python3", hosts=HOSTS):
+        self.hosts = tuple(hosts)  # (name, address): an IPv6 address as ::1, bare
         self.base = os.path.abspath(base)
         self.port = port
         self.pidns = pid_namespaces
@@ -69,7 +70,7 @@ class LoopbackHosts(object):
         return self.path(name, what)
 
     def start(self, host_vars=None):
-        for _name, addr in HOSTS:  # a host left by a killed run would answer in place of ours
+        for _name, addr in self.hosts:  # a host left by a killed run would answer in place of ours
             try:
                 socket.create_connection((addr, self.port), 0.5).close()
             except OSError:
@@ -84,7 +85,7 @@ class LoopbackHosts(object):
         with open(key + ".pub") as fh, open(self.path("authorized_keys"), "w") as out:
             out.write(fh.read())
         lines = []
-        for name, addr in HOSTS:
+        for name, addr in self.hosts:
             d = self.path(name)
             os.makedirs(d, exist_ok=True)
             hk = os.path.join(d, "ssh_host_ed25519_key")
@@ -93,18 +94,18 @@ class LoopbackHosts(object):
             cfg = os.path.join(d, "sshd_config")
             with open(cfg, "w") as fh:
                 fh.write("\n".join([
-                    "ListenAddress %s:%d" % (addr, self.port), "HostKey %s" % hk,
+                    "ListenAddress %s:%d" % ("[%s]" % addr if ":" in addr else addr, self.port), "HostKey %s" % hk,
                     "PidFile %s" % os.path.join(d, "sshd.pid"), "AuthorizedKeysFile %s" % self.path("authorized_keys"),
                     "PermitRootLogin prohibit-password", "PasswordAuthentication no", "KbdInteractiveAuthentication no",
                     "UsePAM no", "StrictModes no", "Subsystem sftp internal-sftp", "MaxStartups 50", "MaxSessions 50",
                     "LogLevel ERROR", ""]))
             self._spawn(name)
             lines.append((name, addr))
-        for _name, addr in HOSTS:
+        for _name, addr in self.hosts:
             _wait_port(addr, self.port)
         known = self.path("known_hosts")
         with open(self.path("ssh_config"), "w") as fh:
-            for name, addr in HOSTS:
+            for name, addr in self.hosts:
                 # Match both the alias and the address, or a stale known_hosts entry breaks the host.
                 fh.write("Host %s %s\n  HostName %s\n  Port %d\n  User root\n  IdentityFile %s\n"
                          "  UserKnownHostsFile %s\n  StrictHostKeyChecking accept-new\n  LogLevel ERROR\n"
@@ -112,7 +113,7 @@ class LoopbackHosts(object):
         if os.path.exists(known):
             os.unlink(known)
         hosts = {}
-        for name, addr in HOSTS:
+        for name, addr in self.hosts:
             hv = {"ansible_host": addr, "ansible_port": self.port, "ansible_user": "root",
                   "ansible_python_interpreter": self.python,
                   "gpuckpt_image_root": self.host_dir(name, "images"),
@@ -170,7 +171,7 @@ class LoopbackHosts(object):
 
     def boot(self, name):
         """Start host ``name`` again after crash()."""
-        addr = dict(HOSTS)[name]
+        addr = dict(self.hosts)[name]
         self._spawn(name)
         _wait_port(addr, self.port)
 
