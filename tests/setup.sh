@@ -165,14 +165,30 @@ if [ ! -x "$venv/bin/ansible-playbook" ] || ! "$venv/bin/python" -m pip --disabl
   cp "$repo/tests/requirements.txt" "$venv/.requirements.txt"
 fi
 
+# The oldest ansible-core that meta/runtime.yml's requires_ansible claims (its newest patch release),
+# in a venv of its own: ansible-test sanity runs on it too (tests/unit/test_sanity.py).
+oldest=$(sed -n 's/^requires_ansible: *">=\([0-9]*\)\.\([0-9]*\).*/\1 \2/p' "$repo/meta/runtime.yml")
+read -r old_major old_minor <<<"$oldest"
+venv_oldest="$repo/.venv-oldest"
+want="ansible-core>=${old_major}.${old_minor},<${old_major}.$((old_minor + 1))"
+if [ ! -x "$venv_oldest/bin/ansible-test" ] || [ "$(cat "$venv_oldest/.wanted" 2>/dev/null)" != "$want" ]; then
+  log "creating $venv_oldest ($want)"
+  rm -rf "$venv_oldest"
+  python3 -m venv "$venv_oldest"
+  "$venv_oldest/bin/python" -m pip install -q --disable-pip-version-check "$want"
+  echo "$want" >"$venv_oldest/.wanted"
+fi
+
 # ansible-test sanity bootstraps pip into its venvs with a script it downloads from a host this
 # machine cannot reach. Its cache takes a local stand-in: pip from the interpreter's own bundle.
-pipv=$(sed -n "s/.*pip='\([0-9.]*\)'.*/\1/p" "$venv"/lib/python3*/site-packages/ansible_test/_internal/python_requirements.py | head -n1)
-if [ -n "$pipv" ] && [ ! -f "$HOME/.ansible/test/cache/get_pip_${pipv//./_}.py" ]; then
-  mkdir -p "$HOME/.ansible/test/cache"
-  printf '# Offline stand-in for the get-pip bootstrap script (written by tests/setup.sh).\nimport ensurepip\nensurepip.bootstrap(upgrade=True)\n' \
-    >"$HOME/.ansible/test/cache/get_pip_${pipv//./_}.py"
-fi
+for v in "$venv" "$venv_oldest"; do
+  pipv=$(sed -n "s/.*pip='\([0-9.]*\)'.*/\1/p" "$v"/lib/python3*/site-packages/ansible_test/_internal/python_requirements.py | head -n1)
+  if [ -n "$pipv" ] && [ ! -f "$HOME/.ansible/test/cache/get_pip_${pipv//./_}.py" ]; then
+    mkdir -p "$HOME/.ansible/test/cache"
+    printf '# Offline stand-in for the get-pip bootstrap script (written by tests/setup.sh).\nimport ensurepip\nensurepip.bootstrap(upgrade=True)\n' \
+      >"$HOME/.ansible/test/cache/get_pip_${pipv//./_}.py"
+  fi
+done
 
 # The collection must sit at ansible_collections/gpuckpt/fleet for ansible and for imports.
 coll="$repo/.build/collections/ansible_collections/gpuckpt"
