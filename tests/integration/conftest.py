@@ -8,28 +8,25 @@ import time
 
 import pytest
 
-from helpers import FAKE_LIBCUDA
 from loopback import LoopbackHosts
-from loopback_workloads import PODMAN_ROOT, PODMAN_RUNROOT, RemoteWorkload
+from loopback_workloads import PODMAN_ROOT, PODMAN_RUNROOT, RemoteWorkload, fakecuda_host_vars
 
 
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("hosts"))
-    host_vars = {}
-    for name in ("hosta", "hostb"):
-        fc = os.path.join(base, name, "fakecuda")
-        os.makedirs(fc, exist_ok=True)
-        host_vars[name] = {"gpuckpt_environment": {"GPUCKPT_LIBCUDA": FAKE_LIBCUDA, "FAKECUDA_STATE_DIR": fc},
-                           # each host its own runc state and bundle (with its own cgroup), as on two machines
-                           "gpuckpt_runc_root": os.path.join(base, name, "runc-root"),
-                           "gpuckpt_runc_bundle": os.path.join(base, name, "bundle"),
-                           # The same Podman paths on both hosts, as on two machines (Podman's export records
-                           # them): each host binds its own storage there in its mount namespace.
-                           "gpuckpt_podman_root": PODMAN_ROOT, "gpuckpt_podman_runroot": PODMAN_RUNROOT,
-                           # a dockerd per host (started by the Docker tests), under a short path
-                           "gpuckpt_docker_dir": "/tmp/gpk-%s-%d" % (name, os.getpid()),
-                           "gpuckpt_docker_host": "unix:///tmp/gpk-%s-%d/docker.sock" % (name, os.getpid())}
+    host_vars = fakecuda_host_vars(base)
+    for name in host_vars:
+        host_vars[name].update({
+            # each host its own runc state and bundle (with its own cgroup), as on two machines
+            "gpuckpt_runc_root": os.path.join(base, name, "runc-root"),
+            "gpuckpt_runc_bundle": os.path.join(base, name, "bundle"),
+            # The same Podman paths on both hosts, as on two machines (Podman's export records
+            # them): each host binds its own storage there in its mount namespace.
+            "gpuckpt_podman_root": PODMAN_ROOT, "gpuckpt_podman_runroot": PODMAN_RUNROOT,
+            # a dockerd per host (started by the Docker tests), under a short path
+            "gpuckpt_docker_dir": "/tmp/gpk-%s-%d" % (name, os.getpid()),
+            "gpuckpt_docker_host": "unix:///tmp/gpk-%s-%d/docker.sock" % (name, os.getpid())})
     h = LoopbackHosts(base).start(host_vars)
     h.host_vars = host_vars
     yield h

@@ -14,6 +14,16 @@ RECOVER = "gpuckpt.fleet.recover"
 PODMAN_ROOT, PODMAN_RUNROOT = "/var/lib/gpuckpt-test-podman", "/run/gpuckpt-test-podman"
 
 
+def fakecuda_host_vars(base, names=("hosta", "hostb")):
+    """Per-host variables of the loopback hosts: each host its own state dir of the libcuda TEST DOUBLE."""
+    host_vars = {}
+    for name in names:
+        state = os.path.join(base, name, "fakecuda")
+        os.makedirs(state, exist_ok=True)
+        host_vars[name] = {"gpuckpt_environment": {"GPUCKPT_LIBCUDA": FAKE_LIBCUDA, "FAKECUDA_STATE_DIR": state}}
+    return host_vars
+
+
 def processes(workdir):
     return workload_processes(COUNTER, workdir)
 

@@ -8,9 +8,8 @@ import socket
 
 import pytest
 
-from helpers import FAKE_LIBCUDA
 from loopback import LoopbackHosts
-from loopback_workloads import RemoteWorkload, migrate, processes
+from loopback_workloads import RemoteWorkload, fakecuda_host_vars, migrate, processes
 
 
 def _ipv6_loopback():
@@ -28,11 +27,7 @@ pytestmark = pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has n
 @pytest.fixture(scope="module")
 def v6hosts(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("v6hosts"))
-    host_vars = {}
-    for name in ("hosta", "hostb"):
-        fc = os.path.join(base, name, "fakecuda")
-        os.makedirs(fc, exist_ok=True)
-        host_vars[name] = {"gpuckpt_environment": {"GPUCKPT_LIBCUDA": FAKE_LIBCUDA, "FAKECUDA_STATE_DIR": fc}}
+    host_vars = fakecuda_host_vars(base)
     h = LoopbackHosts(base, hosts=(("hosta", "127.0.0.4"), ("hostb", "::1"))).start(host_vars)
     yield h
     h.stop()

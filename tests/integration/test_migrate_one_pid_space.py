@@ -11,19 +11,14 @@ import os
 
 import pytest
 
-from helpers import FAKE_LIBCUDA
 from loopback import LoopbackHosts
-from loopback_workloads import RemoteWorkload, changed_tasks, migrate
+from loopback_workloads import RemoteWorkload, changed_tasks, fakecuda_host_vars, migrate
 
 
 @pytest.fixture(scope="module")
 def flat_hosts(tmp_path_factory):
     base = str(tmp_path_factory.mktemp("flat-hosts"))
-    host_vars = {}
-    for name in ("hosta", "hostb"):
-        fc = os.path.join(base, name, "fakecuda")
-        os.makedirs(fc, exist_ok=True)
-        host_vars[name] = {"gpuckpt_environment": {"GPUCKPT_LIBCUDA": FAKE_LIBCUDA, "FAKECUDA_STATE_DIR": fc}}
+    host_vars = fakecuda_host_vars(base)
     h = LoopbackHosts(base, pid_namespaces=False).start(host_vars)
     yield h
     h.stop()

@@ -70,3 +70,17 @@ def test_runsc_without_the_flag_is_refused_before_anything_is_frozen(fake_runsc)
         engine.checkpoint("sbx", str(d / "img"), backend=backend)
     assert "no --cuda-checkpoint-path" in exc.value.msg
     assert "checkpoint -image-path" not in (d / "log").read_text()
+
+
+def test_the_image_decides_who_restores_its_cuda_processes(tmp_path):
+    """A target whose inventory sets runsc_cuda_stage (migrate.yml hands every host's runtime options to
+    its modules) still restores an image made with the engine's CUDA stage through the engine, and
+    the other way round."""
+    engine_image = {"runtime": {"backend": "runsc", "cuda_stage": "engine"}}
+    runsc_image = {"runtime": {"backend": "runsc", "cuda_stage": "runsc"}}
+    b = RunscBackend(str(tmp_path / "runsc"), str(tmp_path / "root"), cuda_stage="runsc")
+    b.bind(engine_image)
+    assert b.owns_cuda_stage is False
+    b = RunscBackend(str(tmp_path / "runsc"), str(tmp_path / "root"))
+    b.bind(runsc_image)
+    assert b.owns_cuda_stage is True

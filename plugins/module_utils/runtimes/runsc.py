@@ -326,8 +326,10 @@ class RunscBackend(ContainerBackend):
             self.runsc_flags = list(rt.get("runsc_flags") or [])
         if self.tool == DEFAULT_TOOL and rt.get("cuda_checkpoint_path"):
             self.tool = rt["cuda_checkpoint_path"]
-        if rt.get("cuda_stage") == "runsc":  # the image's sandbox restores its CUDA processes itself
-            self.owns_cuda_stage = True
+        if rt.get("cuda_stage"):
+            # The image says who restores its CUDA processes, whatever this host's runsc_cuda_stage says: an
+            # image whose CUDA stage the engine ran, restored with runsc's stage, would stay checkpointed.
+            self.owns_cuda_stage = rt["cuda_stage"] == "runsc"
 
     def is_held(self, pids):
         st = self.state(self.container, required=False) if self.container else None
