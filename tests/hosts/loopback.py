@@ -180,6 +180,12 @@ class LoopbackHosts(object):
         return subprocess.run(["ssh", "-F", self.path("ssh_config"), name, command], stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, universal_newlines=True, check=check, timeout=timeout)
 
+    def popen_ssh(self, name, command):
+        """Start a shell command on a test host and return at once; its output (stderr too) is read
+        with ``communicate()``."""
+        return subprocess.Popen(["ssh", "-F", self.path("ssh_config"), name, command], stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, universal_newlines=True)
+
     def stop(self):
         pids = self.pids
         if not pids and os.path.exists(self.path("pids.json")):

@@ -398,17 +398,18 @@ def test_the_targets_disk_full_under_its_journal_still_rolls_back(playbook, host
     os.makedirs(hosts.path("hostb", "images"), exist_ok=True)
     os.makedirs(hosts.path("hostb", "journal"), exist_ok=True)
     hosts.ssh("hostb", setup)
-    filler = {}
-
-    def fill():  # once the source freezes, another job takes the disk
-        wait_for("the freeze", lambda: phase(hosts, "hosta", mid, "source") in ("freezing", "frozen"), timeout=60)
-        filler["out"] = hosts.ssh("hostb", "dd if=/dev/zero of=%s/other-job bs=1M count=190 2>&1; true" % disk).stdout
-
-    t = threading.Thread(target=fill)
-    t.start()
+    # Another job takes the disk once the first pages have arrived. The wait runs on hostb itself, so
+    # no ssh start-up lies between the arrival and the fill, and the transfer is slowed to 2 MB/s (a
+    # 24 MiB workload's image then takes over 10 s), so the fill, which takes well under a second on
+    # tmpfs, always lands while the image is still arriving: never after it is complete.
+    pages = "%s/%s/pages-*" % (hosts.path("hostb", "images"), mid)
+    filler = hosts.popen_ssh("hostb", "for i in $(seq 1200); do for f in %s; do [ -s \"$f\" ] && break 2; done; "
+                             "sleep 0.05; done; dd if=/dev/zero of=%s/other-job bs=1M count=190 2>&1; true"
+                             % (pages, disk))
     try:
-        run = migrate(playbook, hosts, w, mid)
-        t.join()
+        run = migrate(playbook, hosts, w, mid, gpuckpt_transfer_bwlimit=2000)
+        out = filler.communicate(timeout=60)[0]
+        assert "No space left" in out or "190+0 records out" in out, out
         assert run.rc != 0
         assert "disk is full" in run.stdout or "No space left" in run.stdout, run.stdout
         assert "rolled back; the workload runs on hosta" in run.stdout
@@ -417,6 +418,9 @@ def test_the_targets_disk_full_under_its_journal_still_rolls_back(playbook, host
         assert w.one_copy_runs_intact()
         w.no_count_twice()
     finally:
+        if filler.poll() is None:
+            filler.kill()
+            filler.wait()
         hosts.ssh("hostb", "umount %s %s; umount %s" % (hosts.path("hostb", "images"), hosts.path("hostb", "journal"),
                                                         disk), check=False)
 
