@@ -58,6 +58,7 @@ def test_an_ee_that_lists_the_installed_collection_introspects(tmp_path):
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, check=False)
     assert res.returncode == 0, res.stdout
     assert "openssh-client [platform:dpkg]" in res.stdout and "gpuckpt.fleet" in res.stdout, res.stdout
+    assert "kubernetes>=24.2.0" in res.stdout, res.stdout  # gpu_pod_info runs on the controller
 
 
 def _argspec_options():

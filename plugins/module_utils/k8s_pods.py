@@ -1,0 +1,277 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""A Kubernetes pod as the unit of GPU work to move: found through the API server with the
+``kubernetes`` Python client (on the controller, as kubernetes.core's modules run), described in the
+terms the node-side steps need (its node, its containers' containerd ids, its GPU allocation), and
+refused, with the reason, when moving it could lose or double the work.
+
+What is refused before anything is frozen, and why:
+- a pod that is not Running, or one of whose containers is not running: there is nothing to move, or
+  a restarting container would be checkpointed half-started;
+- a container runtime other than containerd (``containerID`` scheme): the node-side backend is
+  containerd's (namespace ``k8s.io``);
+- a pod that a controller owns (Job, ReplicaSet, StatefulSet, DaemonSet, ...): once the source pod is
+  deleted at the migration's end, its controller would start a fresh copy of the job next to the
+  restored one. Orphan it first (``kubectl delete job --cascade=orphan``), or pass ``allow_owned``
+  when the controller has been told otherwise (scaled down, suspended);
+- a ``gpu_count`` other than the pod's: the driver's restore maps each GPU of the checkpoint onto one
+  GPU (a one-to-one UUID map), so a process that used N GPUs can only come back on N GPUs.
+
+Plain Python apart from the client, which is imported only when a pod is asked for: the rest of the
+engine imports without it.
+"""
+from __future__ import annotations
+
+import copy
+import os
+
+from .errors import GpuCkptError, InvalidTarget
+
+# The connection options, shared by every module that reaches the API server (kubernetes.core's
+# AUTH_ARG_SPEC, and its K8S_AUTH_* environment variables, are the model).
+AUTH_ARG_SPEC = dict(
+    kubeconfig=dict(type="raw", no_log=False),
+    context=dict(type="str"),
+    host=dict(type="str"),
+    api_key=dict(type="str", no_log=True),
+    validate_certs=dict(type="bool", aliases=["verify_ssl"]),
+    ca_cert=dict(type="path", aliases=["ssl_ca_cert"]),
+    client_cert=dict(type="path", aliases=["cert_file"]),
+    client_key=dict(type="path", aliases=["key_file"]),
+)
+AUTH_ENV = {name: "K8S_AUTH_" + name.upper() for name in AUTH_ARG_SPEC}
+DEFAULT_GPU_RESOURCES = ("nvidia.com/gpu",)
+CONTAINERD_SCHEME = "containerd://"
+# Labels the kubelet (through containerd's CRI plugin) puts on each container of a pod; the node-side
+# steps check a container id against them before touching it.
+POD_NAME_LABEL = "io.kubernetes.pod.name"
+POD_NAMESPACE_LABEL = "io.kubernetes.pod.namespace"
+POD_UID_LABEL = "io.kubernetes.pod.uid"
+CONTAINER_NAME_LABEL = "io.kubernetes.container.name"
+# Fields of a pod the API server sets, or that tie it to its old node: left out of the spec the
+# target's pod is created from.
+_SERVER_METADATA = ("uid", "resourceVersion", "creationTimestamp", "generation", "managedFields", "selfLink",
+                    "deletionTimestamp", "deletionGracePeriodSeconds", "ownerReferences")
+
+
+class KubernetesError(GpuCkptError):
+    """The API server could not be reached or refused a request; nothing on the nodes was touched."""
+
+
+def auth_args():
+    """A fresh copy of the connection options for a module's argument_spec."""
+    return copy.deepcopy(AUTH_ARG_SPEC)
+
+
+def _auth_value(params, name):
+    value = params.get(name)
+    if value is None:
+        value = os.environ.get(AUTH_ENV[name])
+        if name == "validate_certs" and value is not None:
+            value = value.strip().lower() not in ("0", "false", "no", "off")
+    return value
+
+
+def api_client(params):
+    """A kubernetes ApiClient from the connection options: ``host`` (with ``api_key`` and the TLS
+    files), else a kubeconfig (``kubeconfig``, a path or a dict, and ``context``; ~/.kube/config by
+    default), else the pod's own service account when running in a cluster."""
+    try:
+        from kubernetes import client, config
+    except ImportError as exc:
+        raise KubernetesError("the kubernetes Python client is not installed where this task runs (%s)" % exc,
+                              stage="preflight", hint="pip install kubernetes (the collection's EE has it)")
+    p = {name: _auth_value(params, name) for name in AUTH_ARG_SPEC}
+    cfg = client.Configuration()
+    try:
+        if p["host"]:
+            cfg.host = p["host"]
+            if p["api_key"]:
+                cfg.api_key = {"authorization": "Bearer " + p["api_key"]}
+        elif p["kubeconfig"] or p["context"] or not os.environ.get("KUBERNETES_SERVICE_HOST"):
+            if isinstance(p["kubeconfig"], dict):
+                config.load_kube_config_from_dict(p["kubeconfig"], context=p["context"], client_configuration=cfg)
+            else:
+                config.load_kube_config(config_file=p["kubeconfig"], context=p["context"], client_configuration=cfg)
+        else:
+            config.load_incluster_config(client_configuration=cfg)
+    except (config.ConfigException, OSError, TypeError, ValueError) as exc:
+        raise KubernetesError("no usable connection to the Kubernetes API: %s" % exc, stage="preflight",
+                              hint="set kubeconfig (and context), or host and api_key")
+    if p["validate_certs"] is not None:
+        cfg.verify_ssl = bool(p["validate_certs"])
+    for option, attr in (("ca_cert", "ssl_ca_cert"), ("client_cert", "cert_file"), ("client_key", "key_file")):
+        if p[option]:
+            setattr(cfg, attr, p[option])
+    return client.ApiClient(cfg)
+
+
+def _api_error(exc, what):
+    status = getattr(exc, "status", None)
+    reason = getattr(exc, "reason", None) or exc.__class__.__name__
+    return KubernetesError("the Kubernetes API refused %s: %s %s" % (what, status or "", reason), stage="preflight",
+                           details={"api_status": status})
+
+
+def read_pod(api, namespace, name):
+    """The pod as the API returns it (a dict in the API's own field names), or InvalidTarget."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
+    core = client.CoreV1Api(api)
+    try:
+        pod = core.read_namespaced_pod(name, namespace)
+    except ApiException as exc:
+        if exc.status == 404:
+            raise InvalidTarget("there is no pod %s in namespace %s; nothing was frozen" % (name, namespace),
+                                stage="preflight", hint="kubectl get pods -n %s" % namespace)
+        raise _api_error(exc, "reading pod %s/%s" % (namespace, name))
+    except HTTPError as exc:
+        raise KubernetesError("the Kubernetes API at %s could not be reached: %s; nothing was frozen"
+                              % (api.configuration.host, exc), stage="preflight")
+    return api.sanitize_for_serialization(pod)
+
+
+def gpus_asked(container, resources=DEFAULT_GPU_RESOURCES):
+    """The GPUs of each of ``resources`` that a container's spec asks for (its limits; its requests
+    where it sets no limit), as {resource: count} for those it asks for."""
+    res = container.get("resources") or {}
+    asked = dict(res.get("requests") or {})
+    asked.update(res.get("limits") or {})
+    out = {}
+    for name in resources:
+        if name in asked:
+            try:
+                out[name] = int(str(asked[name]))
+            except ValueError:
+                raise InvalidTarget("container %s asks for %r of %s, which is not a whole number of GPUs; nothing "
+                                    "was frozen" % (container.get("name"), asked[name], name), stage="preflight")
+    return out
+
+
+def describe_pod(pod, gpu_resources=DEFAULT_GPU_RESOURCES, allow_owned=False):
+    """What a pod checkpoint needs to know of ``pod`` (read_pod's dict), after the refusals in the
+    module doc. Raises InvalidTarget."""
+    meta, spec, status = pod.get("metadata") or {}, pod.get("spec") or {}, pod.get("status") or {}
+    where = "pod %s/%s" % (meta.get("namespace"), meta.get("name"))
+    phase = status.get("phase")
+    if phase != "Running":
+        raise InvalidTarget("%s is %s, not Running; nothing was frozen" % (where, phase or "without a phase"),
+                            stage="preflight")
+    node = spec.get("nodeName")
+    if not node:
+        raise InvalidTarget("%s is not bound to a node; nothing was frozen" % where, stage="preflight")
+    owners = [o for o in meta.get("ownerReferences") or [] if o.get("controller")]
+    if owners and not allow_owned:
+        o = owners[0]
+        why = ("%s is owned by %s %s: once the migration deletes it, that controller would start a fresh copy of the "
+               "job next to the restored one; nothing was frozen" % (where, o.get("kind"), o.get("name")))
+        raise InvalidTarget(why, stage="preflight",
+                            hint="orphan the pod first (kubectl delete %s %s --cascade=orphan), or set allow_owned "
+                                 "once the controller will not replace it" % (str(o.get("kind")).lower(),
+                                                                              o.get("name")))
+    statuses = {s.get("name"): s for s in status.get("containerStatuses") or []}
+    containers, by_resource = [], {}
+    for c in spec.get("containers") or []:
+        s = statuses.get(c.get("name"))
+        if s is None or not (s.get("state") or {}).get("running"):
+            state = ", ".join(sorted((s or {}).get("state") or {})) or "not started"
+            raise InvalidTarget("container %s of %s is %s, not running; nothing was frozen"
+                                % (c.get("name"), where, state), stage="preflight")
+        cid = s.get("containerID") or ""
+        if not cid.startswith(CONTAINERD_SCHEME):
+            raise InvalidTarget("container %s of %s runs under %s, not containerd; only containerd's pods can be "
+                                "checkpointed; nothing was frozen" % (c.get("name"), where,
+                                                                      cid.split("://")[0] or "an unknown runtime"),
+                                stage="preflight")
+        asked = gpus_asked(c, gpu_resources)
+        for name, count in asked.items():
+            by_resource[name] = by_resource.get(name, 0) + count
+        containers.append({"name": c.get("name"), "id": cid[len(CONTAINERD_SCHEME):], "image": c.get("image"),
+                           "gpus": sum(asked.values()), "restart_count": s.get("restartCount", 0)})
+    if not containers:
+        raise InvalidTarget("%s has no containers; nothing was frozen" % where, stage="preflight")
+    running_ephemeral = [s.get("name") for s in status.get("ephemeralContainerStatuses") or []
+                         if (s.get("state") or {}).get("running")]
+    claims = [c.get("name") for c in spec.get("resourceClaims") or []]
+    return {"namespace": meta.get("namespace"), "name": meta.get("name"), "uid": meta.get("uid"), "node": node,
+            "containers": containers, "gpu_count": sum(c["gpus"] for c in containers),
+            "gpus_by_resource": by_resource, "resource_claims": claims,
+            "ephemeral_containers_running": running_ephemeral, "owner": owners[0] if owners else None,
+            "spec": restorable_pod(pod)}
+
+
+def check_gpu_count(described, gpu_count):
+    """``gpu_count`` asked for the restore, against the GPUs the pod holds: the same number, or a refusal."""
+    if gpu_count is None:
+        return
+    held = described["gpu_count"]
+    if described["resource_claims"] and not held:
+        raise InvalidTarget("pod %s/%s takes its GPUs through resource claims (%s), whose count this check cannot read; "
+                            "leave gpu_count unset, the target's restore maps the checkpoint's GPUs one to one"
+                            % (described["namespace"], described["name"], ", ".join(described["resource_claims"])),
+                            stage="preflight")
+    if int(gpu_count) != held:
+        raise InvalidTarget("pod %s/%s holds %d GPU(s); it cannot be restored onto %d: the driver restores each GPU of "
+                            "a checkpoint onto exactly one GPU (a one-to-one map of GPU UUIDs), so the count must "
+                            "stay %d; nothing was frozen" % (described["namespace"], described["name"], held,
+                                                             int(gpu_count), held),
+                            stage="preflight", hint="drop gpu_count, or set it to %d" % held)
+
+
+def restorable_pod(pod):
+    """The pod as the target's copy is created from: its spec and identity, less what the API server
+    sets and the node it ran on (the restore pins the copy to its target node)."""
+    meta = {k: v for k, v in (pod.get("metadata") or {}).items() if k not in _SERVER_METADATA}
+    spec = dict(pod.get("spec") or {})
+    spec.pop("nodeName", None)
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
+
+
+def check_target_node(api, node, source_node):
+    """The node a pod is to be restored onto: known to the API server, Ready, and not the pod's own.
+    Returns its description (name, ready, unschedulable, GPU capacity and allocatable)."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    if node == source_node:
+        raise InvalidTarget("the pod already runs on node %s; a migration needs another node; nothing was frozen" % node,
+                            stage="preflight")
+    try:
+        n = api.sanitize_for_serialization(client.CoreV1Api(api).read_node(node))
+    except ApiException as exc:
+        if exc.status == 404:
+            raise InvalidTarget("there is no node %s in the cluster; nothing was frozen" % node, stage="preflight",
+                                hint="kubectl get nodes")
+        raise _api_error(exc, "reading node %s" % node)
+    conditions = {c.get("type"): c.get("status") for c in (n.get("status") or {}).get("conditions") or []}
+    if conditions.get("Ready") != "True":
+        raise InvalidTarget("node %s is not Ready (Ready=%s); nothing was frozen" % (node, conditions.get("Ready")),
+                            stage="preflight")
+    status = n.get("status") or {}
+    return {"name": node, "ready": True, "unschedulable": bool((n.get("spec") or {}).get("unschedulable")),
+            "capacity": status.get("capacity") or {}, "allocatable": status.get("allocatable") or {}}
+
+
+def check_target_gpus(described, target):
+    """The target node must offer at least the GPUs the pod holds (its allocatable count of each GPU
+    resource); the device plugin then picks which ones."""
+    for name, need in sorted(described["gpus_by_resource"].items()):
+        have = target["allocatable"].get(name)
+        if need and (have is None or int(str(have)) < need):
+            raise InvalidTarget("node %s offers %s of %s; pod %s/%s needs %d; nothing was frozen"
+                                % (target["name"], have or "none", name, described["namespace"], described["name"],
+                                   need), stage="preflight")
+
+
+def inventory_host_for_node(node, hostvars, hosts):
+    """The inventory host that is Kubernetes node ``node``: the one whose ``gpuckpt_k8s_node_name`` is
+    ``node``, else the one named ``node``. Raises ValueError when none or several are."""
+    named = [h for h in hosts if (hostvars.get(h) or {}).get("gpuckpt_k8s_node_name") == node]
+    if not named and node in hosts and not (hostvars.get(node) or {}).get("gpuckpt_k8s_node_name"):
+        named = [node]
+    if len(named) != 1:
+        raise ValueError("%s of the inventory's hosts %s Kubernetes node %s (set gpuckpt_k8s_node_name on the host "
+                         "that is, when its inventory name differs)"
+                         % (len(named) or "none", "is" if len(named) < 2 else "are", node))
+    return named[0]

@@ -1,0 +1,179 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: gpu_pod_info
+short_description: Find a Kubernetes GPU pod to move, its node and its containers, and refuse what cannot move
+version_added: "0.3.0"
+description:
+  - Reads a pod from the Kubernetes API server with the C(kubernetes) Python client, on the controller (delegate it
+    to localhost), and describes what a pod checkpoint needs - its node, each container's containerd id
+    and GPU count, its resource claims, and the spec its copy on another node is created from.
+  - Refuses, before anything is frozen, a pod that is not Running, a container that is not running, a runtime other
+    than containerd, a pod that a controller owns (unless O(allow_owned)), and a O(gpu_count) other than the pod's
+    (the driver restores each GPU of a checkpoint onto exactly one GPU).
+  - With O(target_node), also checks that node - known, Ready, not the pod's own, and offering the pod's GPUs.
+  - Map the pod's node to an inventory host with the P(gpuckpt.fleet.k8s_node_host#filter) filter.
+author: gpuckpt.fleet maintainers (@gpuckpt)
+options:
+  name:
+    description: The pod's name.
+    type: str
+    required: true
+    aliases: [pod]
+  namespace:
+    description: The pod's namespace.
+    type: str
+    default: default
+  gpu_count:
+    description:
+      - The number of GPUs the pod is to be restored onto. Refused unless it is the number the pod holds now (the
+        sum of its containers' O(gpu_resources)).
+    type: int
+  gpu_resources:
+    description: The extended resources that count as GPUs.
+    type: list
+    elements: str
+    default: [nvidia.com/gpu]
+  target_node:
+    description: The node the pod is to move to; checked as described above.
+    type: str
+  allow_owned:
+    description:
+      - Accept a pod that a controller (Job, ReplicaSet, StatefulSet, ...) owns. Only when that controller will not
+        replace the pod once the migration deletes it (suspended, scaled down); otherwise two copies of the job run.
+    type: bool
+    default: false
+  kubeconfig:
+    description:
+      - A kubeconfig file's path, or its content as a dict. By default C(~/.kube/config), or the pod's service account
+        when this runs inside a cluster. Also read from E(K8S_AUTH_KUBECONFIG).
+    type: raw
+  context:
+    description: The kubeconfig context (E(K8S_AUTH_CONTEXT)).
+    type: str
+  host:
+    description: The API server's URL, instead of a kubeconfig (E(K8S_AUTH_HOST)).
+    type: str
+  api_key:
+    description: A bearer token for O(host) (E(K8S_AUTH_API_KEY)).
+    type: str
+  validate_certs:
+    description: Whether to check the API server's certificate (E(K8S_AUTH_VALIDATE_CERTS)).
+    type: bool
+    aliases: [verify_ssl]
+  ca_cert:
+    description: The CA bundle to check the API server's certificate with (E(K8S_AUTH_CA_CERT)).
+    type: path
+    aliases: [ssl_ca_cert]
+  client_cert:
+    description: A client certificate for the API server (E(K8S_AUTH_CLIENT_CERT)).
+    type: path
+    aliases: [cert_file]
+  client_key:
+    description: The key of O(client_cert) (E(K8S_AUTH_CLIENT_KEY)).
+    type: path
+    aliases: [key_file]
+notes:
+  - Changes nothing; supports check mode.
+  - "The RBAC it needs: get on pods in the pod's namespace, and get on nodes (a ClusterRole) when O(target_node) is set;
+    see docs/kubernetes.md."
+requirements:
+  - "kubernetes (the Python client) where the module runs"
+attributes:
+  check_mode:
+    support: full
+    details: It only reads from the API server.
+  diff_mode:
+    support: none
+  platform:
+    platforms: all
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+"""
+
+EXAMPLES = r"""
+- name: Find the pod and check that it can move to gpu-node-2 on 2 GPUs
+  gpuckpt.fleet.gpu_pod_info:
+    namespace: default
+    name: gpu-test-pod
+    target_node: gpu-node-2
+    gpu_count: 2
+    kubeconfig: ~/.kube/config
+  delegate_to: localhost
+  register: pod
+
+- name: The inventory host that runs it
+  ansible.builtin.set_fact:
+    source: "{{ pod.pod.node | gpuckpt.fleet.k8s_node_host(hostvars, groups['all']) }}"
+"""
+
+RETURN = r"""
+pod:
+  description: The pod, described for its checkpoint.
+  returned: success
+  type: dict
+  contains:
+    namespace: {description: Its namespace., type: str, sample: default}
+    name: {description: Its name., type: str, sample: gpu-test-pod}
+    uid: {description: Its uid., type: str, sample: 6f1c0c51-1d0b-4a4c-9d55-0b3a2d1c9e10}
+    node: {description: The node it runs on., type: str, sample: gpu-node-1}
+    containers:
+      description: Its containers, in the spec's order, with their containerd id, image, GPU count and restart count.
+      type: list
+      elements: dict
+      sample: [{"name": "trainer", "id": "3b5d...", "image": "pytorch:24.08", "gpus": 2, "restart_count": 0}]
+    gpu_count: {description: The GPUs its containers hold., type: int, sample: 2}
+    gpus_by_resource: {description: 'Those GPUs by resource name.', type: dict, sample: {"nvidia.com/gpu": 2}}
+    resource_claims: {description: Its dynamic resource claims (DRA) by name., type: list, elements: str, sample: []}
+    ephemeral_containers_running: {description: Debug containers running in it (not checkpointed)., type: list,
+                                   elements: str, sample: []}
+    owner: {description: Its controller's owner reference when O(allow_owned) let it through., type: dict, sample: null}
+    spec: {description: 'The pod its copy is created from, without its node and what the API server sets.', type: dict}
+target:
+  description: The target node, when O(target_node) is set - name, ready, unschedulable, capacity, allocatable.
+  returned: when O(target_node) is set
+  type: dict
+  sample: {"name": "gpu-node-2", "ready": true, "unschedulable": false, "allocatable": {"nvidia.com/gpu": "8"}}
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import k8s_pods
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
+
+
+def main():
+    module = AnsibleModule(argument_spec=dict(
+        name=dict(type="str", required=True, aliases=["pod"]),
+        namespace=dict(type="str", default="default"),
+        gpu_count=dict(type="int"),
+        gpu_resources=dict(type="list", elements="str", default=list(k8s_pods.DEFAULT_GPU_RESOURCES)),
+        target_node=dict(type="str"),
+        allow_owned=dict(type="bool", default=False),
+        **k8s_pods.auth_args()
+    ), supports_check_mode=True)
+    p = module.params
+    if p["gpu_count"] is not None and p["gpu_count"] < 1:
+        module.fail_json(msg="gpu_count must be at least 1, got %d; nothing was frozen" % p["gpu_count"],
+                         stage="preflight")
+    try:
+        api = k8s_pods.api_client(p)
+        described = k8s_pods.describe_pod(k8s_pods.read_pod(api, p["namespace"], p["name"]), p["gpu_resources"],
+                                          p["allow_owned"])
+        k8s_pods.check_gpu_count(described, p["gpu_count"])
+        result = {"changed": False, "pod": described}
+        if p["target_node"]:
+            result["target"] = k8s_pods.check_target_node(api, p["target_node"], described["node"])
+            k8s_pods.check_target_gpus(described, result["target"])
+    except GpuCkptError as exc:
+        module.fail_json(**exc.to_dict())
+    module.exit_json(**result)
+
+
+if __name__ == "__main__":
+    main()
