@@ -114,7 +114,8 @@ class PlaybookRun(object):
 def playbook(tmp_path):
     counter = {"n": 0}
 
-    def run(name, extra_vars=None, check=False, env=None, inventory="localhost,", limit=None, args=(), wrap=()):
+    def run(name, extra_vars=None, check=False, env=None, inventory="localhost,", limit=None, args=(), wrap=(),
+            interpreter=MANAGED_PYTHON):
         counter["n"] += 1
         record = str(tmp_path / ("results-%d.jsonl" % counter["n"]))
         e = dict(os.environ)
@@ -135,8 +136,9 @@ def playbook(tmp_path):
         e.update(env or {})
         cmd = [ANSIBLE_PLAYBOOK, name, "-i", inventory,
                "-e", "ansible_connection=local" if inventory == "localhost," else "gpuckpt_x=1",
-               "-e", "ansible_python_interpreter=%s" % MANAGED_PYTHON,
                "-e", json.dumps(extra_vars or {})]
+        if interpreter:  # (None: the inventory names each host's Python)
+            cmd[6:6] = ["-e", "ansible_python_interpreter=%s" % interpreter]
         if check:
             cmd.append("--check")
         if limit:

@@ -40,16 +40,18 @@ class ContainerdWorkload(CountingWorkload):
 
     roles = ("parent", "child1")
 
-    def __init__(self, daemon, base, fakecuda, namespace="default"):
+    def __init__(self, daemon, base, fakecuda, namespace="default", labels=None, cid=None):
         self.daemon, self.namespace = daemon, namespace
         self.base, self.dir = base, os.path.join(base, "w")
-        self.id = "gpuckpt-t-" + uuid.uuid4().hex[:8]
+        self.id = cid or "gpuckpt-t-" + uuid.uuid4().hex[:8]
         self.runc_root = os.path.join(base, "runc-root")
         os.makedirs(self.dir, exist_ok=True)
         args = ["run", "--detach", "--runc-root", self.runc_root, "--log-uri", "file://" + os.path.join(base, "out.log"),
                 "--env", "PATH=/usr/bin:/bin"]
         for k, v in fakecuda.env.items():
             args += ["--env", "%s=%s" % (k, v)]
+        for k, v in sorted((labels or {}).items()):
+            args += ["--label", "%s=%s" % (k, v)]
         for src, opt in [("/usr", "ro"), ("/etc", "ro"), (REPO, "ro"), (self.dir, "rw"), (fakecuda.state_dir, "rw")]:
             args += ["--mount", "type=bind,src=%s,dst=%s,options=rbind:%s" % (src, src, opt)]
         cmd = ("echo %s > /var/written-in-the-layer && exec /usr/bin/python3 %s --dir %s --mb 8 --fakecuda %s"
