@@ -93,7 +93,8 @@ def api_client(params):
             if isinstance(p["kubeconfig"], dict):
                 config.load_kube_config_from_dict(p["kubeconfig"], context=p["context"], client_configuration=cfg)
             else:
-                config.load_kube_config(config_file=p["kubeconfig"], context=p["context"], client_configuration=cfg)
+                path = os.path.expanduser(p["kubeconfig"]) if p["kubeconfig"] else None
+                config.load_kube_config(config_file=path, context=p["context"], client_configuration=cfg)
         else:
             config.load_incluster_config(client_configuration=cfg)
     except (config.ConfigException, OSError, TypeError, ValueError) as exc:
@@ -234,6 +235,7 @@ def check_target_node(api, node, source_node):
     Returns its description (name, ready, unschedulable, GPU capacity and allocatable)."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
+    from urllib3.exceptions import HTTPError
     if node == source_node:
         raise InvalidTarget("the pod already runs on node %s; a migration needs another node; nothing was frozen" % node,
                             stage="preflight")
@@ -244,6 +246,9 @@ def check_target_node(api, node, source_node):
             raise InvalidTarget("there is no node %s in the cluster; nothing was frozen" % node, stage="preflight",
                                 hint="kubectl get nodes")
         raise _api_error(exc, "reading node %s" % node)
+    except HTTPError as exc:
+        raise KubernetesError("the Kubernetes API at %s could not be reached: %s; nothing was frozen"
+                              % (api.configuration.host, exc), stage="preflight")
     conditions = {c.get("type"): c.get("status") for c in (n.get("status") or {}).get("conditions") or []}
     if conditions.get("Ready") != "True":
         raise InvalidTarget("node %s is not Ready (Ready=%s); nothing was frozen" % (node, conditions.get("Ready")),
