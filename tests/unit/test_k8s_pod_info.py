@@ -2,6 +2,7 @@
 API server TEST DOUBLE (tests/k8s_apiserver_double.py), and the refusals that come before any freeze."""
 from __future__ import annotations
 
+import json
 import os
 import sys
 
@@ -143,3 +144,13 @@ def test_the_inventory_host_of_a_node():
         k8s_pods.inventory_host_for_node("node-z", hostvars, hosts)
     with pytest.raises(ValueError, match="2 of the inventory's hosts are Kubernetes node node-c"):
         k8s_pods.inventory_host_for_node("node-c", hostvars, hosts)
+
+
+def test_a_kubeconfig_given_as_a_dict_and_its_context(api, tmp_path):
+    api.add_pod(gpu_pod())
+    with open(str(tmp_path / "kubeconfig")) as fh:
+        doc = json.load(fh)
+    c = k8s_pods.api_client({"kubeconfig": doc, "context": "gpuckpt-test"})
+    assert k8s_pods.read_pod(c, "default", "gpu-test-pod")["spec"]["nodeName"] == "node-a"
+    with pytest.raises(k8s_pods.KubernetesError, match="no usable connection"):
+        k8s_pods.api_client({"kubeconfig": doc, "context": "no-such-context"})
