@@ -283,6 +283,7 @@ def plan_checkpoint(target, image_dir, opts, backend):
     """Everything decided before anything is touched: the tree, its CUDA pids and their states, each
     process's state and identity, what the runtime and CRIU need. Raises InvalidTarget to refuse."""
     root, pids = backend.resolve(target)
+    backend.check_after(opts.after)
     if opts.leave_stopped and not getattr(backend, "can_hold_stopped", True):
         raise InvalidTarget("the %s runtime cannot hold a workload stopped after its checkpoint; nothing was frozen"
                             % backend.name, stage="preflight",

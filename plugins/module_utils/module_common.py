@@ -32,7 +32,7 @@ RUNTIME_ARGS = dict(
     cuda_checkpoint_path=dict(type="path"),
     runsc_cuda_stage=dict(type="str", choices=["engine", "runsc"], default="engine"),
 )
-RUNTIMES = ["process", "runc", "podman", "docker", "containerd", "runsc"]
+RUNTIMES = ["process", "runc", "podman", "docker", "containerd", "runsc", "k8s_pod"]
 
 
 def _timeout(params):
@@ -61,6 +61,11 @@ def _make_backend(name, params, bundle):
         return ContainerdBackend(params.get("containerd_address"), params.get("containerd_namespace"),
                                  params.get("runc_root"), params.get("criu_path"), params.get("criu_options"),
                                  timeout=_timeout(params))
+    if name == "k8s_pod":
+        from .runtimes.k8s_pod import KubernetesPodBackend
+        return KubernetesPodBackend(params.get("containerd_address"), params.get("runc_root"), params.get("criu_path"),
+                                    params.get("criu_options"), timeout=_timeout(params), pod_uid=params.get("pod_uid"),
+                                    containers=params.get("pod_containers"))
     if name == "runsc":
         from .runtimes.runsc import RunscBackend
         return RunscBackend(params.get("runsc_path"), params.get("runsc_root"), bundle, params.get("runsc_flags"),

@@ -48,12 +48,33 @@ options:
         With O(leave_stopped=true) the sandbox is paused. O(quiesce_signal) cannot reach its processes;
         O(quiesce_command) runs inside it.
       - V(podman) and V(docker) do not support O(leave_stopped=true), because they checkpoint only running containers.
+      - V(k8s_pod) is a Kubernetes pod on this node, named by O(pod), whose containers containerd runs in namespace
+        C(k8s.io). All of its containers' CUDA processes are locked and checkpointed, and all of its containers
+        paused, before the first container is dumped; each container goes to C(containers/<name>/) in O(image_dir).
+        It needs O(leave_stopped=true) or O(leave_running=true), because the kubelet would start exited containers
+        again from their entrypoint. Such an image is restored by the pod migration, not by M(gpuckpt.fleet.gpu_restore).
     type: str
-    choices: [process, runc, podman, docker, containerd, runsc]
+    choices: [process, runc, podman, docker, containerd, runsc, k8s_pod]
     default: process
   container:
     description: The container's id or name. Required with a container O(runtime).
     type: str
+  pod:
+    description:
+      - The pod to checkpoint with O(runtime=k8s_pod), as C(<namespace>/<name>) (a bare name is in namespace
+        C(default)). Its containers are found by the labels the kubelet gives them.
+    type: str
+  pod_uid:
+    description:
+      - The pod's uid (M(gpuckpt.fleet.gpu_pod_info) returns it). It tells two pods of the same name apart while
+        one of them is being deleted.
+    type: str
+  pod_containers:
+    description:
+      - The names of the pod's containers that must all run here (M(gpuckpt.fleet.gpu_pod_info) lists them).
+        A missing one is refused before anything is frozen.
+    type: list
+    elements: str
   image_dir:
     description: Directory to write the image to. Created with mode 0700; must be new or empty.
     type: path
@@ -223,6 +244,15 @@ EXAMPLES = r"""
     push:
       to: gpu-node-2
       dest: /var/lib/gpuckpt/images/job-1
+
+- name: Hold a GPU pod on its node, all of its containers in one image (run on the pod's node)
+  gpuckpt.fleet.gpu_checkpoint:
+    runtime: k8s_pod
+    pod: default/gpu-test-pod
+    pod_uid: "{{ pod_info.pod.uid }}"
+    pod_containers: "{{ pod_info.pod.containers | map(attribute='name') }}"
+    image_dir: /var/lib/gpuckpt/images/gpu-test-pod
+    leave_stopped: true
 """
 
 RETURN = r"""
@@ -321,6 +351,9 @@ def main():
         pid=dict(type="int"),
         runtime=dict(type="str", choices=RUNTIMES, default="process"),
         container=dict(type="str"),
+        pod=dict(type="str"),
+        pod_uid=dict(type="str"),
+        pod_containers=dict(type="list", elements="str"),
         image_dir=dict(type="path", required=True),
         leave_running=dict(type="bool", default=False),
         leave_stopped=dict(type="bool", default=False),
@@ -351,11 +384,11 @@ def main():
     spec.update(RUNTIME_ARGS)
     spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
-                           mutually_exclusive=[("leave_running", "leave_stopped"), ("pid", "container"),
+                           mutually_exclusive=[("leave_running", "leave_stopped"), ("pid", "container", "pod"),
                                                ("quiesce_signal", "quiesce_command")],
                            required_if=[("runtime", "process", ["pid"]), ("runtime", "runc", ["container"]),
                                         ("runtime", "podman", ["container"]), ("runtime", "docker", ["container"]),
-                                        ("runtime", "runsc", ["container"])])
+                                        ("runtime", "runsc", ["container"]), ("runtime", "k8s_pod", ["pod"])])
     p = module.params
     check_path_arg(module, "image_dir", p["image_dir"])
     if p["nonce"] is not None and not NONCE_RE.match(p["nonce"]):
@@ -382,7 +415,8 @@ def main():
                                  "quiesce_timeout")}
     options["quiesce_command"] = command_argv(module, "quiesce_command", p["quiesce_command"])
     run_engine(module, lambda: engine.checkpoint(
-        p["pid"] if p["runtime"] == "process" else p["container"], p["image_dir"],
+        p["pid"] if p["runtime"] == "process" else p["pod"] if p["runtime"] == "k8s_pod" else p["container"],
+        p["image_dir"],
         backend=make_backend(p["runtime"], p), journal=journal_for(p, "source"), sender=sender,
         check_mode=module.check_mode, **options))
 

@@ -6,19 +6,22 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import uuid
 
 import pytest
 
 from containerd_daemon import Containerd, available
-from helpers import MANAGED_PYTHON, REPO
+from helpers import COLLECTIONS, MANAGED_PYTHON, REPO
 from test_containerd import ContainerdWorkload
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from k8s_apiserver_double import ApiServerDouble  # noqa: E402
 
 POD_INFO = os.path.join(REPO, "tests", "integration", "playbooks", "pod_info.yml")
+CHECKPOINT, RESTORE = "gpuckpt.fleet.checkpoint", "gpuckpt.fleet.restore"
+POD = "default/gpu-test-pod"
 pytestmark = pytest.mark.skipif(not available(), reason="containerd 2.x and python3-grpcio (tests/setup.sh) needed")
 
 
@@ -102,3 +105,138 @@ def test_what_cannot_move_is_refused_before_anything_is_frozen(playbook, cluster
         w.went_on_intact(before[n])
         assert w.task()["status"] == "RUNNING"
     assert {req[0] for req in cluster["api"].requests} == {"GET"}
+
+
+# ---- the node side: the pod's containers checkpointed as one workload -----------------------------------
+def pod_vars(cluster, image_dir, **extra):
+    v = {"gpuckpt_pod": POD, "gpuckpt_image_dir": image_dir, "gpuckpt_containerd_address": cluster["address"]}
+    v.update(extra)
+    return v
+
+
+def cuda_calls(fakecuda, name):
+    return [int(pid) for call, pid in fakecuda.calls() if call == name]
+
+
+def image_size(path):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, unused, files in os.walk(path) for f in files)
+
+
+def test_a_pod_is_checkpointed_whole_and_runs_on(playbook, cluster, fakecuda, tmp_path):
+    made = cluster["containers"]
+    before = {n: w.counts() for n, w in made.items()}
+    cuda = sorted(p for w in made.values() for p in w.host_pids())  # each process is a CUDA process here
+    image_dir = str(tmp_path / "pod-image")
+    run = playbook(CHECKPOINT, pod_vars(cluster, image_dir, gpuckpt_leave_running=True), env=fakecuda.env)
+    assert run.rc == 0, run.stdout
+    res = run.task("Checkpoint pod " + POD)
+    assert res["changed"] is True and res["gpu_stage"] == "done", res
+    assert sorted(res["cuda_pids"]) == cuda, "the CUDA processes of both containers are one workload"
+    assert sorted(cuda_calls(fakecuda, "lock")) == cuda and sorted(cuda_calls(fakecuda, "checkpoint")) == cuda
+    with open(os.path.join(image_dir, "manifest.json")) as fh:
+        manifest = json.load(fh)
+    rt = manifest["runtime"]
+    assert rt["backend"] == "k8s_pod" and rt["pod"]["name"] == "gpu-test-pod" and rt["pod"]["uid"]
+    assert [c["name"] for c in rt["containers"]] == ["logger", "trainer"]
+    assert {c["container"] for c in rt["containers"]} == {w.id for w in made.values()}
+    for name in made:
+        assert os.listdir(os.path.join(image_dir, "containers", name, "checkpoint")), name
+    for name, w in made.items():  # both run on from where they were, GPU back and unlocked
+        w.went_on_intact(before[name])
+        assert w.task()["status"] == "RUNNING"
+    assert all(fakecuda.state(p) == "running" for p in cuda)
+
+    again = playbook(CHECKPOINT, pod_vars(cluster, image_dir, gpuckpt_leave_running=True), env=fakecuda.env)
+    assert again.rc == 0 and again.task("Checkpoint pod " + POD)["changed"] is False, again.stdout
+
+    # A pod image is not restored as bare containerd tasks beside the running pod: refused, nothing started.
+    rs = playbook(RESTORE, {"gpuckpt_image_dir": image_dir, "gpuckpt_containerd_address": cluster["address"]},
+                  env=fakecuda.env)
+    assert rs.rc != 0 and "restored into the pod that the kubelet makes" in rs.stdout, rs.stdout
+    assert len([c for c in containerd_ids(cluster)]) == 2
+
+
+def containerd_ids(cluster):
+    return [w.id for w in cluster["containers"].values() if w.exists()]
+
+
+def resume_held(cluster, fakecuda, image_dir):
+    """The rollback of a held pod, as a migration's recovery runs it: engine.resume_stopped."""
+    script = ("import json, sys\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, image\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import KubernetesPodBackend\n"
+              "m = image.load_manifest(sys.argv[1])\n"
+              "changed, pids = engine.resume_stopped(m, KubernetesPodBackend(sys.argv[2]), libcuda_path=sys.argv[3])\n"
+              "print(json.dumps({'changed': changed, 'pids': pids}))\n")
+    env = dict(os.environ, PYTHONPATH=COLLECTIONS, **fakecuda.env)
+    out = subprocess.run([MANAGED_PYTHON, "-c", script, image_dir, cluster["address"], fakecuda.lib], env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, check=False)
+    assert out.returncode == 0, out.stdout
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_a_held_pod_stays_paused_whole_until_it_is_resumed(playbook, cluster, fakecuda, tmp_path):
+    made = cluster["containers"]
+    cuda = sorted(p for w in made.values() for p in w.host_pids())
+    image_dir = str(tmp_path / "held")
+    run = playbook(CHECKPOINT, pod_vars(cluster, image_dir, gpuckpt_leave_stopped=True), env=fakecuda.env)
+    assert run.rc == 0, run.stdout
+    held = {n: w.counts() for n, w in made.items()}
+    for w in made.values():
+        assert w.task()["status"] == "PAUSED" and not w.is_counting()
+    assert all(fakecuda.state(p) == "checkpointed" for p in cuda)
+    res = resume_held(cluster, fakecuda, image_dir)
+    assert res["changed"] is True and sorted(res["pids"]) == cuda
+    for name, w in made.items():  # counting on from the held count: no count lost, none twice
+        w.went_on_intact(held[name])
+        assert w.task()["status"] == "RUNNING"
+        w.no_count_twice()
+    assert all(fakecuda.state(p) == "running" for p in cuda)
+    assert resume_held(cluster, fakecuda, image_dir)["changed"] is False  # a second resume changes nothing
+
+
+def test_a_dump_failing_at_the_second_container_resumes_the_whole_pod(playbook, cluster, fakecuda, tmp_path):
+    """The image dir fills up while the second container is written (a real ENOSPC on a small tmpfs): the
+    first container's image is discarded and both containers run on, their GPU memory back."""
+    made = cluster["containers"]
+    cuda = sorted(p for w in made.values() for p in w.host_pids())
+    probe = str(tmp_path / "probe")  # the size of one container's image, measured on this machine
+    first = playbook(CHECKPOINT, pod_vars(cluster, probe, gpuckpt_leave_running=True), env=fakecuda.env)
+    assert first.rc == 0, first.stdout
+    one = image_size(os.path.join(probe, "containers", "logger"))
+    small = str(tmp_path / "small")
+    os.mkdir(small)
+    assert subprocess.run(["mount", "-t", "tmpfs", "-o", "size=%dk" % ((one * 3 // 2) // 1024), "gpuckpt-pod-full",
+                           small], check=False).returncode == 0
+    try:
+        before = {n: w.counts() for n, w in made.items()}
+        run = playbook(CHECKPOINT, pod_vars(cluster, os.path.join(small, "img"), gpuckpt_leave_stopped=True),
+                       env=fakecuda.env)
+        assert run.rc != 0, run.stdout
+        assert "containerd's checkpoint of" in run.stdout and made["trainer"].id in run.stdout, run.stdout
+        assert not os.path.exists(os.path.join(small, "img", "manifest.json"))
+        for name, w in made.items():
+            w.went_on_intact(before[name])
+            assert w.task()["status"] == "RUNNING"
+            w.no_count_twice()
+        assert all(fakecuda.state(p) == "running" for p in cuda)
+    finally:
+        subprocess.run(["umount", "-l", small], check=False)
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({}, "a pod's containers cannot exit after their checkpoint"),
+    ({"gpuckpt_pod": "default/no-such-pod", "gpuckpt_leave_running": True}, "no running container of pod default/no-such-pod"),
+    ({"gpuckpt_pod": "Bad_Name", "gpuckpt_leave_running": True}, "is not <namespace>/<name>"),
+    ({"gpuckpt_pod_uid": "not-this-pod", "gpuckpt_leave_running": True}, "(uid not-this-pod)"),
+])
+def test_a_pod_that_cannot_be_checkpointed_is_refused_before_any_freeze(playbook, cluster, fakecuda, tmp_path,
+                                                                       extra, says):
+    made = cluster["containers"]
+    before = {n: w.counts() for n, w in made.items()}
+    run = playbook(CHECKPOINT, pod_vars(cluster, str(tmp_path / "img"), **extra), env=fakecuda.env)
+    assert run.rc != 0 and says in run.stdout and "nothing was frozen" in run.stdout, run.stdout
+    assert [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")] == []
+    for name, w in made.items():
+        w.went_on_intact(before[name])
+        assert w.task()["status"] == "RUNNING"

@@ -127,6 +127,10 @@ class Backend(object):
                                     stage="preflight")
         return out
 
+    def check_after(self, after):
+        """Before anything is frozen: refuse what the workload cannot be left as after its dump
+        (``after``: exit|running|stopped)."""
+
     def bind(self, manifest):
         """Take what the backend needs to act on a workload (its container id...) from a manifest."""
 

@@ -140,31 +140,13 @@ class ContainerdBackend(ContainerBackend):
         return pid, tree
 
     def dump(self, target, image_dir, work_dir, after):
-        flags = self.criu_flags()
-        criu_dir = os.path.join(image_dir, CRIU_SUBDIR)
-        os.mkdir(criu_dir, 0o700)
         api = self.client()
         paused = False
         try:
             if after == "stopped":
                 api.pause(self.container, "runtime-dump")
                 paused = True
-            diff = None
-            if self._upper:  # taken while the task cannot write (paused now, or paused by the checkpoint)
-                diff = write_rootfs_diff(self._upper, os.path.join(image_dir, ROOTFS_DIFF)) if paused else None
-            try:
-                api.checkpoint(self.container, criu_dir, work_dir, exit_after=(after == "exit"),
-                               open_tcp="--tcp-established" in flags, external_unix_sockets="--ext-unix-sk" in flags,
-                               file_locks="--file-locks" in flags, timeout=self.timeout)
-            except ContainerdError as exc:
-                log = _log_errors(os.path.join(work_dir, "dump.log"))
-                raise CommandError("containerd's checkpoint of %s failed: %s" % (self.container, exc.msg),
-                                   stage="runtime-dump", stderr=log,
-                                   hint=mount_hint(log, "see dump.log in the work dir"))
-            if self._upper and not paused:
-                # The task ran on (after=running) or stopped (after=exit): its writable layer is read now;
-                # for after=running the files may have changed since the dump, as with any live copy.
-                diff = write_rootfs_diff(self._upper, os.path.join(image_dir, ROOTFS_DIFF))
+            return self.dump_task(api, target, image_dir, work_dir, exit_after=(after == "exit"), paused=paused)
         except Exception:
             if paused:
                 try:
@@ -174,6 +156,31 @@ class ContainerdBackend(ContainerBackend):
             raise
         finally:
             api.close()
+
+    def dump_task(self, api, target, image_dir, work_dir, exit_after, paused):
+        """Checkpoint this resolved task into ``image_dir`` through ``api``; ``paused``: the caller paused it
+        (containerd then leaves it paused after the checkpoint; a pod's containers are all paused first).
+        Returns the manifest's runtime record of this container."""
+        flags = self.criu_flags()
+        criu_dir = os.path.join(image_dir, CRIU_SUBDIR)
+        os.mkdir(criu_dir, 0o700)
+        diff = None
+        if self._upper and paused:  # taken while the task cannot write
+            diff = write_rootfs_diff(self._upper, os.path.join(image_dir, ROOTFS_DIFF))
+        try:
+            api.checkpoint(self.container, criu_dir, work_dir, exit_after=exit_after,
+                           open_tcp="--tcp-established" in flags, external_unix_sockets="--ext-unix-sk" in flags,
+                           file_locks="--file-locks" in flags, timeout=self.timeout)
+        except ContainerdError as exc:
+            log = _log_errors(os.path.join(work_dir, "dump.log"))
+            raise CommandError("containerd's checkpoint of %s failed: %s" % (self.container, exc.msg),
+                               stage="runtime-dump", stderr=log,
+                               hint=mount_hint(log, "see dump.log in the work dir"))
+        if self._upper and not paused:
+            # The task ran on (after=running, paused by the checkpoint alone) or stopped (after=exit): its
+            # writable layer is read now; for after=running the files may have changed since the dump, as
+            # with any live copy.
+            diff = write_rootfs_diff(self._upper, os.path.join(image_dir, ROOTFS_DIFF))
         rec = self._record
         return {"backend": self.name, "container": self.container, "namespace": self.namespace,
                 "root_pid": int(target), "ns_pids": self._ns, "cgroup_v2_path": self._cgroup_seen,

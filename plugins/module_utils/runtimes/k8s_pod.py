@@ -1,0 +1,269 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""A Kubernetes pod on its node: every running container of the pod, found in containerd's ``k8s.io``
+namespace by the labels the kubelet gives them (``io.kubernetes.pod.namespace``, ``.pod.name``,
+``.pod.uid``, ``io.kubernetes.container.name``; the sandbox's pause container, kind ``sandbox``, is not
+part of the workload), checkpointed as one workload.
+
+One workload, because a pod's containers share its network, its IPC and often a volume or shared
+memory: a checkpoint that froze them one at a time would record one container after the other had
+already gone on talking to it. So:
+- the engine locks and checkpoints the CUDA processes of *all* containers before any is dumped (this
+  backend's tree is their union);
+- every container is paused before the first is checkpointed, and each is then checkpointed by
+  containerd while paused (``ContainerdBackend.dump_task``): the image is one moment of the whole pod;
+- after=running resumes them all once every container is written; after=stopped keeps them all
+  paused (a migration's source, held until its target runs);
+- a failure at any container resumes every container it paused (the engine then gives the GPU back).
+
+after=exit is refused before anything is frozen: the kubelet restarts a pod's exited containers from
+their image's entrypoint (restartPolicy), which would run the job a second time from its start.
+
+The image holds one directory per container, ``containers/<name>/``, each laid out as the containerd
+backend lays out a container's image (``checkpoint/``, ``rootfs-diff.tar``); the manifest's runtime
+record names the pod and each container's own record.
+
+A pod image is restored by the pod migration, into the pod the kubelet makes on the target node; a
+plain restore of it here as containerd tasks would run containers that no kubelet manages and no
+device plugin accounts for, so ``restore`` refuses it (docs/kubernetes.md).
+"""
+from __future__ import annotations
+
+import os
+import re
+
+from ..containerd_api import Client, ContainerdError
+from ..errors import GpuCkptError, InvalidTarget
+from .base import ContainerBackend, criu_preflight
+from .containerd import ContainerdBackend
+
+K8S_NAMESPACE = "k8s.io"
+POD_NAMESPACE, POD_NAME, POD_UID = "io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.pod.uid"
+CONTAINER_NAME, KIND = "io.kubernetes.container.name", "io.cri-containerd.kind"
+CONTAINERS_SUBDIR = "containers"
+# Kubernetes names: namespaces and container names are DNS labels, pod names DNS subdomains
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+
+
+def parse_pod(target):
+    """"namespace/name" (or a bare name, in namespace default) as (namespace, name), or refused."""
+    text = str(target or "")
+    namespace, sep, name = text.partition("/")
+    if not sep:
+        namespace, name = "default", text
+    if not DNS_LABEL.match(namespace) or not DNS_SUBDOMAIN.match(name):
+        raise InvalidTarget("pod %r is not <namespace>/<name> with Kubernetes names; nothing was frozen" % text,
+                            stage="preflight", hint="for example: pod: default/gpu-test-pod")
+    return namespace, name
+
+
+def container_dir(image_dir, name):
+    """The directory of container ``name`` in a pod image, refused for a name Kubernetes would not give
+    (the name comes from a manifest on restore, or from labels on the node)."""
+    if not DNS_LABEL.match(str(name or "")):
+        raise InvalidTarget("container name %r is not a Kubernetes container name" % (name,), stage="preflight")
+    return os.path.join(image_dir, CONTAINERS_SUBDIR, name)
+
+
+class KubernetesPodBackend(ContainerBackend):
+    name = "k8s_pod"
+    can_hold_stopped = True
+    passes_criu_flags = ContainerdBackend.passes_criu_flags
+
+    def __init__(self, address=None, runc_root=None, criu_path=None, criu_options=(), timeout=None, pod_uid=None,
+                 containers=None):
+        super(KubernetesPodBackend, self).__init__(criu_path, criu_options, timeout)
+        self.address, self.runc_root = address, runc_root
+        self.namespace = K8S_NAMESPACE
+        self.pod_uid = pod_uid or None
+        self.expected = list(containers or [])  # the names the API server lists (gpu_pod_info), when given
+        self.pod = None
+        self.members = []  # [(container name, ContainerdBackend bound to its container)], in name order
+        self.trees = {}    # container name: (its task's host pid, its process tree), found by resolve
+
+    def _member(self, container_id=None):
+        m = ContainerdBackend(self.address, K8S_NAMESPACE, self.runc_root, self._criu_path, self.extra, self.timeout)
+        m.container = container_id
+        m.tcp_established = self.tcp_established
+        return m
+
+    def client(self):
+        return Client(self.address, K8S_NAMESPACE, timeout=60)
+
+    def runtime_facts(self):
+        facts = self._member().runtime_facts()
+        facts["kubernetes_pod"] = self.pod
+        return facts
+
+    def preflight(self, full=True):
+        facts = criu_preflight(self.criu, full)
+        facts.update(self.runtime_facts())
+        return facts
+
+    # -- finding the pod ---------------------------------------------------------------------------------
+    def _running_containers(self, namespace, name):
+        """{container name: container id} of the pod's running containers on this node."""
+        api = self.client()
+        try:
+            if K8S_NAMESPACE not in api.namespaces():
+                raise InvalidTarget("containerd at %s has no namespace %s: this host is not a Kubernetes node that "
+                                    "runs containerd (or containerd_address names another containerd); nothing was "
+                                    "frozen" % (api.address, K8S_NAMESPACE), stage="preflight")
+            ours = [c for c in api.containers()
+                    if c["labels"].get(POD_NAMESPACE) == namespace and c["labels"].get(POD_NAME) == name
+                    and c["labels"].get(KIND, "container") == "container"
+                    and (self.pod_uid is None or c["labels"].get(POD_UID) == self.pod_uid)]
+            uids = sorted({c["labels"].get(POD_UID) or "" for c in ours})
+            if len(uids) > 1:
+                raise InvalidTarget("containers of %d pods named %s/%s are on this node (uids %s); nothing was frozen"
+                                    % (len(uids), namespace, name, ", ".join(uids)), stage="preflight",
+                                    hint="give pod_uid (gpu_pod_info returns it)")
+            running = {}
+            for c in ours:  # the kubelet keeps a restarted container's exited attempts beside the running one
+                task = api.task(c["id"])
+                if task is None or task["status"] != "running":
+                    continue
+                cname = c["labels"].get(CONTAINER_NAME)
+                if cname in running:
+                    raise InvalidTarget("container %s of pod %s/%s runs twice on this node (%s and %s); nothing was "
+                                        "frozen" % (cname, namespace, name, running[cname], c["id"]),
+                                        stage="preflight")
+                container_dir("/", cname)  # a name Kubernetes would give, or refused
+                running[cname] = c["id"]
+        finally:
+            api.close()
+        if not running:
+            raise InvalidTarget("no running container of pod %s/%s%s in containerd's %s namespace on this node; "
+                                "nothing was frozen" % (namespace, name, " (uid %s)" % self.pod_uid if self.pod_uid
+                                                        else "", K8S_NAMESPACE), stage="preflight",
+                                hint="run this on the pod's node (gpu_pod_info names it), with the node's "
+                                     "containerd_address")
+        missing = [n for n in self.expected if n not in running]
+        if missing:
+            raise InvalidTarget("container %s of pod %s/%s does not run on this node; nothing was frozen"
+                                % (missing[0], namespace, name), stage="preflight",
+                                hint="a pod is checkpointed with all of its containers running")
+        return running, (uids[0] if uids else None)
+
+    def resolve(self, target):
+        namespace, name = parse_pod(target)
+        running, uid = self._running_containers(namespace, name)
+        self.pod = {"namespace": namespace, "name": name, "uid": uid or self.pod_uid}
+        self.members, self.trees, pids, root = [], {}, [], None
+        for cname in sorted(running):
+            member = self._member()
+            pid, tree = member.resolve(running[cname])
+            self.members.append((cname, member))
+            self.trees[cname] = (pid, tree)
+            root = pid if root is None else root
+            pids += [p for p in tree if p not in pids]
+        self.container = "%s/%s" % (namespace, name)
+        return root, pids
+
+    def plan_tree(self, pids):
+        """Each container's CRIU needs, found on its own tree: its own options go to its own checkpoint."""
+        flags = []
+        for cname, member in self.members:
+            member.tcp_established = self.tcp_established
+            member.plan_tree(self.trees[cname][1])
+            flags += [f for f in member.auto_flags if f not in flags]
+        self.auto_flags = flags
+        self.criu_flags()
+        return flags
+
+    # -- checkpoint ----------------------------------------------------------------------------------------
+    def check_after(self, after):
+        if after == "exit":
+            raise InvalidTarget("a pod's containers cannot exit after their checkpoint: the kubelet would start them "
+                                "again from their entrypoint, running the job a second time from its start; nothing "
+                                "was frozen", stage="preflight",
+                                hint="checkpoint a pod with leave_stopped (held until its copy runs elsewhere) or "
+                                     "leave_running (a copy)")
+
+    def dump(self, target, image_dir, work_dir, after):
+        self.check_after(after)
+        api = self.client()
+        paused, records = [], []
+        try:
+            for cname, member in self.members:  # the whole pod stops first: one moment of all its containers
+                api.pause(member.container, "runtime-dump")
+                paused.append(member)
+            os.mkdir(os.path.join(image_dir, CONTAINERS_SUBDIR), 0o700)
+            for cname, member in self.members:
+                sub, work = container_dir(image_dir, cname), os.path.join(work_dir, cname)
+                os.mkdir(sub, 0o700)
+                os.mkdir(work, 0o700)
+                info = member.dump_task(api, self.trees[cname][0], sub, work, exit_after=False, paused=True)
+                records.append(dict(info, name=cname))
+            if after == "running":
+                self._resume(api, paused, "runtime-dump")
+        except Exception:
+            self._resume(api, paused, "runtime-dump", quiet=True)
+            raise
+        finally:
+            api.close()
+        return {"backend": self.name, "pod": self.pod, "container": self.container, "namespace": K8S_NAMESPACE,
+                "root_pid": int(target), "containers": records,
+                "criu_options": self.extra, "auto_flags": list(self.auto_flags)}
+
+    @staticmethod
+    def _resume(api, members, stage, quiet=False):
+        failed = None
+        for member in members:
+            try:
+                task = api.task(member.container, stage=stage)
+                if task is not None and task["status"] in ("paused", "pausing"):
+                    api.resume(member.container, stage)
+            except ContainerdError as exc:
+                failed = failed or exc
+        if failed is not None and not quiet:
+            raise failed
+
+    # -- a held pod ----------------------------------------------------------------------------------------
+    def bind(self, manifest):
+        rt = manifest.get("runtime") or {}
+        self.pod = rt.get("pod") or self.pod
+        self.container = rt.get("container") or self.container
+        self.members = []
+        for rec in rt.get("containers") or []:
+            container_dir("/", rec.get("name"))
+            self.members.append((rec["name"], self._member(rec.get("container"))))
+
+    def is_held(self, pids):
+        if not self.members:
+            return False
+        api = self.client()
+        try:
+            tasks = [api.task(m.container, stage="resume-source") for unused, m in self.members]
+        finally:
+            api.close()
+        return all(t is None or t["status"] in ("paused", "stopped") for t in tasks)
+
+    def resume(self, pids):
+        api = self.client()
+        try:
+            self._resume(api, [m for unused, m in self.members], "resume-source")
+        finally:
+            api.close()
+
+    def kill(self, pids):
+        """The held source of a committed migration: its pod is deleted through the API server (the kubelet
+        stops its containers); killing them here, behind the kubelet, would have them started again from
+        their entrypoint while the pod still exists."""
+        raise GpuCkptError("a pod's containers are stopped by deleting the pod (kubectl delete pod %s -n %s), not "
+                           "from its node" % ((self.pod or {}).get("name"), (self.pod or {}).get("namespace")),
+                           stage="release-source")
+
+    def restore(self, image_dir, work_dir, manifest):
+        pod = (manifest.get("runtime") or {}).get("pod") or {}
+        raise InvalidTarget("the image holds pod %s/%s: a pod is restored into the pod that the kubelet makes on the "
+                            "target node, by the pod migration; restoring its containers here as bare containerd "
+                            "tasks would run them outside any pod; nothing was restored"
+                            % (pod.get("namespace"), pod.get("name")), stage="preflight",
+                            hint="see docs/kubernetes.md")
+
+    def remove(self):
+        self.kill([])
+
