@@ -153,7 +153,7 @@ def test_a_pod_is_checkpointed_whole_and_runs_on(playbook, cluster, fakecuda, tm
     rs = playbook(RESTORE, {"gpuckpt_image_dir": image_dir, "gpuckpt_containerd_address": cluster["address"]},
                   env=fakecuda.env)
     assert rs.rc != 0 and "restored into the pod that the kubelet makes" in rs.stdout, rs.stdout
-    assert len([c for c in containerd_ids(cluster)]) == 2
+    assert len(containerd_ids(cluster)) == 2
 
 
 def containerd_ids(cluster):
@@ -230,8 +230,8 @@ def test_a_dump_failing_at_the_second_container_resumes_the_whole_pod(playbook, 
     ({"gpuckpt_pod": "Bad_Name", "gpuckpt_leave_running": True}, "is not <namespace>/<name>"),
     ({"gpuckpt_pod_uid": "not-this-pod", "gpuckpt_leave_running": True}, "(uid not-this-pod)"),
 ])
-def test_a_pod_that_cannot_be_checkpointed_is_refused_before_any_freeze(playbook, cluster, fakecuda, tmp_path,
-                                                                       extra, says):
+def test_a_pod_that_cannot_be_checkpointed_is_refused_before_any_freeze(
+        playbook, cluster, fakecuda, tmp_path, extra, says):
     made = cluster["containers"]
     before = {n: w.counts() for n, w in made.items()}
     run = playbook(CHECKPOINT, pod_vars(cluster, str(tmp_path / "img"), **extra), env=fakecuda.env)

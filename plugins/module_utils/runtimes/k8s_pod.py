@@ -266,4 +266,3 @@ class KubernetesPodBackend(ContainerBackend):
 
     def remove(self):
         self.kill([])
-
