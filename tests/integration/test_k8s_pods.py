@@ -160,22 +160,28 @@ def containerd_ids(cluster):
     return [w.id for w in cluster["containers"].values() if w.exists()]
 
 
-def resume_held(cluster, fakecuda, image_dir):
-    """The rollback of a held pod, as a migration's recovery runs it: engine.resume_stopped."""
+def resume_held(cluster, fakecuda, image_dir, journal_only=False):
+    """The rollback of a held pod, as a migration's recovery runs it: engine.resume_stopped on the image's
+    manifest, or (``journal_only``) on what the journal alone tells after a checkpoint killed before its
+    manifest: the pod's name and the pids it froze (migration._source_manifest)."""
     script = ("import json, sys\n"
               "from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, image\n"
               "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import KubernetesPodBackend\n"
               "m = image.load_manifest(sys.argv[1])\n"
+              "if sys.argv[4] == '1':\n"
+              "    m = {'target': m['target'], 'runtime': {'backend': 'k8s_pod', 'container': m['runtime']['container']}}\n"
               "changed, pids = engine.resume_stopped(m, KubernetesPodBackend(sys.argv[2]), libcuda_path=sys.argv[3])\n"
               "print(json.dumps({'changed': changed, 'pids': pids}))\n")
     env = dict(os.environ, PYTHONPATH=COLLECTIONS, **fakecuda.env)
-    out = subprocess.run([MANAGED_PYTHON, "-c", script, image_dir, cluster["address"], fakecuda.lib], env=env,
+    out = subprocess.run([MANAGED_PYTHON, "-c", script, image_dir, cluster["address"], fakecuda.lib,
+                          "1" if journal_only else "0"], env=env,
                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, check=False)
     assert out.returncode == 0, out.stdout
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_a_held_pod_stays_paused_whole_until_it_is_resumed(playbook, cluster, fakecuda, tmp_path):
+@pytest.mark.parametrize("journal_only", [False, True], ids=["from-manifest", "from-journal-only"])
+def test_a_held_pod_stays_paused_whole_until_it_is_resumed(playbook, cluster, fakecuda, tmp_path, journal_only):
     made = cluster["containers"]
     cuda = sorted(p for w in made.values() for p in w.host_pids())
     image_dir = str(tmp_path / "held")
@@ -185,14 +191,14 @@ def test_a_held_pod_stays_paused_whole_until_it_is_resumed(playbook, cluster, fa
     for w in made.values():
         assert w.task()["status"] == "PAUSED" and not w.is_counting()
     assert all(fakecuda.state(p) == "checkpointed" for p in cuda)
-    res = resume_held(cluster, fakecuda, image_dir)
+    res = resume_held(cluster, fakecuda, image_dir, journal_only)
     assert res["changed"] is True and sorted(res["pids"]) == cuda
     for name, w in made.items():  # counting on from the held count: no count lost, none twice
         w.went_on_intact(held[name])
         assert w.task()["status"] == "RUNNING"
         w.no_count_twice()
     assert all(fakecuda.state(p) == "running" for p in cuda)
-    assert resume_held(cluster, fakecuda, image_dir)["changed"] is False  # a second resume changes nothing
+    assert resume_held(cluster, fakecuda, image_dir, journal_only)["changed"] is False  # a second resume changes nothing
 
 
 def test_a_dump_failing_at_the_second_container_resumes_the_whole_pod(playbook, cluster, fakecuda, tmp_path):

@@ -230,6 +230,27 @@ class KubernetesPodBackend(ContainerBackend):
         for rec in rt.get("containers") or []:
             container_dir("/", rec.get("name"))
             self.members.append((rec["name"], self._member(rec.get("container"))))
+        if not self.members and self.container:
+            # A checkpoint killed before its manifest: the journal names only the pod and the pids it froze;
+            # the containers are the pod's whose task is one of those pids (paused ones included).
+            self.members = self._members_holding(self.container, (manifest.get("target") or {}).get("pids") or [])
+
+    def _members_holding(self, pod, pids):
+        namespace, name = parse_pod(pod)
+        api = self.client()
+        try:
+            out = []
+            for c in api.containers():
+                labels = c["labels"]
+                if labels.get(POD_NAMESPACE) != namespace or labels.get(POD_NAME) != name or \
+                        labels.get(KIND, "container") != "container":
+                    continue
+                task = api.task(c["id"], stage="resume-source")
+                if task is not None and task["pid"] in pids:
+                    out.append((labels.get(CONTAINER_NAME), self._member(c["id"])))
+            return sorted(out, key=lambda m: m[0] or "")
+        finally:
+            api.close()
 
     def is_held(self, pids):
         if not self.members:
