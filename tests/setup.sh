@@ -21,7 +21,7 @@ log() { printf '[setup] %s\n' "$*" >&2; }
 need_apt=()
 apt_pkgs=(build-essential pkgconf libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
-  python3-protobuf iproute2 rsync openssh-server openssh-client xz-utils procps
+  python3-protobuf iproute2 rsync openssh-server openssh-client xz-utils procps patch
   runc iptables podman docker.io binutils python3-grpcio)  # runc 1.1.5, Podman 4.3.1, Docker 20.10 (bookworm); CRIU needs iptables for a netns
 for p in "${apt_pkgs[@]}"; do
   [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" == *"install ok installed"* ]] || need_apt+=("$p")
@@ -32,10 +32,13 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
+# The collection's CRIU patch (roles/criu, criu_parallel_page_reads): every test runs the CRIU the role
+# builds by default. Its environment variable names it in the binary.
+CRIU_PATCH="$repo/roles/criu/files/patches/criu-4.2-parallel-page-reads.patch"
 criu_ok() {
   local v
   v=$("$CRIU_PREFIX/sbin/criu" --version 2>/dev/null | sed -n 's/^Version: *//p') || return 1
-  [ "$v" = "$CRIU_VERSION" ]
+  [ "$v" = "$CRIU_VERSION" ] && grep -q CRIU_RESTORE_READ_THREADS "$CRIU_PREFIX/sbin/criu"
 }
 fetch_criu_tarball() {
   [ -f "$CRIU_TARBALL" ] && return 0
@@ -68,6 +71,11 @@ if ! criu_ok || [ ! -x "$src_tree/test/zdtm/static/env00" ]; then
   fi
 fi
 if ! criu_ok; then
+  if [ ! -f "$src_tree/.gpuckpt-parallel-page-reads" ]; then
+    log "patching CRIU $CRIU_VERSION: $(basename "$CRIU_PATCH")"
+    patch -d "$src_tree" -p1 --forward --batch -i "$CRIU_PATCH" >/dev/null
+    touch "$src_tree/.gpuckpt-parallel-page-reads"
+  fi
   log "building CRIU $CRIU_VERSION"
   make -C "$src_tree" -j"$(nproc)" criu >"$repo/.build/criu-build.log" 2>&1 || { tail -n 40 "$repo/.build/criu-build.log"; exit 1; }
   install -D -m 0755 "$src_tree/criu/criu" "$CRIU_PREFIX/sbin/criu"
