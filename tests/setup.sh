@@ -32,13 +32,15 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-# The collection's CRIU patch (roles/criu, criu_parallel_page_reads): every test runs the CRIU the role
-# builds by default. Its environment variable names it in the binary.
+# The collection's CRIU patch (roles/criu, criu_parallel_page_reads, off by default) is built beside
+# the plain CRIU, in its own tree; tests/integration/test_criu_parallel_reads.py runs it. The CRIU every
+# other test runs is the plain one (its binary does not name the patch's environment variable).
 CRIU_PATCH="$repo/roles/criu/files/patches/criu-4.2-parallel-page-reads.patch"
+par_tree="$repo/.build/criu-$CRIU_VERSION-parallel-reads"
 criu_ok() {
   local v
   v=$("$CRIU_PREFIX/sbin/criu" --version 2>/dev/null | sed -n 's/^Version: *//p') || return 1
-  [ "$v" = "$CRIU_VERSION" ] && grep -q CRIU_RESTORE_READ_THREADS "$CRIU_PREFIX/sbin/criu"
+  [ "$v" = "$CRIU_VERSION" ] && ! grep -q CRIU_RESTORE_READ_THREADS "$CRIU_PREFIX/sbin/criu"
 }
 fetch_criu_tarball() {
   [ -f "$CRIU_TARBALL" ] && return 0
@@ -71,10 +73,9 @@ if ! criu_ok || [ ! -x "$src_tree/test/zdtm/static/env00" ]; then
   fi
 fi
 if ! criu_ok; then
-  if [ ! -f "$src_tree/.gpuckpt-parallel-page-reads" ]; then
-    log "patching CRIU $CRIU_VERSION: $(basename "$CRIU_PATCH")"
-    patch -d "$src_tree" -p1 --forward --batch -i "$CRIU_PATCH" >/dev/null
-    touch "$src_tree/.gpuckpt-parallel-page-reads"
+  if [ -f "$src_tree/.gpuckpt-parallel-page-reads" ]; then  # a tree an earlier setup patched
+    patch -d "$src_tree" -p1 -R --batch -i "$CRIU_PATCH" >/dev/null
+    rm -f "$src_tree/.gpuckpt-parallel-page-reads"
   fi
   log "building CRIU $CRIU_VERSION"
   make -C "$src_tree" -j"$(nproc)" criu >"$repo/.build/criu-build.log" 2>&1 || { tail -n 40 "$repo/.build/criu-build.log"; exit 1; }
@@ -85,6 +86,15 @@ if [ ! -x "$src_tree/test/zdtm/static/env00" ]; then
   make -C "$src_tree/test/zdtm/lib" -j"$(nproc)" >"$repo/.build/zdtm-build.log" 2>&1 || { tail -n 40 "$repo/.build/zdtm-build.log"; exit 1; }
   # -k: a test whose library is missing here (libaio) is left out; the runner selects what was built
   make -k -C "$src_tree/test/zdtm/static" -j"$(nproc)" >>"$repo/.build/zdtm-build.log" 2>&1 || true
+fi
+if [ ! -x "$par_tree/criu/criu" ] || [ "$CRIU_PATCH" -nt "$par_tree/criu/criu" ]; then
+  fetch_criu_tarball
+  log "building CRIU $CRIU_VERSION with $(basename "$CRIU_PATCH") in $par_tree"
+  rm -rf "$par_tree" && mkdir -p "$par_tree"
+  tar -C "$par_tree" --strip-components=1 -xf "$CRIU_TARBALL"
+  patch -d "$par_tree" -p1 --forward --batch -i "$CRIU_PATCH" >/dev/null
+  make -C "$par_tree" -j"$(nproc)" criu >"$repo/.build/criu-parallel-reads-build.log" 2>&1 \
+    || { tail -n 40 "$repo/.build/criu-parallel-reads-build.log"; exit 1; }
 fi
 criu_ok || { log "CRIU $CRIU_VERSION is not installed at $CRIU_PREFIX/sbin/criu"; exit 1; }
 "$CRIU_PREFIX/sbin/criu" check >/dev/null 2>&1 || { "$CRIU_PREFIX/sbin/criu" check; exit 1; }

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import uuid
 import socket
 
 from .. import discovery
@@ -178,6 +179,11 @@ class DockerBackend(ContainerBackend):
         os.makedirs(os.path.dirname(dest), exist_ok=True)
         try:
             shutil.copytree(os.path.join(image_dir, rt.get("checkpoint", CHECKPOINT)), dest, copy_function=_link_or_copy)
+            # Docker 20.10 uploads this folder to containerd as a tar; a tar equal to one containerd already
+            # holds (the checkpoint's own) fails with "content ... already exists". A file of this restore's
+            # own makes it differ; CRIU ignores files it does not know.
+            with open(os.path.join(dest, "gpuckpt-restore-id"), "w") as fh:
+                fh.write(uuid.uuid4().hex + "\n")
             res = run(self._cmd("start", "--checkpoint", CHECKPOINT, cid), stage="runtime-restore",
                       timeout=self.timeout, check=False)
         finally:
