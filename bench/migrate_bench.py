@@ -97,6 +97,8 @@ def plain_chain(hosts, args, base, fast_cipher=False, tag="chain"):
     total = time.monotonic() - t0
     steps["stage1_restore"] = total - sum(steps.values())
     size = sum(os.path.getsize(os.path.join(src, f)) for f in os.listdir(src))
+    shutil.rmtree(src, ignore_errors=True)  # (a 40 GB image twice over would fill the GPU machine's disk)
+    shutil.rmtree(dst, ignore_errors=True)
     return total, size, steps
 
 
@@ -130,13 +132,17 @@ def ours(hosts, args, base, streams, tag="ours", during_dump=True, restore_early
     return downtime, res["ck"]["image_bytes"], stage1, res
 
 
-def bandwidths(hosts, base, size, streams):
+def bandwidths(hosts, base, size, streams, pipelined_only=False):
+    """(disk, one ssh stream, ``streams`` ssh streams) in bytes/s. ``pipelined_only``: only what the
+    pipelined floor needs (the link over ``streams`` streams): the file is written without fsync and
+    the disk and single-stream figures are None (for a 40 GB image they take minutes)."""
     f = os.path.join(base, "bw.bin")
     n = max(streams, size // (64 * 2**20))
     n -= n % streams
-    disk = n * 64 * 2**20 / timed(lambda: subprocess.run(
-        ["dd", "if=/dev/zero", "of=%s" % f, "bs=64M", "count=%d" % n, "conv=fsync"], check=True,
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    write = timed(lambda: subprocess.run(
+        ["dd", "if=/dev/zero", "of=%s" % f, "bs=64M", "count=%d" % n] + ([] if pipelined_only else ["conv=fsync"]),
+        check=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    disk = None if pipelined_only else n * 64 * 2**20 / write
 
     def send(k):  # k parallel ssh streams from hosta to hostb, each 1/k of the file
         per = n // k
@@ -148,7 +154,7 @@ def bandwidths(hosts, base, size, streams):
             if p.wait() != 0:
                 raise RuntimeError("link measurement failed")
 
-    link1 = n * 64 * 2**20 / timed(lambda: send(1))
+    link1 = None if pipelined_only else n * 64 * 2**20 / timed(lambda: send(1))
     link_n = n * 64 * 2**20 / timed(lambda: send(streams))
     os.unlink(f)
     return disk, link1, link_n
@@ -176,6 +182,11 @@ def main():
                     help="also time our migration with gpuckpt_host_huge_pages (THP always while it runs)")
     ap.add_argument("--also-quiesce", action="store_true",
                     help="also time our migration with huge pages and quiesce_signal=SIGUSR1 (the cache released first)")
+    ap.add_argument("--pipelined-only", action="store_true",
+                    help="measure only what the pipelined floor needs (no disk bandwidth, no single-stream link), "
+                         "and keep no image after its variant: for images of tens of GB")
+    ap.add_argument("--only-huge-pages", action="store_true",
+                    help="time our migration with gpuckpt_host_huge_pages only (the variant without it is skipped)")
     ap.add_argument("--also-single-stream", action="store_true",
                     help="also time our migration with one ssh stream (one push stream during the dump), to show what the streams bring")
     args = ap.parse_args()
@@ -187,6 +198,9 @@ def main():
         time.sleep(1)
         subprocess.run("pkill -9 -f -- '[-]-dir %s/%s-w'" % (base, tag), shell=True, check=False)
         time.sleep(2)
+        if args.pipelined_only:  # its images on both hosts: the next variant needs the disk
+            for host in ("hosta", "hostb"):
+                shutil.rmtree(os.path.join(hosts.host_dir(host, "images"), "bench-" + tag), ignore_errors=True)
 
     def variant(tag, streams=None, **kw):
         """Our migration on a fresh workload, as the variant ``tag``; (downtime, size, stage1, results)."""
@@ -197,7 +211,10 @@ def main():
     try:
         if args.warmup:
             variant("warmup")
-        down, size, stage1, res = variant("ours")
+        if args.only_huge_pages:  # the huge pages variant is the one reported as ours
+            down, size, stage1, res = variant("thp", extra={"gpuckpt_host_huge_pages": True})
+        else:
+            down, size, stage1, res = variant("ours")
         single = variant("single", streams=1)[0] if args.also_single_stream else None
         after_dump = variant("after", during_dump=False)[0] if args.also_after_dump else None
         late = variant("late", restore_early=False)[0] if args.also_late_restore else None
@@ -210,9 +227,9 @@ def main():
         if args.also_fast_chain:
             fast_chain, _s, fast_chain_steps = plain_chain(hosts, args, base, fast_cipher=True, tag="fchain")
             settle("fchain")
-        disk, link1, link_n = bandwidths(hosts, base, size, args.streams)
-        link = max(link1, link_n)
-        floor = stage1 + size / disk + size / link
+        disk, link1, link_n = bandwidths(hosts, base, size, args.streams, args.pipelined_only)
+        link = max(link1 or 0, link_n)
+        floor = stage1 + size / disk + size / link if disk else None
         # Issue 15's floor: nothing forces the image through a disk before the restore.
         pipelined = stage1 + size / link
 
@@ -224,14 +241,15 @@ def main():
                     "ratio_to_pipelined_floor": d / (st1 + b / link), "chain_over_it": chain / d}
         out = {"kind": "migration_downtime", "workload": ("torch %g GiB" % args.torch_gib) if args.torch_gib else
                ("cpu 2x%d MiB" % args.mb), "image_bytes": size, "downtime_s": down, "floor_s": floor,
-               "stage1_s": stage1, "disk_GBps": disk / 1e9, "link_GBps": link / 1e9,
-               "link_1_stream_GBps": link1 / 1e9, "link_%d_streams_GBps" % args.streams: link_n / 1e9,
+               "stage1_s": stage1, "disk_GBps": disk / 1e9 if disk else None, "link_GBps": link / 1e9,
+               "link_1_stream_GBps": link1 / 1e9 if link1 else None,
+               "link_%d_streams_GBps" % args.streams: link_n / 1e9, "huge_pages": bool(args.only_huge_pages),
                "streams": args.streams, "ours_single_stream_s": single, "ours_after_dump_s": after_dump,
                "ours_late_restore_s": late, "plain_chain_s": chain,
                "plain_chain_bytes": chain_size, "plain_chain_steps": chain_steps,
                "fast_chain_s": fast_chain, "fast_chain_steps": fast_chain_steps if fast_chain else None,
                "fast_chain_over_ours": fast_chain / down if fast_chain else None,
-               "ours_over_floor": down / floor, "chain_over_ours": chain / down,
+               "ours_over_floor": down / floor if floor else None, "chain_over_ours": chain / down,
                "pipelined_floor_s": pipelined, "ratio_to_pipelined_floor": down / pipelined,
                "ours_huge_pages": measured(thp), "ours_huge_pages_quiesced": measured(quiet),
                "ours_stages": {"checkpoint": res["ck"]["timings"], "push": res["ck"].get("push"),
@@ -243,8 +261,8 @@ def main():
         if os.environ.get("GPUCKPT_RESULTS"):
             with open(os.environ["GPUCKPT_RESULTS"], "a") as fh:
                 fh.write(json.dumps(out) + "\n")
-        print("| %s | %.2f GB | %.2f s | %.2f s | %.2f s | %.2fx | %.2fx |" % (
-            out["workload"], size / 1e9, floor, down, chain, down / floor, chain / down))
+        print("| %s | %.2f GB | pipelined floor %.2f s | %.2f s | %.2f s | %.2fx of it | chain %.2fx slower |" % (
+            out["workload"], size / 1e9, pipelined, down, chain, down / pipelined, chain / down))
         for name, v in (("huge pages", out["ours_huge_pages"]), ("huge pages + quiesce", out["ours_huge_pages_quiesced"])):
             if v:
                 print("| %s, %s | %.2f GB | pipelined floor %.2f s | %.2f s | %.2fx of it | chain %.2fx slower |" % (

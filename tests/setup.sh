@@ -32,7 +32,7 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
-# The collection's CRIU patch (roles/criu, criu_parallel_page_reads, off by default) is built beside
+# The collection's CRIU patch (roles/criu, criu_parallel_page_reads, on by default there) is built beside
 # the plain CRIU, in its own tree; tests/integration/test_criu_parallel_reads.py runs it. The CRIU every
 # other test runs is the plain one (its binary does not name the patch's environment variable).
 CRIU_PATCH="$repo/roles/criu/files/patches/criu-4.2-parallel-page-reads.patch"

@@ -2,6 +2,8 @@
 # Run HERE (the CI-kind machine) before a GPU run: the GPU machine has no internet and no apt, so
 # everything the GPU tests need beyond its image travels along in two git-ignored folders:
 #   .carry/criu/  CRIU 4.2.1 built by tests/setup.sh, with the shared libraries it needs beyond glibc
+#                 (GPUCKPT_CRIU_CARRY=<path> carries another build instead, e.g. the one with the
+#                 collection's parallel page reads patch: .build/criu-4.2.1-parallel-reads/criu/criu)
 #   .carry/gpuckpt-cuda-checkpoint  the collection's cuda-checkpoint tool, built by tests/setup.sh
 #                 (the GPU machine's glibc 2.39 runs binaries built against bookworm's 2.36)
 #   .whl/         wheels for Python 3.12: ansible-core 2.21 and pytest, with their dependencies
@@ -10,12 +12,13 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$repo"
 bash tests/setup.sh >/dev/null
 rm -rf .carry/criu && mkdir -p .carry/criu/lib
-cp /usr/local/sbin/criu .carry/criu/criu.bin
-ldd /usr/local/sbin/criu | awk '$3 ~ /^\// {print $3}' | grep -Ev '/(libc|libm|libpthread|libdl|librt|libresolv|ld-linux[^/]*)\.so' \
+criu_bin=${GPUCKPT_CRIU_CARRY:-/usr/local/sbin/criu}
+cp "$criu_bin" .carry/criu/criu.bin
+ldd "$criu_bin" | awk '$3 ~ /^\// {print $3}' | grep -Ev '/(libc|libm|libpthread|libdl|librt|libresolv|ld-linux[^/]*)\.so' \
   | while read -r lib; do cp -L "$lib" .carry/criu/lib/; done
 cat > .carry/criu/criu <<'SH'
 #!/bin/sh
-# CRIU 4.2.1 carried from the CI-kind machine, with its libraries.
+# CRIU carried from the CI-kind machine, with its libraries.
 d=$(dirname "$(readlink -f "$0")")
 LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$d/criu.bin" "$@"
 SH
@@ -24,7 +27,7 @@ chmod +x .carry/criu/criu
 #   GPUCKPT_CRIU_ALT=/path/to/criu bash tests/gpu/prepare_carry.sh   (e.g. 4.1.1 built from Debian's tarball)
 if [ -n "${GPUCKPT_CRIU_ALT:-}" ]; then
   cp "$GPUCKPT_CRIU_ALT" .carry/criu/criu-alt.bin
-  sed 's/criu\.bin/criu-alt.bin/; s/CRIU 4.2.1 carried/Another CRIU carried/' .carry/criu/criu > .carry/criu/criu-alt
+  sed 's/criu\.bin/criu-alt.bin/; s/CRIU carried/Another CRIU carried/' .carry/criu/criu > .carry/criu/criu-alt
   chmod +x .carry/criu/criu-alt
 fi
 # The collection's own cuda-checkpoint, built here by tests/setup.sh (it needs only glibc 2.2.5's symbols).

@@ -156,3 +156,48 @@ def test_cuda_checkpoint_role_checks_the_real_driver(playbook, record):
     assert too_new.rc != 0
     assert "needs driver 999 or newer" in too_new.task("Require the checkpoint API")["msg"]
     record("cuda_checkpoint_role", report=report, persistence=persistence["stdout_lines"])
+
+
+def _memory_by_gpu(pid):
+    """{GPU UUID: MiB} that ``pid`` holds on each GPU, from nvidia-smi."""
+    import subprocess
+    out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
+                         stdout=subprocess.PIPE, universal_newlines=True, check=False).stdout
+    held = {}
+    for line in out.splitlines():
+        if line.strip():
+            p, uuid, mib = [x.strip() for x in line.split(",")]
+            if int(p) == pid:
+                held[uuid] = int(mib)
+    return held
+
+
+def test_one_process_on_two_gpus_restored_with_them_swapped(playbook, torch_workloads, tmp_path, record):
+    """The seed's multi-GPU pod (DataParallel over nvidia.com/gpu: 2) as one process holding memory on both
+    GPUs (a third of it on the first, two thirds on the second, each part seeded differently): restored
+    with the two GPUs swapped (the driver's one-to-one UUID map), each part must come back whole, on the
+    other GPU."""
+    import subprocess
+    import pytest
+    uuids = [u.strip() for u in subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],
+                                                stdout=subprocess.PIPE, universal_newlines=True,
+                                                check=True).stdout.splitlines() if u.strip()]
+    if len(uuids) < 2:
+        pytest.skip("needs two GPUs (nvidia-h200-x2)")
+    w = torch_workloads(gib=GIB, device="0,1")
+    before = _memory_by_gpu(w.pid)
+    assert before[uuids[1]] > before[uuids[0]] > 0, before
+    image_dir = str(tmp_path / "img")
+    run = playbook("gpuckpt.fleet.checkpoint", {"gpuckpt_pid": w.pid, "gpuckpt_image_dir": image_dir})
+    assert run.rc == 0, run.stdout
+    stopped = w.counts()
+    swap = {uuids[0]: uuids[1], uuids[1]: uuids[0]}
+    run = playbook("gpuckpt.fleet.restore", {"gpuckpt_image_dir": image_dir, "gpuckpt_gpu_map": swap})
+    assert run.rc == 0, run.stdout
+    rs = run.task("Restore from")
+    w.wait_counting(beyond=stopped)
+    assert w.verified_after(stopped), "each part's data, now on the other GPU, is intact"
+    after = _memory_by_gpu(w.pid)
+    assert after[uuids[0]] > after[uuids[1]] > 0, (before, after)  # the larger part moved to the first GPU
+    record("two_gpus_swapped", gib=GIB, gpu_pairs=rs["gpu_pairs"], mib_before=before, mib_after=after,
+           restore=rs["timings"], driver_calls=rs["driver_call_seconds"], data_intact=True)

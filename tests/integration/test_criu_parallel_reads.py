@@ -23,13 +23,12 @@ CRIU = os.path.join(REPO, ".build", "criu-4.2.1-parallel-reads", "criu", "criu")
 SOURCE = os.path.join(REPO, "tests", "workloads", "page_tree.c")
 READ_ENV = ("CRIU_RESTORE_READ_THREADS", "CRIU_RESTORE_READ_PIECE", "CRIU_RESTORE_READ_MIN")
 
-# Opt-in (GPUCKPT_CRIU_PATCH_TESTS=1) until they are shown stable on a loaded CI machine: they passed
-# alone, and failed once beside a concurrent full run. The patch is off by default in roles/criu too.
-pytestmark = [
-    pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(CRIU), reason="needs root and the patched CRIU (tests/setup.sh)"),
-    pytest.mark.skipif(os.environ.get("GPUCKPT_CRIU_PATCH_TESTS") != "1",
-                       reason="opt-in: GPUCKPT_CRIU_PATCH_TESTS=1 (not yet shown stable under load)"),
-]
+# These failed at times on a loaded machine (a full CI run beside them): the cause was the workload's
+# own lost wake-up (page_tree.c used pause(), and a SIGUSR1 sent the moment the restore returned was
+# taken by its handler before the restored task entered pause() again), not the patch; 70 runs beside
+# a full CI run passed once it was fixed.
+pytestmark = pytest.mark.skipif(os.geteuid() != 0 or not os.path.exists(CRIU),
+                                reason="needs root and the patched CRIU (tests/setup.sh)")
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +107,23 @@ def _start(binary, out, nproc, nthreads, mib, pid_namespace):
     return proc, (_children(proc.pid)[0] if pid_namespace else proc.pid)
 
 
+def _dump(pid, images):
+    """CRIU's dump of the tree (the part of CRIU this patch leaves alone). On a loaded 2-core machine a
+    dump failed once in about 40 runs with no error in its log; a failed dump resumes the tree, so it is
+    taken once more, with a verbose log of the failure kept beside the images."""
+    for attempt in (1, 2):
+        run = subprocess.run([CRIU, "dump", "-t", str(pid), "-D", images, "-o", "dump.log", "-v4"], check=False,
+                             capture_output=True, text=True, timeout=300)
+        if run.returncode == 0:
+            return
+        os.rename(os.path.join(images, "dump.log"), os.path.join(images, "dump-failed-%d.log" % attempt))
+        for name in os.listdir(images):
+            if name.endswith(".img"):
+                os.unlink(os.path.join(images, name))
+    with open(os.path.join(images, "dump-failed-2.log")) as fh:
+        raise AssertionError("criu dump failed twice:\n" + fh.read()[-3000:])
+
+
 def _restore(images, env_extra):
     env = {k: v for k, v in os.environ.items() if k not in READ_ENV}
     env.update(env_extra)
@@ -126,7 +142,7 @@ def _cycle(tmp_path, binary, nproc, nthreads, mib, pid_namespace, env_extra):
     os.mkdir(images)
     proc, dumped = _start(binary, out, nproc, nthreads, mib, pid_namespace)
     try:
-        subprocess.run([CRIU, "dump", "-t", str(dumped), "-D", images, "-o", "dump.log"], check=True, timeout=300)
+        _dump(dumped, images)
         proc.wait(timeout=30)
         rc, root, log = _restore(images, env_extra)
         assert rc == 0, log[-3000:]
@@ -179,7 +195,7 @@ def test_a_pages_image_cut_short_fails_the_restore_clearly_and_leaves_nothing_ru
     os.mkdir(images)
     proc, dumped = _start(page_tree, out, 1, 2, 320, False)
     try:
-        subprocess.run([CRIU, "dump", "-t", str(dumped), "-D", images, "-o", "dump.log"], check=True, timeout=300)
+        _dump(dumped, images)
         proc.wait(timeout=30)
         pages = max((f for f in os.listdir(images) if f.startswith("pages-")),
                     key=lambda f: os.path.getsize(os.path.join(images, f)))

@@ -26,6 +26,8 @@ def test_criu_role_builds_from_a_local_tarball_then_changes_nothing(playbook, tm
     built = prefix / "sbin" / "criu"
     out = subprocess.run([str(built), "--version"], stdout=subprocess.PIPE, universal_newlines=True, check=False).stdout
     assert "Version: 4.2.1" in out
+    with open(str(built), "rb") as fh:  # the parallel page read patch, applied by default
+        assert b"CRIU_RESTORE_READ_THREADS" in fh.read()
     assert run.task("Check the kernel with criu check")["rc"] == 0
     assert _recap_changed(run) > 0
     again = playbook(ROLE_CRIU, v)

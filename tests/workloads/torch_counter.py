@@ -37,11 +37,9 @@ def gpu_digest(torch, buf, weights):
     return "%016x%016x" % (s1.item() & (2**64 - 1), s2.item() & (2**64 - 1))
 
 
-def run(role, args, on_ready):
-    import torch
-    dev = torch.device("cuda", args.device)
-    seed = sum(map(ord, role)) + 7
-    n = int(args.gib * 2**30) // 8
+def fill(torch, dev, gib, seed):
+    """A buffer of ``gib`` GiB on ``dev``, filled deterministically from ``seed``, and its weights."""
+    n = int(gib * 2**30) // 8
     gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
     buf = torch.empty(n, dtype=torch.int64, device=dev)
@@ -49,7 +47,24 @@ def run(role, args, on_ready):
         m = min(CHUNK_ELEMS, n - i)
         buf[i:i + m] = torch.randint(-2**62, 2**62, (m,), generator=gen, device=dev, dtype=torch.int64)
     weights = torch.arange(1, CHUNK_ELEMS + 1, device=dev, dtype=torch.int64) * 2654435761
-    digest0 = gpu_digest(torch, buf, weights)
+    return buf, weights
+
+
+def run(role, args, on_ready):
+    import torch
+    # --device 0,1: one process holding memory on each GPU named (a DataParallel job's shape), --gib
+    # split between them unevenly (the k-th GPU named holds k+1 shares), so nvidia-smi tells where each
+    # part went; each part is seeded differently, so data that came back on the wrong GPU, or mixed,
+    # changes the digest.
+    devs = [torch.device("cuda", int(d)) for d in str(args.device).split(",")]
+    seed = sum(map(ord, role)) + 7
+    shares = len(devs) * (len(devs) + 1) // 2
+    parts = [fill(torch, dev, args.gib * (k + 1) / shares, seed + 1000 * k) for k, dev in enumerate(devs)]
+
+    def digest_all():
+        return "+".join(gpu_digest(torch, buf, weights) for buf, weights in parts)
+    digest0 = digest_all()
+    dev = devs[0]
     if args.cache_gib:
         # What a training step leaves behind: blocks freed by the job that PyTorch's caching allocator
         # keeps reserved for reuse. A checkpoint saves them unless the job gives them back first.
@@ -62,17 +77,18 @@ def run(role, args, on_ready):
     write_atomic(os.path.join(args.dir, role + ".digest"), digest0)
     count, digest, digest_count, last_verify = 0, digest0, 0, time.monotonic()
     on_ready()
-    probe = buf[:2**20]
+    probes = [buf[:2**20] for buf, _w in parts]
     while True:
         count += 1
-        probe_sum = int(probe.sum().item())  # a kernel every tick: blocks while the driver holds the lock
+        # a kernel on every GPU every tick: blocks while the driver holds the lock
+        probe_sum = sum(int(probe.sum().item()) for probe in probes)
         if time.monotonic() - last_verify >= args.verify_every:
-            digest, digest_count, last_verify = gpu_digest(torch, buf, weights), count, time.monotonic()
+            digest, digest_count, last_verify = digest_all(), count, time.monotonic()
             if digest != digest0:
                 write_atomic(os.path.join(args.dir, role + ".corrupt"), "GPU digest changed at count %d\n" % count)
         write_atomic(os.path.join(args.dir, role + ".state"), json.dumps(
             {"count": count, "digest": digest, "digest_count": digest_count, "pid": os.getpid(),
-             "device": str(dev), "gib": args.gib, "probe": probe_sum, "t": time.time()}))
+             "device": ",".join(str(d) for d in devs), "gib": args.gib, "probe": probe_sum, "t": time.time()}))
         time.sleep(args.interval)
 
 
@@ -81,7 +97,7 @@ def main():
     ap.add_argument("--dir", required=True)
     ap.add_argument("--gib", type=float, default=4.0)
     ap.add_argument("--children", type=int, default=0)
-    ap.add_argument("--device", type=int, default=0)
+    ap.add_argument("--device", default="0", help="a GPU index, or several (0,1): memory on each")
     ap.add_argument("--interval", type=float, default=0.05)
     ap.add_argument("--verify-every", type=float, default=1.0)
     ap.add_argument("--cache-gib", type=float, default=0, help="GiB freed after the fill, kept by the allocator")
