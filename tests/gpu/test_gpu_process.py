@@ -3,6 +3,9 @@ and its GPU memory is checked (checksums before and after) once it runs again.""
 from __future__ import annotations
 
 import os
+import subprocess
+
+import pytest
 
 from gpu_helpers import nvidia_smi_pids, raw_driver
 
@@ -160,7 +163,6 @@ def test_cuda_checkpoint_role_checks_the_real_driver(playbook, record):
 
 def _memory_by_gpu(pid):
     """{GPU UUID: MiB} that ``pid`` holds on each GPU, from nvidia-smi."""
-    import subprocess
     out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,gpu_uuid,used_memory", "--format=csv,noheader,nounits"],
                          stdout=subprocess.PIPE, universal_newlines=True, check=False).stdout
     held = {}
@@ -177,11 +179,9 @@ def test_one_process_on_two_gpus_restored_with_them_swapped(playbook, torch_work
     GPUs (a third of it on the first, two thirds on the second, each part seeded differently): restored
     with the two GPUs swapped (the driver's one-to-one UUID map), each part must come back whole, on the
     other GPU."""
-    import subprocess
-    import pytest
-    uuids = [u.strip() for u in subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"],
-                                                stdout=subprocess.PIPE, universal_newlines=True,
-                                                check=True).stdout.splitlines() if u.strip()]
+    listed = subprocess.run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"], stdout=subprocess.PIPE,
+                            universal_newlines=True, check=True).stdout
+    uuids = [u.strip() for u in listed.splitlines() if u.strip()]
     if len(uuids) < 2:
         pytest.skip("needs two GPUs (nvidia-h200-x2)")
     w = torch_workloads(gib=GIB, device="0,1")
