@@ -116,12 +116,15 @@ def _dump(pid, images):
                              capture_output=True, text=True, timeout=300)
         if run.returncode == 0:
             return
-        os.rename(os.path.join(images, "dump.log"), os.path.join(images, "dump-failed-%d.log" % attempt))
+        log = os.path.join(images, "dump.log")
+        if os.path.exists(log):
+            os.rename(log, os.path.join(images, "dump-failed-%d.log" % attempt))
         for name in os.listdir(images):
             if name.endswith(".img"):
                 os.unlink(os.path.join(images, name))
-    with open(os.path.join(images, "dump-failed-2.log")) as fh:
-        raise AssertionError("criu dump failed twice:\n" + fh.read()[-3000:])
+    failed = os.path.join(images, "dump-failed-2.log")
+    text = open(failed).read() if os.path.exists(failed) else "(no log)"
+    raise AssertionError("criu dump failed twice (rc %d): %s\n%s" % (run.returncode, run.stderr[-1000:], text[-3000:]))
 
 
 def _restore(images, env_extra):
