@@ -123,7 +123,10 @@ def _dump(pid, images):
             if name.endswith(".img"):
                 os.unlink(os.path.join(images, name))
     failed = os.path.join(images, "dump-failed-2.log")
-    text = open(failed).read() if os.path.exists(failed) else "(no log)"
+    text = "(no log)"
+    if os.path.exists(failed):
+        with open(failed) as fh:
+            text = fh.read()
     raise AssertionError("criu dump failed twice (rc %d): %s\n%s" % (run.returncode, run.stderr[-1000:], text[-3000:]))
 
 
