@@ -127,8 +127,8 @@ def ours(hosts, args, base, streams, tag="ours", during_dump=True, restore_early
         if r["_task"].startswith("Restore on hostb") and r.get("_status") != "skipped":
             res["rs"] = r  # the restore begun before the freeze (attached), or the one started after the transfer
     downtime = res["rs"]["resumed_at"] - res["ck"]["frozen_at"]
-    stage1 = res["ck"]["timings"]["cuda_checkpoint"] + res["ck"]["timings"]["cuda_lock"] + \
-        res["rs"]["timings"]["cuda_restore"] + res["rs"]["timings"]["cuda_unlock"]
+    stage1 = res["ck"]["timings"].get("cuda_checkpoint", 0) + res["ck"]["timings"].get("cuda_lock", 0) + \
+        res["rs"]["timings"].get("cuda_restore", 0) + res["rs"]["timings"].get("cuda_unlock", 0)
     return downtime, res["ck"]["image_bytes"], stage1, res
 
 
@@ -187,11 +187,22 @@ def main():
                          "and keep no image after its variant: for images of tens of GB")
     ap.add_argument("--only-huge-pages", action="store_true",
                     help="time our migration with gpuckpt_host_huge_pages only (the variant without it is skipped)")
+    ap.add_argument("--images-in-memory", type=float, default=0, metavar="GIB",
+                    help="keep both hosts' images on a tmpfs of this many GiB (gpuckpt_image_root there): the image "
+                         "never goes through a disk-backed page cache, the pipelined floor's premise")
     ap.add_argument("--also-single-stream", action="store_true",
                     help="also time our migration with one ssh stream (one push stream during the dump), to show what the streams bring")
     args = ap.parse_args()
     base = args.base or tempfile.mkdtemp(prefix="gpuckpt-mbench-")
     hv = {n: {"gpuckpt_environment": PASS_ENV} for n in ("hosta", "hostb")}
+    mem_root = None
+    if args.images_in_memory:  # one tmpfs, a directory per host (the loopback hosts share one machine)
+        mem_root = os.path.join(base, "mem-images")
+        os.makedirs(mem_root, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "size=%dm,mode=0700" % int(args.images_in_memory * 1024),
+                        "gpuckpt-bench", mem_root], check=True)
+        for n in hv:
+            hv[n]["gpuckpt_image_root"] = os.path.join(mem_root, n)
     hosts = LoopbackHosts(os.path.join(base, "hosts"), pid_namespaces=bool(args.pid_namespaces), python=PY).start(hv)
 
     def settle(tag):  # end the variant's workload: an idle machine for the next one
@@ -200,7 +211,8 @@ def main():
         time.sleep(2)
         if args.pipelined_only:  # its images on both hosts: the next variant needs the disk
             for host in ("hosta", "hostb"):
-                shutil.rmtree(os.path.join(hosts.host_dir(host, "images"), "bench-" + tag), ignore_errors=True)
+                root = os.path.join(mem_root, host) if mem_root else hosts.host_dir(host, "images")
+                shutil.rmtree(os.path.join(root, "bench-" + tag), ignore_errors=True)
 
     def variant(tag, streams=None, **kw):
         """Our migration on a fresh workload, as the variant ``tag``; (downtime, size, stage1, results)."""
@@ -244,6 +256,7 @@ def main():
                "stage1_s": stage1, "disk_GBps": disk / 1e9 if disk else None, "link_GBps": link / 1e9,
                "link_1_stream_GBps": link1 / 1e9 if link1 else None,
                "link_%d_streams_GBps" % args.streams: link_n / 1e9, "huge_pages": bool(args.only_huge_pages),
+               "images_in_memory": bool(mem_root),
                "streams": args.streams, "ours_single_stream_s": single, "ours_after_dump_s": after_dump,
                "ours_late_restore_s": late, "plain_chain_s": chain,
                "plain_chain_bytes": chain_size, "plain_chain_steps": chain_steps,
@@ -270,6 +283,8 @@ def main():
                     v["ratio_to_pipelined_floor"], v["chain_over_it"]))
     finally:
         hosts.stop()
+        if mem_root:
+            subprocess.run(["umount", "-l", mem_root], check=False)
         if not os.environ.get("GPUCKPT_BENCH_KEEP"):
             shutil.rmtree(base, ignore_errors=True)
 

@@ -31,13 +31,14 @@ def processes(workdir):
 class RemoteWorkload(CountingWorkload):
     roles = ("parent", "child1")
 
-    def __init__(self, hosts, host, workdir, mb=8, listen=None, serve=None):
+    def __init__(self, hosts, host, workdir, mb=8, listen=None, serve=None, cuda=True):
         self.dir = workdir
         # Start high in the host's pid space: CRIU restores the same pids on the target, where the
         # low ones are taken by that host's own sshd sessions.
-        res = hosts.ssh(host, "echo 20000 > /proc/sys/kernel/ns_last_pid; python3 %s --dir %s --daemon --fakecuda %s "
-                        "--mb %d%s%s" % (COUNTER, workdir, FAKE_LIBCUDA, mb, " --listen %s" % listen if listen else "",
-                                         " --serve %d" % serve if serve else ""))
+        # cuda=False: a process that never loaded libcuda (a CPU job on a GPU node)
+        res = hosts.ssh(host, "echo 20000 > /proc/sys/kernel/ns_last_pid; python3 %s --dir %s --daemon %s"
+                        "--mb %d%s%s" % (COUNTER, workdir, "--fakecuda %s " % FAKE_LIBCUDA if cuda else "", mb,
+                                         " --listen %s" % listen if listen else "", " --serve %d" % serve if serve else ""))
         self.pid = int(res.stdout.strip().splitlines()[-1])
         self.wait_counting()
 

@@ -44,6 +44,20 @@ def test_migrate_moves_the_workload_and_a_rerun_changes_nothing(playbook, hosts,
     assert w.one_copy_runs_intact()
 
 
+def test_a_process_without_cuda_migrates_and_the_playbook_succeeds(playbook, hosts, remote_workload):
+    """A job that never loaded libcuda has no driver timings: the summary says 0 s for them instead of
+    failing the play after the commit (an AWX job marked failed for a migration that worked)."""
+    w = remote_workload(cuda=False)
+    before = w.counts()
+    run = migrate(playbook, hosts, w, "t-nocuda")
+    assert run.rc == 0, run.stdout
+    assert run.task("Stage 1/3")["cuda_pids"] == []
+    summary = "\n".join(run.task("Summary")["msg"])
+    assert "moved from hosta to hostb" in summary and "GPU->RAM 0.00 s" in summary
+    assert w.one_copy_runs_intact()
+    assert w.counts()["parent"] > before["parent"]
+
+
 def test_a_source_holding_a_socket_name_exits_so_that_its_copy_can_bind_it(playbook, hosts, remote_workload):
     """The loopback hosts are one kernel with one network namespace. A source held stopped would keep
     its abstract unix socket name (as CUDA and NCCL processes hold some) bound there, and its copy on
