@@ -42,6 +42,7 @@ class ContainerdWorkload(CountingWorkload):
 
     def __init__(self, daemon, base, fakecuda, namespace="default", labels=None, cid=None):
         self.daemon, self.namespace = daemon, namespace
+        self.fakecuda_dir = fakecuda.state_dir
         self.base, self.dir = base, os.path.join(base, "w")
         self.id = cid or "gpuckpt-t-" + uuid.uuid4().hex[:8]
         self.runc_root = os.path.join(base, "runc-root")

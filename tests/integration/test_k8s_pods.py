@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
 
 from containerd_daemon import Containerd, available
-from helpers import COLLECTIONS, MANAGED_PYTHON, REPO
+from helpers import COLLECTIONS, COUNTER, MANAGED_PYTHON, REPO
 from test_containerd import ContainerdWorkload
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
@@ -246,3 +248,119 @@ def test_a_pod_that_cannot_be_checkpointed_is_refused_before_any_freeze(
     for name, w in made.items():
         w.went_on_intact(before[name])
         assert w.task()["status"] == "RUNNING"
+
+
+# ---- the restore: into the pod the kubelet makes, through the runtime handler -------------------------------
+HANDLER = os.path.join(REPO, "roles", "nvidia_container_runtime", "files", "gpuckpt-restore-runtime")
+
+
+def install_handler(tmp_path, image_root):
+    """The runtime handler as roles/nvidia_container_runtime installs it, with its settings beside it."""
+    d = tmp_path / "handler"
+    d.mkdir()
+    path = str(d / "gpuckpt-restore-runtime")
+    shutil.copy(HANDLER, path)
+    os.chmod(path, 0o755)
+    with open(path + ".json", "w") as fh:
+        json.dump({"runc": shutil.which("runc"), "image_roots": [image_root], "state_dir": str(d / "state")}, fh)
+    return path
+
+
+def kubelet_makes(cluster, handler, w, pod, uid, name, request):
+    """KUBELET STAND-IN (no kubelet can run here): the container that the kubelet would create for container
+    ``name`` of the target pod, through the runtime class whose handler is ``handler``: the kubelet's labels,
+    the CRI plugin's annotations, the pod's restore annotation, and the pod spec's image, mounts and command
+    (those of the source's container ``w``). Returns its containerd id."""
+    daemon, cid = w.daemon, uuid.uuid4().hex + uuid.uuid4().hex
+    namespace, pod_name = pod.split("/")
+    labels = {"io.kubernetes.pod.name": pod_name, "io.kubernetes.pod.namespace": namespace,
+              "io.kubernetes.pod.uid": uid, "io.kubernetes.container.name": name,
+              "io.cri-containerd.kind": "container"}
+    annotations = {"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-namespace": namespace,
+                   "io.kubernetes.cri.sandbox-name": pod_name, "io.kubernetes.cri.container-name": name,
+                   "gpuckpt.fleet/restore": request}
+    args = ["run", "--detach", "--runc-binary", handler, "--runc-root", w.runc_root,
+            "--log-uri", "file://" + os.path.join(w.base, "out-restored.log"), "--env", "PATH=/usr/bin:/bin"]
+    for k, v in sorted(labels.items()):
+        args += ["--label", "%s=%s" % (k, v)]
+    for k, v in sorted(annotations.items()):
+        args += ["--annotation", "%s=%s" % (k, v)]
+    for src, opt in [("/usr", "ro"), ("/etc", "ro"), (REPO, "ro"), (w.dir, "rw"), (w.fakecuda_dir, "rw")]:
+        args += ["--mount", "type=bind,src=%s,dst=%s,options=rbind:%s" % (src, src, opt)]
+    cmd = "echo fresh > /var/written-in-the-layer && exec /usr/bin/python3 %s --dir %s --mb 8" % (COUNTER, w.dir)
+    res = daemon.ctr(*(args + [daemon.import_skeleton("k8s.io"), cid, "/bin/sh", "-c", cmd]), namespace="k8s.io",
+                     check=False)
+    return cid, res
+
+
+def restore_pod(cluster, fakecuda, image_dir, pod, token, wait=60):
+    """The node's part of a pod's restore, as the pod migration runs it: engine.restore with the pod backend,
+    which writes the restore ticket and waits for the target pod's containers (in the background: the kubelet
+    makes them meanwhile)."""
+    script = ("import json, sys\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import KubernetesPodBackend\n"
+              "b = KubernetesPodBackend(sys.argv[2], restore_pod=sys.argv[4], restore_token=sys.argv[5],\n"
+              "                         restore_wait=int(sys.argv[6]))\n"
+              "try:\n"
+              "    r = engine.restore(sys.argv[1], backend=b, libcuda_path=sys.argv[3])\n"
+              "    print(json.dumps({'ok': True, 'pids': r['pids'], 'cuda_pids': r['cuda_pids']}))\n"
+              "except Exception as exc:\n"
+              "    print(json.dumps({'ok': False, 'error': str(exc)}))\n")
+    env = dict(os.environ, PYTHONPATH=COLLECTIONS, **fakecuda.env)
+    return subprocess.Popen([MANAGED_PYTHON, "-c", script, image_dir, cluster["address"], fakecuda.lib, pod, token,
+                             str(wait)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            universal_newlines=True)
+
+
+def finished(proc):
+    out, unused = proc.communicate(timeout=180)
+    lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+    assert lines, out
+    return json.loads(lines[-1]), out
+
+
+def test_a_held_pod_is_restored_into_the_pod_the_kubelet_makes_and_counts_on(playbook, cluster, fakecuda, tmp_path):
+    made = cluster["containers"]
+    image_root = str(tmp_path / "images")
+    os.mkdir(image_root, 0o700)
+    image_dir = os.path.join(image_root, "m1")
+    run = playbook(CHECKPOINT, pod_vars(cluster, image_dir, gpuckpt_leave_stopped=True), env=fakecuda.env)
+    assert run.rc == 0, run.stdout
+    held = {n: w.counts() for n, w in made.items()}
+    handler = install_handler(tmp_path, image_root)
+    token, target, uid = uuid.uuid4().hex, "default/gpu-test-pod-b", str(uuid.uuid4())
+    request = json.dumps({"image": image_dir, "token": token})
+
+    # Another pod, or the right pod with a wrong token, is refused by the handler: nothing restored or started.
+    node = restore_pod(cluster, fakecuda, image_dir, target, token)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(image_dir, "restore-ticket.json")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    for pod, req in [("default/someone-else", request),
+                     (target, json.dumps({"image": image_dir, "token": "guess"})),
+                     (target, json.dumps({"image": "/etc", "token": token}))]:
+        cid, res = kubelet_makes(cluster, handler, made["logger"], pod, str(uuid.uuid4()), "logger", req)
+        assert res.returncode != 0, res.stdout
+        assert "gpuckpt-restore-runtime" in res.stderr + res.stdout, res.stderr
+    for w in made.values():
+        assert w.task()["status"] == "PAUSED" and not w.is_counting()
+
+    made_b = {}
+    for name, w in made.items():
+        cid, res = kubelet_makes(cluster, handler, w, target, uid, name, request)
+        assert res.returncode == 0, res.stderr
+        made_b[name] = cid
+    out, text = finished(node)
+    assert out["ok"] is True, text
+    assert sorted(out["cuda_pids"]) == sorted(out["pids"])  # every process is a CUDA process here
+    assert all(fakecuda.state(p) == "running" for p in out["cuda_pids"])
+    for name, w in made.items():  # the restored copy counts on from the held count: none lost, none twice
+        w.went_on_intact(held[name])
+        w.no_count_twice()
+        res = w.daemon.ctr("tasks", "exec", "--exec-id", "x" + uuid.uuid4().hex[:6], made_b[name], "/bin/cat",
+                           "/var/written-in-the-layer", namespace="k8s.io", check=False)
+        assert res.stdout.strip() == w.id  # its writable layer as checkpointed, not the fresh command's
+    # The same container made again (the job exited, the kubelet restarts it) is never restored twice.
+    with open(os.path.join(image_dir, "containers", "logger", ".restore-claim")) as fh:
+        assert fh.read() == "restored"

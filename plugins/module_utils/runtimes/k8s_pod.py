@@ -30,11 +30,15 @@ device plugin accounts for, so ``restore`` refuses it (docs/kubernetes.md).
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
+import time
 
 from ..containerd_api import Client, ContainerdError
 from ..errors import GpuCkptError, InvalidTarget
+from ..fsutil import atomic_write
 from .base import ContainerBackend, criu_preflight
 from .containerd import ContainerdBackend
 
@@ -73,7 +77,7 @@ class KubernetesPodBackend(ContainerBackend):
     passes_criu_flags = ContainerdBackend.passes_criu_flags
 
     def __init__(self, address=None, runc_root=None, criu_path=None, criu_options=(), timeout=None, pod_uid=None,
-                 containers=None):
+                 containers=None, restore_pod=None, restore_token=None, restore_wait=None):
         super(KubernetesPodBackend, self).__init__(criu_path, criu_options, timeout)
         self.address, self.runc_root = address, runc_root
         self.namespace = K8S_NAMESPACE
@@ -82,6 +86,9 @@ class KubernetesPodBackend(ContainerBackend):
         self.pod = None
         self.members = []  # [(container name, ContainerdBackend bound to its container)], in name order
         self.trees = {}    # container name: (its task's host pid, its process tree), found by resolve
+        # the restore: the target pod (namespace/name) the controller creates, its token, how long to wait for it
+        self.restore_pod, self.restore_token, self.restore_wait = restore_pod, restore_token, restore_wait
+        self._restoring, self._restored_image = [], None
 
     def _member(self, container_id=None):
         m = ContainerdBackend(self.address, K8S_NAMESPACE, self.runc_root, self._criu_path, self.extra, self.timeout)
@@ -270,6 +277,19 @@ class KubernetesPodBackend(ContainerBackend):
             api.close()
 
     def kill(self, pids):
+        if self._restoring:  # a restore that failed after the handler brought the containers up
+            self._fail_claims(self._restored_image, [{"name": n} for n in os.listdir(
+                os.path.join(self._restored_image, CONTAINERS_SUBDIR))])
+            api = self.client()
+            try:
+                for member in self._restoring:
+                    api.kill(member.container, 9, "runtime-restore")
+            finally:
+                api.close()
+            return
+        self._kill_source()
+
+    def _kill_source(self):
         """The held source of a committed migration: its pod is deleted through the API server (the kubelet
         stops its containers); killing them here, behind the kubelet, would have them started again from
         their entrypoint while the pod still exists."""
@@ -278,12 +298,111 @@ class KubernetesPodBackend(ContainerBackend):
                            stage="release-source")
 
     def restore(self, image_dir, work_dir, manifest):
-        pod = (manifest.get("runtime") or {}).get("pod") or {}
-        raise InvalidTarget("the image holds pod %s/%s: a pod is restored into the pod that the kubelet makes on the "
-                            "target node, by the pod migration; restoring its containers here as bare containerd "
-                            "tasks would run them outside any pod; nothing was restored"
-                            % (pod.get("namespace"), pod.get("name")), stage="preflight",
-                            hint="see docs/kubernetes.md")
+        """The pod's containers restored on this node by the runtime handler (gpuckpt-restore-runtime), into
+        the target pod that the controller creates through the API server: the restore ticket for that pod is
+        written, then each container of the checkpoint is waited for until its task runs restored. Returns
+        the union of their process trees, in the checkpoint's container order (the engine then restores
+        their GPU memory onto the GPUs the device plugin gave the new pod, and unlocks them)."""
+        rt = manifest.get("runtime") or {}
+        if not self.restore_pod or not self.restore_token:
+            pod = rt.get("pod") or {}
+            raise InvalidTarget("the image holds pod %s/%s: a pod is restored into the pod that the kubelet makes on "
+                                "the target node (restore_pod and its token, given by the pod migration); restoring "
+                                "its containers here as bare containerd tasks would run them outside any pod; nothing "
+                                "was restored" % (pod.get("namespace"), pod.get("name")), stage="preflight",
+                                hint="see docs/kubernetes.md")
+        namespace, name = parse_pod(self.restore_pod)
+        records = rt.get("containers") or []
+        for rec in records:
+            container_dir(image_dir, rec.get("name"))
+        write_restore_ticket(image_dir, "%s/%s" % (namespace, name), self.restore_token, records)
+        self._restoring = []
+        deadline = time.monotonic() + (self.restore_wait or 600)
+        found = {}
+        api = self.client()
+        try:
+            while True:
+                for rec in records:
+                    if rec["name"] in found:
+                        continue
+                    state = restore_claim(image_dir, rec["name"])
+                    if state == "failed":
+                        raise GpuCkptError("the runtime handler's restore of container %s of pod %s/%s failed on "
+                                           "this node" % (rec["name"], namespace, name), stage="runtime-restore",
+                                           hint="the kubelet's events for the pod, and restore.log under the "
+                                                "handler's state_dir")
+                    if state != "restored":
+                        continue
+                    cid = self._restored_container(api, namespace, name, rec["name"])
+                    if cid:
+                        found[rec["name"]] = cid
+                if len(found) == len(records):
+                    break
+                if time.monotonic() > deadline:
+                    waiting = [r["name"] for r in records if r["name"] not in found]
+                    raise GpuCkptError("container(s) %s of pod %s/%s were not restored on this node within %ds"
+                                       % (", ".join(waiting), namespace, name, self.restore_wait or 600),
+                                       stage="runtime-restore",
+                                       hint="the pod must be scheduled here with the restore runtime class")
+                time.sleep(0.2)
+        except Exception:
+            self._fail_claims(image_dir, records)
+            raise
+        finally:
+            api.close()
+        pids = []
+        self._restoring = []
+        for rec in records:
+            member = self._member()
+            pid, tree = member.resolve(found[rec["name"]])
+            self._restoring.append(member)
+            pids += [p for p in tree if p not in pids]
+        self._restored_image = image_dir
+        return pids
+
+    def _restored_container(self, api, namespace, name, cname):
+        for c in api.containers():
+            labels = c["labels"]
+            if labels.get(POD_NAMESPACE) == namespace and labels.get(POD_NAME) == name and \
+                    labels.get(CONTAINER_NAME) == cname and labels.get(KIND, "container") == "container":
+                task = api.task(c["id"])
+                if task is not None and task["status"] == "running":
+                    return c["id"]
+        return None
+
+    def _fail_claims(self, image_dir, records):
+        """No container of this restore may start from its entrypoint any more (the runtime handler refuses a
+        create whose claim is not "restored")."""
+        for rec in records:
+            set_restore_claim(image_dir, rec["name"], "failed")
+
+    def map_pids(self, manifest, new_pids):
+        return None  # the containers' trees in the checkpoint's order: the engine matches them one by one
 
     def remove(self):
-        self.kill([])
+        self._kill_source()
+
+
+RESTORE_TICKET, RESTORE_CLAIM = "restore-ticket.json", ".restore-claim"
+
+
+def write_restore_ticket(image_dir, pod, token, records):
+    """What the runtime handler on this node checks before it restores a container of ``pod`` from this image:
+    the pod's name, the SHA-256 of its token (the token itself is only in the pod's annotation) and the
+    containers. Root's, 0600, written atomically."""
+    body = {"pod": pod, "token_sha256": hashlib.sha256(str(token).encode()).hexdigest(),
+            "containers": [{"name": r["name"], "auto_flags": list(r.get("auto_flags") or []),
+                            "criu_options": list(r.get("criu_options") or [])} for r in records]}
+    atomic_write(os.path.join(image_dir, RESTORE_TICKET), json.dumps(body, indent=1).encode(), mode=0o600)
+
+
+def restore_claim(image_dir, name):
+    try:
+        with open(os.path.join(container_dir(image_dir, name), RESTORE_CLAIM)) as fh:
+            return fh.read().strip() or "restoring"
+    except FileNotFoundError:
+        return None
+
+
+def set_restore_claim(image_dir, name, state):
+    atomic_write(os.path.join(container_dir(image_dir, name), RESTORE_CLAIM), state.encode(), mode=0o600)
