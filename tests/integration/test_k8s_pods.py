@@ -251,17 +251,18 @@ def test_a_pod_that_cannot_be_checkpointed_is_refused_before_any_freeze(
 
 
 # ---- the restore: into the pod the kubelet makes, through the runtime handler -------------------------------
-HANDLER = os.path.join(REPO, "roles", "nvidia_container_runtime", "files", "gpuckpt-restore-runtime")
+HANDLER_FILES = os.path.join(REPO, "roles", "nvidia_container_runtime", "files")
 
 
 def install_handler(tmp_path, image_root):
     """The runtime handler as roles/nvidia_container_runtime installs it, with its settings beside it."""
     d = tmp_path / "handler"
     d.mkdir()
+    for name in ("gpuckpt-restore-runtime", "gpuckpt_restore_runtime.py"):
+        shutil.copy(os.path.join(HANDLER_FILES, name), str(d / name))
     path = str(d / "gpuckpt-restore-runtime")
-    shutil.copy(HANDLER, path)
     os.chmod(path, 0o755)
-    with open(path + ".json", "w") as fh:
+    with open(str(d / "restore-runtime.json"), "w") as fh:
         json.dump({"runc": shutil.which("runc"), "image_roots": [image_root], "state_dir": str(d / "state")}, fh)
     return path
 
@@ -364,3 +365,11 @@ def test_a_held_pod_is_restored_into_the_pod_the_kubelet_makes_and_counts_on(pla
     # The same container made again (the job exited, the kubelet restarts it) is never restored twice.
     with open(os.path.join(image_dir, "containers", "logger", ".restore-claim")) as fh:
         assert fh.read() == "restored"
+    # A container whose restore failed is never started from its entrypoint by a later create (the kubelet's
+    # retry) while the migration decides: refused, nothing runs.
+    with open(os.path.join(image_dir, "containers", "logger", ".restore-claim"), "w") as fh:
+        fh.write("failed")
+    cid, res = kubelet_makes(cluster, handler, made["logger"], target, uid, "logger", request)
+    assert res.returncode != 0 and "is failed" in res.stderr + res.stdout, res.stderr
+    made["logger"].went_on_intact(made["logger"].counts())
+    made["logger"].no_count_twice()

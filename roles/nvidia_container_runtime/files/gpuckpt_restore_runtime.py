@@ -1,0 +1,271 @@
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""gpuckpt-restore-runtime: the OCI runtime through which a pod's containers are restored on a Kubernetes node.
+
+containerd's runc shim runs it in place of runc (``BinaryName`` of a runtime handler, named by the target pod's
+``runtimeClassName``). It is runc for every container, except the first ``create`` of a container whose pod the
+collection made for a restore (annotation ``gpuckpt.fleet/restore``, passed into the OCI spec by the handler's
+``pod_annotations``): that ``create`` becomes ``runc restore --detach`` of the container's checkpoint, into the
+bundle, rootfs, mounts and devices that the kubelet and the device plugin gave the new container, and its
+``start`` is then a no-op. The kubelet sees its container running, and it is the job itself: its exit, its logs
+and ``kubectl exec`` are the job's, which a placeholder pod could not give. It works the same on containerd 1.7
+to 2.4 and on every CRI runtime that takes a runtime handler, unlike the restore from a checkpoint image inside
+CreateContainer, which containerd 2.4 removed (docs/kubernetes.md).
+
+Why each check (a pod's annotations are written by whoever may create pods):
+- the checkpoint must lie under one of the configured image roots, reached without a symlink, and carry a restore
+  ticket that the collection wrote as root on this node for this pod's namespace and name, whose token (only its
+  SHA-256 is on disk) the annotation must give: another tenant's pod cannot restore somebody else's job;
+- each container is restored once: a claim file is created exclusively before the restore. A later ``create`` of
+  a container that was restored (the job exited and the kubelet restarts it) is plain runc, as for any pod; one
+  whose restore failed or never finished is refused, so that the kubelet cannot start the job from its
+  entrypoint while the migration still holds the source (two copies, or a rewound job).
+
+Only the standard library: it runs on the node, outside Ansible, started by the launcher
+``gpuckpt-restore-runtime`` beside it (the handler's ``BinaryName``). Its settings, ``restore-runtime.json``
+beside it or /etc/gpuckpt/restore-runtime.json: ``runc`` (the runtime it runs), ``image_roots``, ``state_dir``.
+"""
+import hashlib
+import hmac
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tarfile
+import time
+
+ANNOTATION = "gpuckpt.fleet/restore"
+TICKET = "restore-ticket.json"
+CLAIM = ".restore-claim"
+SANDBOX_NS, SANDBOX_NAME = "io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri.sandbox-name"
+CONTAINER_NAME, CONTAINER_TYPE = "io.kubernetes.cri.container-name", "io.kubernetes.cri.container-type"
+DEFAULTS = {"runc": "runc", "image_roots": ["/var/lib/gpuckpt/images"], "state_dir": "/run/gpuckpt-restore-runtime"}
+GLOBAL_WITH_VALUE = {"--root", "--log", "--log-format", "--criu", "--rootless"}
+CREATE_WITH_VALUE = {"--bundle", "-b", "--pid-file", "--console-socket", "--pidfd-socket", "--preserve-fds"}
+# CRIU options runc restore takes as its own flags; the others go to CRIU through a configuration file
+RUNC_RESTORE_FLAGS = {"--tcp-established", "--ext-unix-sk", "--file-locks", "--shell-job"}
+
+
+class Refused(Exception):
+    pass
+
+
+def load_config():
+    here = os.path.dirname(os.path.abspath(__file__))
+    for path in (os.path.join(here, "restore-runtime.json"), "/etc/gpuckpt/restore-runtime.json"):
+        if os.path.exists(path):
+            with open(path) as fh:
+                return dict(DEFAULTS, **json.load(fh))
+    return dict(DEFAULTS)
+
+
+def split_args(argv):
+    """(global options, command, command's options, container id) of a runc command line."""
+    i, glob = 0, []
+    while i < len(argv) and argv[i].startswith("-"):
+        glob.append(argv[i])
+        if argv[i] in GLOBAL_WITH_VALUE and i + 1 < len(argv):
+            glob.append(argv[i + 1])
+            i += 1
+        i += 1
+    if i >= len(argv):
+        return glob, None, [], None
+    cmd, rest = argv[i], argv[i + 1:]
+    return glob, cmd, rest[:-1], (rest[-1] if rest else None)
+
+
+def option(opts, *names):
+    for i, o in enumerate(opts):
+        for n in names:
+            if o == n and i + 1 < len(opts):
+                return opts[i + 1]
+            if o.startswith(n + "="):
+                return o.split("=", 1)[1]
+    return None
+
+
+def log_error(glob, msg):
+    """What containerd shows: runc's JSON log (``--log``), read by the shim when the runtime fails."""
+    sys.stderr.write("gpuckpt-restore-runtime: %s\n" % msg)
+    path = option(glob, "--log")
+    if path:
+        try:
+            with open(path, "a") as fh:
+                fh.write(json.dumps({"level": "error", "msg": "gpuckpt-restore-runtime: " + msg,
+                                     "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}) + "\n")
+        except OSError:
+            pass
+
+
+def runc(config, argv):
+    os.execvp(config["runc"], [config["runc"]] + list(argv))
+
+
+def checked_image(config, image):
+    """The checkpoint directory named by the annotation, refused unless it is under an image root, reached
+    without symlinks, and owned by root and writable by root alone."""
+    image = os.path.normpath(str(image or ""))
+    if not os.path.isabs(image) or os.path.realpath(image) != image:
+        raise Refused("checkpoint %r is not an absolute path free of symlinks" % image)
+    roots = [os.path.realpath(r) for r in config["image_roots"]]
+    if not any(image.startswith(r.rstrip("/") + "/") for r in roots):
+        raise Refused("checkpoint %s is not under the image roots %s" % (image, ", ".join(roots)))
+    for path in (image, os.path.join(image, TICKET)):
+        st = os.lstat(path)
+        if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or stat.S_ISLNK(st.st_mode):
+            raise Refused("%s must be root's and writable by root alone" % path)
+    return image
+
+
+def read_ticket(image, pod, token):
+    with open(os.path.join(image, TICKET)) as fh:
+        ticket = json.load(fh)
+    if ticket.get("pod") != pod:
+        raise Refused("the checkpoint in %s is for pod %s, not %s" % (image, ticket.get("pod"), pod))
+    want = str(ticket.get("token_sha256") or "")
+    if not want or not hmac.compare_digest(want, hashlib.sha256(str(token or "").encode()).hexdigest()):
+        raise Refused("the restore token of pod %s does not match the checkpoint's ticket in %s" % (pod, image))
+    return ticket
+
+
+def claim(cdir):
+    """Take the container's one restore; (True, None) when taken now, else (False, what the claim says)."""
+    path = os.path.join(cdir, CLAIM)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    except FileExistsError:
+        with open(path) as fh:
+            return False, (fh.read().strip() or "restoring")
+    with os.fdopen(fd, "w") as fh:
+        fh.write("restoring")
+    return True, None
+
+
+def set_claim(cdir, state):
+    tmp = os.path.join(cdir, CLAIM + ".tmp")
+    with open(tmp, "w") as fh:
+        fh.write(state)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, os.path.join(cdir, CLAIM))
+
+
+def apply_rootfs_diff(diff, rootfs):
+    """The container's writable layer as it was at the checkpoint, onto the fresh rootfs: whiteouts delete,
+    members are extracted by tarfile's "data" filter where Python has it (no links out of the rootfs)."""
+    with tarfile.open(diff) as tf:
+        members = []
+        for m in tf.getmembers():
+            base, name = os.path.split(m.name)
+            if name == ".wh..wh..opq":
+                continue
+            if name.startswith(".wh."):
+                victim = os.path.join(rootfs, base, name[4:])
+                if os.path.realpath(victim).startswith(os.path.realpath(rootfs) + "/"):
+                    if os.path.isdir(victim) and not os.path.islink(victim):
+                        shutil.rmtree(victim, ignore_errors=True)
+                    elif os.path.lexists(victim):
+                        os.unlink(victim)
+                continue
+            members.append(m)
+        kw = {"filter": "fully_trusted"} if hasattr(tarfile, "data_filter") else {}
+        for m in members:
+            target = os.path.realpath(os.path.join(rootfs, os.path.dirname(m.name)))
+            if not (target + "/").startswith(os.path.realpath(rootfs) + "/"):
+                raise Refused("rootfs-diff member %s leaves the rootfs" % m.name)
+            tf.extract(m, rootfs, **kw)
+
+
+def criu_config(path, record):
+    """The dump's CRIU options that runc restore has no flag for, as a CRIU configuration file (runc hands it
+    to CRIU: annotation org.criu.config)."""
+    opts = [o for o in list(record.get("auto_flags") or []) + list(record.get("criu_options") or [])
+            if o not in RUNC_RESTORE_FLAGS]
+    with open(path, "w") as fh:
+        for o in opts:
+            fh.write(o.lstrip("-") + "\n")
+    return [o for o in list(record.get("auto_flags") or []) + list(record.get("criu_options") or [])
+            if o in RUNC_RESTORE_FLAGS]
+
+
+def restore(config, glob, opts, cid, spec, bundle, request):
+    ann = spec.get("annotations") or {}
+    pod = "%s/%s" % (ann.get(SANDBOX_NS), ann.get(SANDBOX_NAME))
+    cname = ann.get(CONTAINER_NAME)
+    try:
+        req = json.loads(request)
+    except ValueError:
+        raise Refused("annotation %s is not JSON" % ANNOTATION)
+    image = checked_image(config, req.get("image"))
+    ticket = read_ticket(image, pod, req.get("token"))
+    records = {c.get("name"): c for c in ticket.get("containers") or []}
+    if cname not in records:
+        raise Refused("container %s of pod %s is not in the checkpoint (it has %s)"
+                      % (cname, pod, ", ".join(sorted(records)) or "none"))
+    cdir = os.path.join(image, "containers", cname)
+    taken, state = claim(cdir)
+    if not taken:
+        if state == "restored":  # the restored job exited and the kubelet restarts it: a pod's own semantics
+            return False
+        raise Refused("the restore of container %s of pod %s is %s (%s): it is not started from its entrypoint "
+                      "while the migration holds its source" % (cname, pod, state, os.path.join(cdir, CLAIM)))
+    try:
+        work = os.path.join(config["state_dir"], os.path.basename(cid))
+        os.makedirs(work, 0o700, exist_ok=True)
+        root = (spec.get("root") or {}).get("path") or "rootfs"
+        rootfs = root if os.path.isabs(root) else os.path.join(bundle, root)
+        if os.path.exists(os.path.join(cdir, "rootfs-diff.tar")):
+            apply_rootfs_diff(os.path.join(cdir, "rootfs-diff.tar"), rootfs)
+        flags = criu_config(os.path.join(work, "criu.conf"), records[cname])
+        spec.setdefault("annotations", {})["org.criu.config"] = os.path.join(work, "criu.conf")
+        with open(os.path.join(bundle, "config.json"), "w") as fh:
+            json.dump(spec, fh)
+        argv = [config["runc"]] + glob + ["restore", "--detach", "--image-path", os.path.join(cdir, "checkpoint"),
+                                          "--work-path", work] + flags
+        for name in ("--bundle", "--pid-file", "--console-socket"):
+            value = option(opts, name, "-b") if name == "--bundle" else option(opts, name)
+            if value:
+                argv += [name, value]
+        if "--no-pivot" in opts:
+            argv.append("--no-pivot")
+        rc = subprocess.call(argv + [cid])  # with the shim's stdio: runc maps the dumped pipes onto it
+        if rc != 0:
+            raise Refused("runc restore of container %s of pod %s failed (rc %d); CRIU's log: %s"
+                          % (cname, pod, rc, os.path.join(work, "restore.log")))
+        with open(os.path.join(work, "restored"), "w") as fh:
+            fh.write(str(int(time.time())))
+        set_claim(cdir, "restored")
+        return True
+    except BaseException:
+        set_claim(cdir, "failed")
+        raise
+
+
+def main(argv):
+    config = load_config()
+    glob, cmd, opts, cid = split_args(argv)
+    try:
+        if cmd == "create" and cid:
+            bundle = option(opts, "--bundle", "-b") or os.getcwd()
+            with open(os.path.join(bundle, "config.json")) as fh:
+                spec = json.load(fh)
+            ann = spec.get("annotations") or {}
+            request = ann.get(ANNOTATION)
+            if request and ann.get(CONTAINER_TYPE, "container") == "container":
+                if restore(config, glob, opts, cid, spec, bundle, request):
+                    return 0
+        elif cmd == "start" and cid and os.path.exists(os.path.join(config["state_dir"], os.path.basename(cid),
+                                                                    "restored")):
+            return 0  # restored running by its create
+        elif cmd == "delete" and cid:
+            shutil.rmtree(os.path.join(config["state_dir"], os.path.basename(cid)), ignore_errors=True)
+    except (Refused, OSError, ValueError) as exc:
+        log_error(glob, str(exc))
+        return 1
+    runc(config, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
