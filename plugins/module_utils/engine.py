@@ -823,7 +823,7 @@ def _restore(image_dir, opts, backend, journal, progress):
     clock = _Clock(progress)
     clock.start()
     # zombies of a just-dumped tree (CRIU restores the same pids; a runtime without CRIU needs none free)
-    left = discovery.wait_gone(target["pids"], opts.pid_wait) if backend.uses_criu else []
+    left = discovery.wait_gone(_host_pids_restored(manifest), opts.pid_wait) if backend.uses_criu else []
     if left and backend.name == "process":
         p = left[0]
         raise InvalidTarget("pid %d, which the image needs, is in use by %s (%s): the original workload may still "
@@ -895,6 +895,23 @@ def _restore(image_dir, opts, backend, journal, progress):
 
 
 # ---- a held source: resume (roll back) or release (commit) ------------------------------------------
+def _host_pids_restored(manifest):
+    """The dumped pids that CRIU brings back under the same number in the host's pid namespace, which must be
+    free first. A container's processes in a pid namespace of their own (recorded as runtime.ns_pids, or per
+    container of a pod) come back in a new one: an unrelated host process that holds the same number must not
+    cost a restore its 10 s wait (downtime)."""
+    rt = manifest.get("runtime") or {}
+    inside = dict(rt.get("ns_pids") or {})
+    for rec in rt.get("containers") or []:
+        inside.update(rec.get("ns_pids") or {})
+    out = []
+    for p in manifest["target"]["pids"]:
+        ns = inside.get(str(p))
+        if ns is None or int(ns) == int(p):
+            out.append(p)
+    return out
+
+
 def _mine(target):
     """The pids of a checkpointed tree that are still those processes (by identity)."""
     idents = target.get("identities") or {}
