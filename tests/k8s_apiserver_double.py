@@ -165,6 +165,10 @@ class ApiServerDouble(object):
             if method == "GET":
                 return 200, pod
             if method == "DELETE":
+                want = ((json.loads(body or b"{}").get("preconditions") or {}).get("uid"))
+                if want and want != (pod.get("metadata") or {}).get("uid"):
+                    return 409, _status(409, "Conflict", "Precondition failed: UID in precondition: %s, UID in "
+                                                         "object meta: %s" % (want, pod["metadata"].get("uid")))
                 del self.pods[(ns, name)]
                 return 200, pod
         return 405, _status(405, "MethodNotAllowed", "%s is not supported by the test double" % method)

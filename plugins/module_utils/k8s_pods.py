@@ -280,3 +280,95 @@ def inventory_host_for_node(node, hostvars, hosts):
                          "that is, when its inventory name differs)"
                          % (len(named) or "none", "is" if len(named) < 2 else "are", node))
     return named[0]
+
+
+# ---- the target pod of a restore, and the source pod's end ------------------------------------------------
+RESTORE_ANNOTATION = "gpuckpt.fleet/restore"
+RESTORED_FROM_LABEL = "gpuckpt.fleet/restored-from"
+DEFAULT_RESTORE_RUNTIME_CLASS = "gpuckpt-restore"
+
+
+def target_pod(described, target_node, name, image_dir, token, runtime_class=DEFAULT_RESTORE_RUNTIME_CLASS):
+    """The pod the restore creates: the source's recorded spec (describe_pod's ``spec``), named ``name`` (a
+    second pod of the source's name cannot exist while the source is held), pinned to ``target_node``, run by
+    the restore runtime class, and carrying the restore request that the node's runtime handler checks
+    against the ticket the node wrote (gpuckpt_restore_runtime.py)."""
+    import json
+    pod = copy.deepcopy(described["spec"])
+    meta, spec = pod.setdefault("metadata", {}), pod.setdefault("spec", {})
+    meta["name"] = name
+    meta["namespace"] = described["namespace"]
+    meta.setdefault("labels", {})[RESTORED_FROM_LABEL] = described.get("uid") or ""
+    meta.setdefault("annotations", {})[RESTORE_ANNOTATION] = json.dumps({"image": image_dir, "token": token})
+    spec["nodeName"] = target_node  # bound by us: the scheduler is not asked, the node was checked
+    spec["runtimeClassName"] = runtime_class
+    return pod
+
+
+def _core(api):
+    from kubernetes import client
+    return client.CoreV1Api(api)
+
+
+def create_pod(api, pod):
+    """Create ``pod``; (changed, the pod as the API returns it). A pod of that name that carries the same
+    restore request is this restore's own (a rerun): not changed. Any other pod of that name is refused."""
+    from kubernetes.client.exceptions import ApiException
+    meta = pod["metadata"]
+    try:
+        made = _core(api).create_namespaced_pod(meta["namespace"], pod)
+        return True, api.sanitize_for_serialization(made)
+    except ApiException as exc:
+        if exc.status != 409:
+            raise _api_error(exc, "creating pod %s/%s" % (meta["namespace"], meta["name"]))
+    there = read_pod(api, meta["namespace"], meta["name"])
+    if ((there.get("metadata") or {}).get("annotations") or {}).get(RESTORE_ANNOTATION) != \
+            meta["annotations"][RESTORE_ANNOTATION]:
+        raise InvalidTarget("a pod %s/%s that this restore did not create already exists; nothing was restored"
+                            % (meta["namespace"], meta["name"]), stage="preflight",
+                            hint="name the target pod otherwise (target_pod_name)")
+    return False, there
+
+
+def delete_pod(api, namespace, name, uid):
+    """Delete pod ``namespace/name`` only while it is the pod of ``uid`` (the API's precondition): a pod
+    made since under the same name is never deleted. Returns whether it was deleted now."""
+    from kubernetes import client
+    from kubernetes.client.exceptions import ApiException
+    body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+    try:
+        _core(api).delete_namespaced_pod(name, namespace, body=body)
+        return True
+    except ApiException as exc:
+        if exc.status == 404:
+            return False
+        if exc.status == 409:
+            raise InvalidTarget("pod %s/%s is no longer the pod %s (it was replaced); it was not deleted"
+                                % (namespace, name, uid), stage="release-source")
+        raise _api_error(exc, "deleting pod %s/%s" % (namespace, name))
+
+
+def wait_pod_running(api, namespace, name, timeout, poll=1.0):
+    """The pod once it is Running with every container running (its restored copy came up), or an error
+    naming what it waits in (the kubelet's reason) after ``timeout`` seconds."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        pod = read_pod(api, namespace, name)
+        status = pod.get("status") or {}
+        states = [(s.get("name"), s.get("state") or {}) for s in status.get("containerStatuses") or []]
+        if status.get("phase") == "Running" and states and all("running" in st for unused, st in states):
+            return pod
+        terminated = [(n, st["terminated"]) for n, st in states if "terminated" in st]
+        if status.get("phase") in ("Failed", "Succeeded") or terminated:
+            n, t = terminated[0] if terminated else (None, {})
+            what = "container %s terminated" % n if terminated else "is " + status.get("phase", "")
+            why = ": %s" % (t.get("reason") or t.get("message")) if t else ""
+            raise GpuCkptError("pod %s/%s %s%s" % (namespace, name, what, why),
+                               stage="runtime-restore")
+        if time.monotonic() > deadline:
+            waiting = ["%s: %s" % (n, (st.get("waiting") or {}).get("reason") or "not started") for n, st in states]
+            raise GpuCkptError("pod %s/%s is not running after %ds (phase %s%s)"
+                               % (namespace, name, timeout, status.get("phase"),
+                                  "; " + ", ".join(waiting) if waiting else ""), stage="runtime-restore")
+        time.sleep(poll)

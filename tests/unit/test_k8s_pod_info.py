@@ -154,3 +154,46 @@ def test_a_kubeconfig_given_as_a_dict_and_its_context(api, tmp_path):
     assert k8s_pods.read_pod(c, "default", "gpu-test-pod")["spec"]["nodeName"] == "node-a"
     with pytest.raises(k8s_pods.KubernetesError, match="no usable connection"):
         k8s_pods.api_client({"kubeconfig": doc, "context": "no-such-context"})
+
+
+# ---- the target pod of a restore, and the source pod's end ------------------------------------------------
+def test_the_target_pod_is_the_source_spec_pinned_to_its_node_with_the_restore_request(api, tmp_path):
+    api.add_pod(gpu_pod())
+    k = client(api, tmp_path)
+    d = k8s_pods.describe_pod(k8s_pods.read_pod(k, "default", "gpu-test-pod"))
+    pod = k8s_pods.target_pod(d, "node-b", "gpu-test-pod-b", "/var/lib/gpuckpt/images/m1", "t0k")
+    assert pod["spec"]["nodeName"] == "node-b" and pod["spec"]["runtimeClassName"] == "gpuckpt-restore"
+    assert pod["spec"]["containers"] == d["spec"]["spec"]["containers"]  # the same containers, GPUs asked the same
+    assert json.loads(pod["metadata"]["annotations"]["gpuckpt.fleet/restore"]) == {
+        "image": "/var/lib/gpuckpt/images/m1", "token": "t0k"}
+    assert pod["metadata"]["labels"] == {"app": "train", "gpuckpt.fleet/restored-from": d["uid"]}
+    assert "nodeName" not in d["spec"]["spec"]  # the description is not changed
+
+    assert k8s_pods.create_pod(k, pod)[0] is True
+    made = api.pod("default", "gpu-test-pod-b")
+    assert made["spec"]["nodeName"] == "node-b" and made["metadata"]["uid"] != d["uid"]
+    assert k8s_pods.create_pod(k, pod)[0] is False  # a rerun: the same restore's pod, not changed
+    other = k8s_pods.target_pod(d, "node-b", "gpu-test-pod-b", "/var/lib/gpuckpt/images/m2", "x")
+    with pytest.raises(InvalidTarget, match="that this restore did not create already exists"):
+        k8s_pods.create_pod(k, other)
+
+
+def test_the_source_pod_is_deleted_only_while_it_is_the_same_pod(api, tmp_path):
+    api.add_pod(gpu_pod())
+    k = client(api, tmp_path)
+    uid = api.pod("default", "gpu-test-pod")["metadata"]["uid"]
+    with pytest.raises(InvalidTarget, match="no longer the pod"):  # a pod of the same name made since
+        k8s_pods.delete_pod(k, "default", "gpu-test-pod", "another-uid")
+    assert api.pod("default", "gpu-test-pod") is not None
+    assert k8s_pods.delete_pod(k, "default", "gpu-test-pod", uid) is True
+    assert api.pod("default", "gpu-test-pod") is None
+    assert k8s_pods.delete_pod(k, "default", "gpu-test-pod", uid) is False  # gone already: not changed
+
+
+def test_waiting_for_the_target_pod_names_what_it_waits_in(api, tmp_path):
+    api.add_pod(gpu_pod())
+    k = client(api, tmp_path)
+    assert k8s_pods.wait_pod_running(k, "default", "gpu-test-pod", 5)["status"]["phase"] == "Running"
+    api.add_pod(gpu_pod(name="stuck", phase="Pending", running=False))
+    with pytest.raises(k8s_pods.GpuCkptError, match="is not running after 0s"):
+        k8s_pods.wait_pod_running(k, "default", "stuck", 0)
