@@ -894,7 +894,6 @@ def _restore(image_dir, opts, backend, journal, progress):
     return result
 
 
-# ---- a held source: resume (roll back) or release (commit) ------------------------------------------
 def _host_pids_restored(manifest):
     """The dumped pids that CRIU brings back under the same number in the host's pid namespace, which must be
     free first. A container's processes in a pid namespace of their own (recorded as runtime.ns_pids, or per
@@ -912,6 +911,7 @@ def _host_pids_restored(manifest):
     return out
 
 
+# ---- a held source: resume (roll back) or release (commit) ------------------------------------------
 def _mine(target):
     """The pids of a checkpointed tree that are still those processes (by identity)."""
     idents = target.get("identities") or {}

@@ -376,3 +376,41 @@ def test_a_held_pod_is_restored_into_the_pod_the_kubelet_makes_and_counts_on(pla
     assert res.returncode != 0 and "is failed" in res.stderr + res.stdout, res.stderr
     made["logger"].went_on_intact(made["logger"].counts())
     made["logger"].no_count_twice()
+
+
+def test_a_node_restore_that_gives_up_leaves_no_restored_copy_running(playbook, cluster, fakecuda, tmp_path):
+    """Only one of the pod's containers is made on the node before the restore's wait ends: the copy that was
+    restored is killed, every claim says failed (the kubelet's restart and the other container are refused),
+    and the source stays held whole, ready for the rollback."""
+    made = cluster["containers"]
+    image_root = str(tmp_path / "images")
+    os.mkdir(image_root, 0o700)
+    image_dir = os.path.join(image_root, "m2")
+    run = playbook(CHECKPOINT, pod_vars(cluster, image_dir, gpuckpt_leave_stopped=True), env=fakecuda.env)
+    assert run.rc == 0, run.stdout
+    held = {n: w.counts() for n, w in made.items()}
+    handler = install_handler(tmp_path, image_root)
+    token, target, uid = uuid.uuid4().hex, "default/gpu-test-pod-c", str(uuid.uuid4())
+    request = json.dumps({"image": image_dir, "token": token})
+    node = restore_pod(cluster, fakecuda, image_dir, target, token, wait=8)
+    deadline = time.monotonic() + 30
+    while not os.path.exists(os.path.join(image_dir, "restore-ticket.json")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    cid, res = kubelet_makes(cluster, handler, made["logger"], target, uid, "logger", request)
+    assert res.returncode == 0, res.stderr
+    out, text = finished(node)
+    assert out["ok"] is False and "trainer" in out["error"] and "were not restored" in out["error"], text
+    restored = made["logger"].daemon.ctr("tasks", "ls", namespace="k8s.io").stdout
+    assert not [ln for ln in restored.splitlines() if ln.startswith(cid) and "RUNNING" in ln], restored
+    for name in made:
+        with open(os.path.join(image_dir, "containers", name, ".restore-claim")) as fh:
+            assert fh.read() == "failed"
+    cid2, res = kubelet_makes(cluster, handler, made["trainer"], target, uid, "trainer", request)
+    assert res.returncode != 0 and "is failed" in res.stderr + res.stdout, res.stderr
+    for w in made.values():  # the source, held whole, resumes and counts on from its held count
+        assert w.task()["status"] == "PAUSED"
+    res = resume_held(cluster, fakecuda, image_dir)
+    assert res["changed"] is True
+    for name, w in made.items():
+        w.went_on_intact(held[name])
+        w.no_count_twice()

@@ -67,3 +67,39 @@ def test_each_container_is_restored_once(tmp_path):
     assert handler.claim(cdir) == (False, "restoring")  # a second create while the first restores
     handler.set_claim(cdir, "restored")
     assert handler.claim(cdir) == (False, "restored")
+
+
+def diff_tar(path, members):
+    import io
+    import tarfile
+    with tarfile.open(path, "w") as tf:
+        for name, kind, data in members:
+            info = tarfile.TarInfo(name)
+            if kind == "file":
+                info.size = len(data)
+                tf.addfile(info, io.BytesIO(data))
+            else:
+                info.type, info.linkname = tarfile.LNKTYPE, data
+                tf.addfile(info)
+    return path
+
+
+def test_the_writable_layer_is_applied_inside_the_rootfs_only(tmp_path):
+    """A symlink that the workload's image put where its layer has a file is replaced, not written through
+    to the host file it names; a hard link to a host file is refused."""
+    host_file = tmp_path / "host-file"
+    host_file.write_text("host")
+    rootfs = tmp_path / "rootfs"
+    (rootfs / "etc").mkdir(parents=True)
+    os.symlink(str(host_file), str(rootfs / "etc" / "passwd"))
+    os.symlink(str(tmp_path), str(rootfs / "escape"))
+    handler.apply_rootfs_diff(diff_tar(str(tmp_path / "d1.tar"), [("etc/passwd", "file", b"layer")]), str(rootfs))
+    assert host_file.read_text() == "host"
+    assert not os.path.islink(str(rootfs / "etc" / "passwd")) and (rootfs / "etc" / "passwd").read_text() == "layer"
+    for members, says in [([("escape/host-file", "file", b"x")], "leaves the rootfs"),
+                          ([("etc/shadow", "link", str(host_file))], "hard link"),
+                          ([("etc/shadow", "link", "escape/host-file")], "hard link")]:
+        with pytest.raises(handler.Refused, match=says):
+            handler.apply_rootfs_diff(diff_tar(str(tmp_path / "d2.tar"), members), str(rootfs))
+        assert host_file.read_text() == "host"
+        assert os.stat(str(host_file)).st_nlink == 1

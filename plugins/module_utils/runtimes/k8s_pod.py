@@ -278,14 +278,7 @@ class KubernetesPodBackend(ContainerBackend):
 
     def kill(self, pids):
         if self._restoring:  # a restore that failed after the handler brought the containers up
-            self._fail_claims(self._restored_image, [{"name": n} for n in os.listdir(
-                os.path.join(self._restored_image, CONTAINERS_SUBDIR))])
-            api = self.client()
-            try:
-                for member in self._restoring:
-                    api.kill(member.container, 9, "runtime-restore")
-            finally:
-                api.close()
+            self._fail_claims(self._restored_image, self._restoring)
             return
         self._kill_source()
 
@@ -351,13 +344,10 @@ class KubernetesPodBackend(ContainerBackend):
         finally:
             api.close()
         pids = []
-        self._restoring = []
+        self._restoring, self._restored_image = records, image_dir
         for rec in records:
-            member = self._member()
-            pid, tree = member.resolve(found[rec["name"]])
-            self._restoring.append(member)
+            pid, tree = self._member().resolve(found[rec["name"]])
             pids += [p for p in tree if p not in pids]
-        self._restored_image = image_dir
         return pids
 
     def _restored_container(self, api, namespace, name, cname):
@@ -371,10 +361,21 @@ class KubernetesPodBackend(ContainerBackend):
         return None
 
     def _fail_claims(self, image_dir, records):
-        """No container of this restore may start from its entrypoint any more (the runtime handler refuses a
-        create whose claim is not "restored")."""
+        """This restore gave up: no container of it may run. Each claim is marked failed first (the runtime
+        handler then refuses a create, and removes a copy whose restore finishes after this), then every copy
+        that the handler had already restored into the target pod is killed (the kubelet's restart is then
+        refused too; the pod migration deletes the target pod)."""
         for rec in records:
             set_restore_claim(image_dir, rec["name"], "failed")
+        namespace, name = parse_pod(self.restore_pod)
+        api = self.client()
+        try:
+            for rec in records:
+                cid = self._restored_container(api, namespace, name, rec["name"])
+                if cid:
+                    api.kill(cid, 9, "runtime-restore")
+        finally:
+            api.close()
 
     def map_pids(self, manifest, new_pids):
         return None  # the containers' trees in the checkpoint's order: the engine matches them one by one
@@ -383,7 +384,7 @@ class KubernetesPodBackend(ContainerBackend):
         self._kill_source()
 
 
-RESTORE_TICKET, RESTORE_CLAIM = "restore-ticket.json", ".restore-claim"
+RESTORE_TICKET, RESTORE_CLAIM, RESTORE_CLAIM_LOCK = "restore-ticket.json", ".restore-claim", ".restore-claim.lock"
 
 
 def write_restore_ticket(image_dir, pod, token, records):
@@ -405,4 +406,13 @@ def restore_claim(image_dir, name):
 
 
 def set_restore_claim(image_dir, name, state):
-    atomic_write(os.path.join(container_dir(image_dir, name), RESTORE_CLAIM), state.encode(), mode=0o600)
+    """Under the claim's lock, which the runtime handler takes before it marks a finished restore: a restore
+    that finishes after this sees "failed" and removes its copy."""
+    import fcntl
+    cdir = container_dir(image_dir, name)
+    fd = os.open(os.path.join(cdir, RESTORE_CLAIM_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        atomic_write(os.path.join(cdir, RESTORE_CLAIM), state.encode(), mode=0o600)
+    finally:
+        os.close(fd)

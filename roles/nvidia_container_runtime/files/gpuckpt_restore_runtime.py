@@ -25,6 +25,8 @@ Only the standard library: it runs on the node, outside Ansible, started by the 
 ``gpuckpt-restore-runtime`` beside it (the handler's ``BinaryName``). Its settings, ``restore-runtime.json``
 beside it or /etc/gpuckpt/restore-runtime.json: ``runc`` (the runtime it runs), ``image_roots``, ``state_dir``.
 """
+import contextlib
+import fcntl
 import hashlib
 import hmac
 import json
@@ -38,7 +40,7 @@ import time
 
 ANNOTATION = "gpuckpt.fleet/restore"
 TICKET = "restore-ticket.json"
-CLAIM = ".restore-claim"
+CLAIM, CLAIM_LOCK = ".restore-claim", ".restore-claim.lock"
 SANDBOX_NS, SANDBOX_NAME = "io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri.sandbox-name"
 CONTAINER_NAME, CONTAINER_TYPE = "io.kubernetes.cri.container-name", "io.kubernetes.cri.container-type"
 DEFAULTS = {"runc": "runc", "image_roots": ["/var/lib/gpuckpt/images"], "state_dir": "/run/gpuckpt-restore-runtime"}
@@ -143,6 +145,23 @@ def claim(cdir):
     return True, None
 
 
+@contextlib.contextmanager
+def claim_lock(cdir):
+    """The claim's changes after its creation, one at a time: the node's restore marks a claim failed when it
+    gives up, and a restore finishing at that moment must see it (k8s_pod.set_restore_claim takes it too)."""
+    fd = os.open(os.path.join(cdir, CLAIM_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def read_claim(cdir):
+    with open(os.path.join(cdir, CLAIM)) as fh:
+        return fh.read().strip() or "restoring"
+
+
 def set_claim(cdir, state):
     tmp = os.path.join(cdir, CLAIM + ".tmp")
     with open(tmp, "w") as fh:
@@ -152,30 +171,43 @@ def set_claim(cdir, state):
     os.replace(tmp, os.path.join(cdir, CLAIM))
 
 
+def _inside(rootfs, path):
+    """``path`` resolved (symlinks followed, as the kernel would) is ``rootfs`` or under it."""
+    real = os.path.realpath(path)
+    return real == rootfs or real.startswith(rootfs + "/")
+
+
 def apply_rootfs_diff(diff, rootfs):
-    """The container's writable layer as it was at the checkpoint, onto the fresh rootfs: whiteouts delete,
-    members are extracted by tarfile's "data" filter where Python has it (no links out of the rootfs)."""
+    """The container's writable layer as it was at the checkpoint, onto the fresh rootfs. Its names come from
+    the workload's own layer and the rootfs from the workload's image, so nothing may be written or linked
+    outside the rootfs: each member's directory must resolve inside it, a hard link's source too, and a
+    symlink (or file) already at a member's own path is removed first instead of being written through
+    (tarfile would open a symlink planted by the image and write the host file it names)."""
+    rootfs = os.path.realpath(rootfs)
     with tarfile.open(diff) as tf:
-        members = []
         for m in tf.getmembers():
             base, name = os.path.split(m.name)
+            dest = os.path.join(rootfs, m.name)
+            if os.path.isabs(m.name) or not _inside(rootfs, os.path.join(rootfs, base)):
+                raise Refused("rootfs-diff member %s leaves the rootfs" % m.name)
             if name == ".wh..wh..opq":
                 continue
             if name.startswith(".wh."):
                 victim = os.path.join(rootfs, base, name[4:])
-                if os.path.realpath(victim).startswith(os.path.realpath(rootfs) + "/"):
-                    if os.path.isdir(victim) and not os.path.islink(victim):
-                        shutil.rmtree(victim, ignore_errors=True)
-                    elif os.path.lexists(victim):
-                        os.unlink(victim)
+                if os.path.isdir(victim) and not os.path.islink(victim):
+                    shutil.rmtree(victim)
+                elif os.path.lexists(victim):
+                    os.unlink(victim)
                 continue
-            members.append(m)
-        kw = {"filter": "fully_trusted"} if hasattr(tarfile, "data_filter") else {}
-        for m in members:
-            target = os.path.realpath(os.path.join(rootfs, os.path.dirname(m.name)))
-            if not (target + "/").startswith(os.path.realpath(rootfs) + "/"):
-                raise Refused("rootfs-diff member %s leaves the rootfs" % m.name)
-            tf.extract(m, rootfs, **kw)
+            if m.islnk() and (os.path.isabs(m.linkname) or not _inside(rootfs, os.path.join(rootfs, m.linkname))):
+                raise Refused("rootfs-diff hard link %s -> %s leaves the rootfs" % (m.name, m.linkname))
+            if os.path.lexists(dest) and (os.path.islink(dest) or not (m.isdir() and os.path.isdir(dest))):
+                if os.path.isdir(dest) and not os.path.islink(dest):
+                    shutil.rmtree(dest)
+                else:
+                    os.unlink(dest)
+            tf.extract(m, rootfs, set_attrs=True, **({"filter": "fully_trusted"} if hasattr(tarfile, "data_filter")
+                                                     else {}))
 
 
 def criu_config(path, record):
@@ -234,12 +266,18 @@ def restore(config, glob, opts, cid, spec, bundle, request):
         if rc != 0:
             raise Refused("runc restore of container %s of pod %s failed (rc %d); CRIU's log: %s"
                           % (cname, pod, rc, os.path.join(work, "restore.log")))
-        with open(os.path.join(work, "restored"), "w") as fh:
-            fh.write(str(int(time.time())))
-        set_claim(cdir, "restored")
+        with claim_lock(cdir):
+            if read_claim(cdir) != "restoring":  # the node's restore gave up meanwhile: this copy must not run
+                subprocess.call([config["runc"]] + glob + ["delete", "--force", cid])
+                raise Refused("the node's restore of pod %s gave up while container %s was restored; it was removed"
+                              % (pod, cname))
+            with open(os.path.join(work, "restored"), "w") as fh:
+                fh.write(str(int(time.time())))
+            set_claim(cdir, "restored")
         return True
     except BaseException:
-        set_claim(cdir, "failed")
+        with claim_lock(cdir):
+            set_claim(cdir, "failed")
         raise
 
 
