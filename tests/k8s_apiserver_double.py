@@ -31,6 +31,10 @@ class ApiServerDouble(object):
         self.token = token
         self.pods, self.nodes = {}, {}
         self.requests = []
+        self.deleted_uids = []
+        # Nodes whose pods a (stand-in) kubelet stops: their deletion is graceful, as the API server's is (the
+        # pod gets a deletionTimestamp and stays until the kubelet is done); elsewhere a pod goes at once.
+        self.graceful_nodes = set()
         self._rv = 1000
         self._lock = threading.Lock()
         self._server = None
@@ -78,6 +82,25 @@ class ApiServerDouble(object):
     def pod(self, namespace, name):
         with self._lock:
             return copy.deepcopy(self.pods.get((namespace, name)))
+
+    def all_pods(self):
+        with self._lock:
+            return [copy.deepcopy(p) for unused, p in sorted(self.pods.items())]
+
+    def set_status(self, namespace, name, status):
+        """What a kubelet reports of its pod (tests' kubelet stand-in)."""
+        with self._lock:
+            pod = self.pods.get((namespace, name))
+            if pod is not None:
+                pod["status"] = copy.deepcopy(status)
+                self._stamp(pod)
+
+    def finalize(self, namespace, name, uid):
+        """The kubelet has stopped the containers of a pod being deleted: the pod leaves the API server."""
+        with self._lock:
+            pod = self.pods.get((namespace, name))
+            if pod is not None and pod["metadata"]["uid"] == uid and pod["metadata"].get("deletionTimestamp"):
+                del self.pods[(namespace, name)]
 
     # ---- HTTP -------------------------------------------------------------------------------------
     def start(self):
@@ -165,10 +188,23 @@ class ApiServerDouble(object):
             if method == "GET":
                 return 200, pod
             if method == "DELETE":
-                want = ((json.loads(body or b"{}").get("preconditions") or {}).get("uid"))
+                options = json.loads(body or b"{}")
+                want = (options.get("preconditions") or {}).get("uid")
                 if want and want != (pod.get("metadata") or {}).get("uid"):
                     return 409, _status(409, "Conflict", "Precondition failed: UID in precondition: %s, UID in "
                                                          "object meta: %s" % (want, pod["metadata"].get("uid")))
+                self.deleted_uids.append(pod["metadata"].get("uid"))
+                if (pod.get("spec") or {}).get("nodeName") in self.graceful_nodes and \
+                        options.get("gracePeriodSeconds") != 0:
+                    meta = pod["metadata"]
+                    if not meta.get("deletionTimestamp"):
+                        meta["deletionTimestamp"] = datetime.datetime.now(datetime.timezone.utc).strftime(
+                            "%Y-%m-%dT%H:%M:%SZ")
+                        grace = options.get("gracePeriodSeconds")
+                        meta["deletionGracePeriodSeconds"] = grace if grace is not None else \
+                            (pod.get("spec") or {}).get("terminationGracePeriodSeconds", 30)
+                        self._stamp(pod)
+                    return 200, pod
                 del self.pods[(ns, name)]
                 return 200, pod
         return 405, _status(405, "MethodNotAllowed", "%s is not supported by the test double" % method)

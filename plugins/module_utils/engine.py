@@ -348,7 +348,7 @@ def _checkpoint_steps(ctx, clock, sender):
             "pids": c.pids, "cuda_pids": c.cuda_pids, "identities": c.identities, "states": c.states,
             "image_dir": c.image_dir, "image_dir_identity": c.made["identity"], "image_dir_created": c.made["created"],
             "after": c.after, "nonce": opts.nonce, "runtime": backend.name, "container": getattr(backend, "container", None),
-            "owner": process_identity(os.getpid())}
+            "pod": getattr(backend, "pod", None), "owner": process_identity(os.getpid())}
 
     def discard_dir(c):
         if not c.keep_image:
@@ -859,7 +859,8 @@ def _restore(image_dir, opts, backend, journal, progress):
     backend.bind(manifest)
     if journal is not None:
         journal.transition("restoring", manifest_id=manifest.get("id"), owner=process_identity(os.getpid()),
-                           container=getattr(backend, "container", None), pids=[], identities={})
+                           container=getattr(backend, "container", None), pids=[], identities={},
+                           restore_pod=getattr(backend, "restore_pod", None))
 
     def on_restored(new_pids):  # before any unlock: a recovery must always know what this restore brought up
         if journal is not None:

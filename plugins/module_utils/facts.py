@@ -95,7 +95,9 @@ def gpu_containers(backends, procs, libcuda_path=None):
 
 
 def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=None, tree_of=None,
-          check_pids=None):
+          check_pids=None, tree_pids=None):
+    """What the host offers and, with ``tree_of``, the process tree of that root pid (``tree_pids``: the
+    workload's pids as its runtime found them, when they are more than one tree: a pod's containers)."""
     drv, problem = cuda.load(libcuda_path)
     out = {"host": {"hostname": socket.gethostname(), "kernel": os.uname().release,
                     "boot_id": _read("/proc/sys/kernel/random/boot_id"),
@@ -108,7 +110,7 @@ def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=N
         if st is None:
             out["tree"] = {"root": int(tree_of), "exists": False, "pids": []}
         else:
-            tpids = discovery.process_tree(int(tree_of))
+            tpids = [int(p) for p in tree_pids] if tree_pids else discovery.process_tree(int(tree_of))
             gpu_mem = discovery.gpu_memory_by_pid()
             cuda_pids = [p for p in tpids if drv.state_or_error(p) is not None] if drv else []
             out["tree"] = {"root": int(tree_of), "exists": True, "pids": tpids, "cuda_pids": cuda_pids,

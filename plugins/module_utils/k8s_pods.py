@@ -284,11 +284,23 @@ def inventory_host_for_node(node, hostvars, hosts):
 
 # ---- the target pod of a restore, and the source pod's end ------------------------------------------------
 RESTORE_ANNOTATION = "gpuckpt.fleet/restore"
+MIGRATION_ANNOTATION = "gpuckpt.fleet/migration-id"
+SOURCE_NODE_ANNOTATION = "gpuckpt.fleet/source-node"
 RESTORED_FROM_LABEL = "gpuckpt.fleet/restored-from"
 DEFAULT_RESTORE_RUNTIME_CLASS = "gpuckpt-restore"
 
 
-def target_pod(described, target_node, name, image_dir, token, runtime_class=DEFAULT_RESTORE_RUNTIME_CLASS):
+def target_pod_name(source_name, migration_id):
+    """The default name of a migration's target pod: the source's name and a short digest of the migration id
+    (the source is held, under its own name, until the target runs; a rerun of the migration finds the same
+    name). Within the 63 characters of a hostname, which is what the pod's name becomes inside it."""
+    import hashlib
+    suffix = "-" + hashlib.sha256(str(migration_id).encode()).hexdigest()[:6]
+    return source_name[:63 - len(suffix)].rstrip("-.") + suffix
+
+
+def target_pod(described, target_node, name, image_dir, token, runtime_class=DEFAULT_RESTORE_RUNTIME_CLASS,
+               migration_id=None):
     """The pod the restore creates: the source's recorded spec (describe_pod's ``spec``), named ``name`` (a
     second pod of the source's name cannot exist while the source is held), pinned to ``target_node``, run by
     the restore runtime class, and carrying the restore request that the node's runtime handler checks
@@ -300,6 +312,9 @@ def target_pod(described, target_node, name, image_dir, token, runtime_class=DEF
     meta["namespace"] = described["namespace"]
     meta.setdefault("labels", {})[RESTORED_FROM_LABEL] = described.get("uid") or ""
     meta.setdefault("annotations", {})[RESTORE_ANNOTATION] = json.dumps({"image": image_dir, "token": token})
+    meta["annotations"][SOURCE_NODE_ANNOTATION] = described.get("node") or ""
+    if migration_id:
+        meta["annotations"][MIGRATION_ANNOTATION] = migration_id
     spec["nodeName"] = target_node  # bound by us: the scheduler is not asked, the node was checked
     spec["runtimeClassName"] = runtime_class
     return pod
@@ -330,12 +345,65 @@ def create_pod(api, pod):
     return False, there
 
 
-def delete_pod(api, namespace, name, uid):
+def find_pod(api, namespace, name):
+    """The pod as the API returns it, or None when there is none of that name."""
+    try:
+        return read_pod(api, namespace, name)
+    except InvalidTarget:
+        return None
+
+
+def delete_migration_pod(api, namespace, name, migration_id, grace_period=None):
+    """Delete the target pod of migration ``migration_id`` (a rollback): only a pod of that name that carries
+    this migration's annotation, and only that very pod (its uid as the precondition). Returns
+    (deleted now, uid or None)."""
+    pod = find_pod(api, namespace, name)
+    if pod is None:
+        return False, None
+    meta = pod.get("metadata") or {}
+    if (meta.get("annotations") or {}).get(MIGRATION_ANNOTATION) != migration_id:
+        raise InvalidTarget("pod %s/%s is not the target pod of migration %s (its annotation %s says %r); it was not "
+                            "deleted" % (namespace, name, migration_id, MIGRATION_ANNOTATION,
+                                         (meta.get("annotations") or {}).get(MIGRATION_ANNOTATION)),
+                            stage="rollback-target")
+    return delete_pod(api, namespace, name, meta.get("uid"), grace_period), meta.get("uid")
+
+
+def migration_pod(api, namespace, name, migration_id):
+    """The target pod of migration ``migration_id`` named ``name`` (a rerun after the source pod was deleted, or
+    a recovery), as {namespace, name, uid, node, source_node, phase}; None when there is none."""
+    pod = find_pod(api, namespace, name)
+    meta = (pod or {}).get("metadata") or {}
+    ann = meta.get("annotations") or {}
+    if pod is None or ann.get(MIGRATION_ANNOTATION) != migration_id:
+        return None
+    return {"namespace": namespace, "name": name, "uid": meta.get("uid"), "node": (pod.get("spec") or {}).get("nodeName"),
+            "source_node": ann.get(SOURCE_NODE_ANNOTATION), "phase": (pod.get("status") or {}).get("phase")}
+
+
+def wait_pod_gone(api, namespace, name, uid, timeout, poll=1.0):
+    """Wait until the pod of ``uid`` is gone from the API server (the kubelet has stopped its containers and
+    the API server removed it); a pod made since under the name does not count."""
+    import time
+    deadline = time.monotonic() + timeout
+    while True:
+        pod = find_pod(api, namespace, name)
+        if pod is None or (pod.get("metadata") or {}).get("uid") != uid:
+            return
+        if time.monotonic() > deadline:
+            raise GpuCkptError("pod %s/%s (uid %s) is still there %ds after its deletion (its node's kubelet has not "
+                               "stopped it)" % (namespace, name, uid, timeout), stage="release-source")
+        time.sleep(poll)
+
+
+def delete_pod(api, namespace, name, uid, grace_period=None):
     """Delete pod ``namespace/name`` only while it is the pod of ``uid`` (the API's precondition): a pod
-    made since under the same name is never deleted. Returns whether it was deleted now."""
+    made since under the same name is never deleted. ``grace_period``: seconds the kubelet gives its containers
+    between SIGTERM and SIGKILL (the pod's own by default). Returns whether it was deleted now."""
     from kubernetes import client
     from kubernetes.client.exceptions import ApiException
-    body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid))
+    body = client.V1DeleteOptions(preconditions=client.V1Preconditions(uid=uid),
+                                  grace_period_seconds=grace_period)
     try:
         _core(api).delete_namespaced_pod(name, namespace, body=body)
         return True

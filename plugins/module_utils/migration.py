@@ -158,7 +158,7 @@ def _clean(journal, doc, backend):
     if doc.get("container") and doc.get("phase") in ("restoring", "restored") and hasattr(backend, "container"):
         backend.container = doc["container"]
     if restored or (doc.get("container") and doc.get("phase") in ("restoring", "restored")):
-        backend.kill(restored)
+        backend.kill_restored(doc.get("image_dir") or "", restored)
     image_dir = doc.get("image_dir") or ""
     removed = remove_tree(image_dir, doc.get("image_dir_identity"))
     journal.transition("cleaned", killed_pids=restored, killed_receivers=receivers, image_removed=removed)

@@ -65,7 +65,8 @@ def _make_backend(name, params, bundle):
         from .runtimes.k8s_pod import KubernetesPodBackend
         return KubernetesPodBackend(params.get("containerd_address"), params.get("runc_root"), params.get("criu_path"),
                                     params.get("criu_options"), timeout=_timeout(params), pod_uid=params.get("pod_uid"),
-                                    containers=params.get("pod_containers"))
+                                    containers=params.get("pod_containers"), restore_pod=params.get("restore_pod"),
+                                    restore_token=params.get("restore_token"), restore_wait=params.get("restore_wait"))
     if name == "runsc":
         from .runtimes.runsc import RunscBackend
         return RunscBackend(params.get("runsc_path"), params.get("runsc_root"), bundle, params.get("runsc_flags"),

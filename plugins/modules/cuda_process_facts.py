@@ -38,9 +38,13 @@ options:
         runtime (instead of O(tree_of)); C(container) names it, with its C(pid).
     type: str
   runtime:
-    description: The runtime of O(container).
+    description:
+      - The runtime of O(container).
+      - V(k8s_pod) takes a Kubernetes pod on this node as O(container) (C(<namespace>/<name>)), whose containers
+        containerd runs in namespace C(k8s.io); C(tree) is then the union of its containers' trees, and
+        C(container.pid) the first one's root.
     type: str
-    choices: [runc, podman, docker, containerd, runsc]
+    choices: [runc, podman, docker, containerd, runsc, k8s_pod]
     default: runc
   list_containers:
     description:
@@ -136,19 +140,20 @@ def main():
         criu_path=dict(type="path"),
         libcuda_path=dict(type="path"),
         container=dict(type="str"),
-        runtime=dict(type="str", default="runc", choices=CONTAINER_RUNTIMES),
+        runtime=dict(type="str", default="runc", choices=CONTAINER_RUNTIMES + ["k8s_pod"]),
         list_containers=dict(type="list", elements="str", choices=CONTAINER_RUNTIMES),
         **RUNTIME_ARGS
     ), mutually_exclusive=[("container", "tree_of")], supports_check_mode=True)
     p = module.params
     try:
-        tree_of, container = p["tree_of"], None
+        tree_of, container, tree_pids = p["tree_of"], None, None
         if p["container"]:
-            root_pid, unused = make_backend(p["runtime"], p).resolve(p["container"])
+            root_pid, tree_pids = make_backend(p["runtime"], p).resolve(p["container"])
             tree_of, container = root_pid, {"id": p["container"], "runtime": p["runtime"], "pid": root_pid}
         facts = host_facts.facts(pids=p["pids"], libcuda_path=p["libcuda_path"], criu_path=p["criu_path"],
                                  check_criu=p["check_criu"], paths=p["paths"], tree_of=tree_of,
-                                 check_pids=p["check_pids"])
+                                 check_pids=p["check_pids"],
+                                 tree_pids=tree_pids if p["runtime"] == "k8s_pod" else None)
         if container:
             facts["container"] = container
         backends = [make_backend(name, p) for name in

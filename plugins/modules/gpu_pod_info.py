@@ -42,48 +42,25 @@ options:
   target_node:
     description: The node the pod is to move to; checked as described above.
     type: str
+  migration_id:
+    description:
+      - A pod migration's id. When the pod is not there (a rerun of a migration that committed and deleted it), the
+        migration's target pod is looked for instead (named O(target_pod_name)) and returned as C(migration_pod),
+        with C(pod) null, so that the rerun can settle the migration; without such a pod, the pod's absence fails.
+    type: str
+  target_pod_name:
+    description: The name of O(migration_id)'s target pod; by default P(gpuckpt.fleet.k8s_target_pod_name#filter)'s.
+    type: str
   allow_owned:
     description:
       - Accept a pod that a controller (Job, ReplicaSet, StatefulSet, ...) owns. Only when that controller will not
         replace the pod once the migration deletes it (suspended, scaled down); otherwise two copies of the job run.
     type: bool
     default: false
-  kubeconfig:
-    description:
-      - A kubeconfig file's path, or its content as a dict. By default C(~/.kube/config), or the pod's service account
-        when this runs inside a cluster. Also read from E(K8S_AUTH_KUBECONFIG).
-    type: raw
-  context:
-    description: The kubeconfig context (E(K8S_AUTH_CONTEXT)).
-    type: str
-  host:
-    description: The API server's URL, instead of a kubeconfig (E(K8S_AUTH_HOST)).
-    type: str
-  api_key:
-    description: A bearer token for O(host) (E(K8S_AUTH_API_KEY)).
-    type: str
-  validate_certs:
-    description: Whether to check the API server's certificate (E(K8S_AUTH_VALIDATE_CERTS)).
-    type: bool
-    aliases: [verify_ssl]
-  ca_cert:
-    description: The CA bundle to check the API server's certificate with (E(K8S_AUTH_CA_CERT)).
-    type: path
-    aliases: [ssl_ca_cert]
-  client_cert:
-    description: A client certificate for the API server (E(K8S_AUTH_CLIENT_CERT)).
-    type: path
-    aliases: [cert_file]
-  client_key:
-    description: The key of O(client_cert) (E(K8S_AUTH_CLIENT_KEY)).
-    type: path
-    aliases: [key_file]
 notes:
   - Changes nothing; supports check mode.
   - "The RBAC it needs: get on pods in the pod's namespace, and get on nodes (a ClusterRole) when O(target_node) is set;
     see docs/kubernetes.md."
-requirements:
-  - "kubernetes (the Python client) where the module runs"
 attributes:
   check_mode:
     support: full
@@ -94,6 +71,7 @@ attributes:
     platforms: all
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
+  - gpuckpt.fleet.k8s_auth
 """
 
 EXAMPLES = r"""
@@ -134,6 +112,12 @@ pod:
                                    elements: str, sample: []}
     owner: {description: Its controller's owner reference when O(allow_owned) let it through., type: dict, sample: null}
     spec: {description: 'The pod its copy is created from, without its node and what the API server sets.', type: dict}
+migration_pod:
+  description: O(migration_id)'s target pod, when the pod itself is not there (see O(migration_id)).
+  returned: when the pod is not there and O(migration_id)'s target pod is
+  type: dict
+  sample: {"namespace": "default", "name": "gpu-test-pod-3fa2c1", "uid": "2c5e...", "node": "gpu-node-2",
+           "source_node": "gpu-node-1", "phase": "Running"}
 target:
   description: The target node, when O(target_node) is set - name, ready, unschedulable, capacity, allocatable.
   returned: when O(target_node) is set
@@ -155,6 +139,8 @@ def main():
         gpu_resources=dict(type="list", elements="str", default=list(k8s_pods.DEFAULT_GPU_RESOURCES)),
         target_node=dict(type="str"),
         allow_owned=dict(type="bool", default=False),
+        migration_id=dict(type="str"),
+        target_pod_name=dict(type="str"),
         **k8s_pods.auth_args()
     ), supports_check_mode=True)
     p = module.params
@@ -163,8 +149,16 @@ def main():
                          stage="preflight")
     try:
         api = k8s_pods.api_client(p)
-        described = k8s_pods.describe_pod(k8s_pods.read_pod(api, p["namespace"], p["name"]), p["gpu_resources"],
-                                          p["allow_owned"])
+        found = k8s_pods.find_pod(api, p["namespace"], p["name"])
+        if found is None and p["migration_id"]:
+            made = k8s_pods.migration_pod(api, p["namespace"], p["target_pod_name"] or k8s_pods.target_pod_name(
+                p["name"], p["migration_id"]), p["migration_id"])
+            if made:
+                module.exit_json(changed=False, pod=None, migration_pod=made,
+                                 msg="pod %s/%s is gone; migration %s's pod %s runs on node %s"
+                                     % (p["namespace"], p["name"], p["migration_id"], made["name"], made["node"]))
+        described = k8s_pods.describe_pod(found or k8s_pods.read_pod(api, p["namespace"], p["name"]),
+                                          p["gpu_resources"], p["allow_owned"])
         k8s_pods.check_gpu_count(described, p["gpu_count"])
         result = {"changed": False, "pod": described}
         if p["target_node"]:

@@ -65,6 +65,24 @@ options:
     description: Seconds O(probe_command) may take before it is killed and the restore fails.
     type: float
     default: 60
+  restore_pod:
+    description:
+      - For an image of a Kubernetes pod (O(gpuckpt.fleet.gpu_checkpoint#module:runtime=k8s_pod)), the pod, as
+        C(<namespace>/<name>), that the pod migration creates on this node for the restore (see docs/kubernetes.md).
+        This module writes the image's restore ticket for it, waits until the runtime handler
+        C(gpuckpt-restore-runtime) has restored each of its containers inside the pod, then brings their GPU
+        memory back and unlocks them.
+      - A pod image is refused without it, as its containers restored outside a pod would run unmanaged.
+    type: str
+  restore_token:
+    description:
+      - The secret the pod's annotation C(gpuckpt.fleet/restore) carries with O(restore_pod): only its SHA-256
+        is written on the node, and the runtime handler restores only into the pod that gives it.
+    type: str
+  restore_wait:
+    description: Seconds to wait for O(restore_pod)'s containers to be restored on this node before giving up.
+    type: float
+    default: 600
   wait_for_image:
     description:
       - Seconds to wait for the image to be complete in O(image_dir) (its manifest, which a push or a transfer
@@ -196,13 +214,17 @@ def main():
         attach=dict(type="str"),
         probe_command=dict(type="raw"),
         probe_timeout=dict(type="float", default=60.0),
+        restore_pod=dict(type="str"),
+        restore_token=dict(type="str", no_log=True),
+        restore_wait=dict(type="float", default=600.0),
     )
     spec.update(TOOL_ARGS)
     spec.update(PROGRESS_ARGS)
     spec.update(SPEED_ARGS)
     spec.update(RUNTIME_ARGS)
     spec.update(MIGRATION_ARGS)
-    module = AnsibleModule(argument_spec=spec, supports_check_mode=True)
+    module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
+                           required_together=[("restore_pod", "restore_token")])
     p = module.params
     if p["attach"]:
         module.fail_json(msg="attach is handled by the gpuckpt.fleet.gpu_restore action plugin; run this module as a task")

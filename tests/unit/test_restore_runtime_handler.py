@@ -60,6 +60,25 @@ def test_a_checkpoint_is_taken_only_from_root_under_an_image_root_with_its_ticke
         handler.checked_image(config, image)
 
 
+def test_a_create_waits_for_the_ticket_the_node_writes_and_then_checks_it(tmp_path):
+    """The target pod is created as soon as the image has left the source; the node writes the ticket once
+    the image is verified: the create waits for it (no kubelet back-off), within ticket_wait."""
+    import threading
+    config, image = ticket(tmp_path)
+    path = os.path.join(image, handler.TICKET)
+    os.rename(path, path + ".later")
+    config = dict(config, ticket_wait=0.5)
+    with pytest.raises(handler.Refused, match="no restore ticket"):
+        handler.wait_for_ticket(config, handler.checked_image(config, image))
+    timer = threading.Timer(0.3, os.rename, (path + ".later", path))
+    timer.start()
+    assert handler.wait_for_ticket(dict(config, ticket_wait=10), image) == image
+    timer.join()
+    os.chmod(path, 0o666)  # a ticket anyone may write is no ticket
+    with pytest.raises(handler.Refused, match="writable by root alone"):
+        handler.wait_for_ticket(config, image)
+
+
 def test_each_container_is_restored_once(tmp_path):
     unused, image = ticket(tmp_path)
     cdir = os.path.join(image, "containers", "c")

@@ -170,6 +170,11 @@ class Backend(object):
         """Stop what a failed restore brought up, so the target is left clean."""
         raise NotImplementedError
 
+    def kill_restored(self, image_dir, pids):
+        """A target's clean-up (a migration rolled back, or its restore's module died): what a restore of the
+        image in ``image_dir`` brought up on this host (``pids``, alive by identity) is stopped."""
+        self.kill(pids)
+
     def release_exited(self, manifest):
         """A migration whose source exited after its dump committed: remove what the runtime keeps of
         the source (a stopped container). Returns whether anything was removed."""

@@ -36,6 +36,7 @@ import os
 import re
 import time
 
+from .. import discovery
 from ..containerd_api import Client, ContainerdError
 from ..errors import GpuCkptError, InvalidTarget
 from ..fsutil import atomic_write
@@ -46,6 +47,7 @@ K8S_NAMESPACE = "k8s.io"
 POD_NAMESPACE, POD_NAME, POD_UID = "io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.pod.uid"
 CONTAINER_NAME, KIND = "io.kubernetes.container.name", "io.cri-containerd.kind"
 CONTAINERS_SUBDIR = "containers"
+STOP_WAIT = 120  # seconds a committed source waits for the kubelet to stop its deleted pod's containers
 # Kubernetes names: namespaces and container names are DNS labels, pod names DNS subdomains
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
@@ -280,7 +282,46 @@ class KubernetesPodBackend(ContainerBackend):
         if self._restoring:  # a restore that failed after the handler brought the containers up
             self._fail_claims(self._restored_image, self._restoring)
             return
-        self._kill_source()
+        self._wait_stopped_by_kubelet(pids)
+
+    def kill_restored(self, image_dir, pids):
+        """The target's clean-up, from the settlement (another process than the restore's): every claim of the
+        image's ticket is marked failed and the copies the handler restored into the target pod are killed, as
+        a restore that gives up does itself; any other process the restore recorded goes too."""
+        ticket = read_restore_ticket(image_dir)
+        if ticket:
+            self.restore_pod = ticket.get("pod")
+            self._fail_claims(image_dir, ticket.get("containers") or [])
+        for p in pids:
+            try:
+                os.kill(p, 9)
+            except OSError:
+                pass
+
+    def _wait_stopped_by_kubelet(self, pids, wait=STOP_WAIT):
+        """A committed migration's held source: the controller has deleted its pod through the API server, and
+        the kubelet stops its containers (a paused container dies at the kubelet's SIGKILL). Killing them here
+        instead, behind the kubelet, while the pod still existed would have them started again from their
+        entrypoint; so this waits for them to go, and says what to do when they do not."""
+        deadline = time.monotonic() + wait
+        started = {p: (discovery.read_stat(p) or {}).get("starttime") for p in pids}  # a reused pid is not ours
+
+        def ours_alive(p):
+            st = discovery.read_stat(p) or {}
+            return st.get("starttime") == started[p] and st.get("state", "Z") not in ("Z", "X")
+        while True:
+            left = [p for p in pids if started[p] is not None and ours_alive(p)]
+            if not left:
+                return
+            if time.monotonic() > deadline:
+                raise GpuCkptError("the held containers of pod %s/%s still run (pids %s) %ds after the release: a "
+                                   "pod's containers are stopped by deleting the pod, not from its node"
+                                   % ((self.pod or {}).get("namespace"), (self.pod or {}).get("name"),
+                                      left, wait), stage="release-source",
+                                   hint="delete the pod (kubectl delete pod %s -n %s, with its uid as precondition), "
+                                        "then run recover.yml" % ((self.pod or {}).get("name"),
+                                                                  (self.pod or {}).get("namespace")))
+            time.sleep(0.2)
 
     def _kill_source(self):
         """The held source of a committed migration: its pod is deleted through the API server (the kubelet
@@ -395,6 +436,15 @@ def write_restore_ticket(image_dir, pod, token, records):
             "containers": [{"name": r["name"], "auto_flags": list(r.get("auto_flags") or []),
                             "criu_options": list(r.get("criu_options") or [])} for r in records]}
     atomic_write(os.path.join(image_dir, RESTORE_TICKET), json.dumps(body, indent=1).encode(), mode=0o600)
+
+
+def read_restore_ticket(image_dir):
+    """The ticket the node's restore wrote into ``image_dir``, or None."""
+    try:
+        with open(os.path.join(image_dir, RESTORE_TICKET)) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return None
 
 
 def restore_claim(image_dir, name):

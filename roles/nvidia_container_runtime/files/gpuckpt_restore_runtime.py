@@ -23,7 +23,8 @@ Why each check (a pod's annotations are written by whoever may create pods):
 
 Only the standard library: it runs on the node, outside Ansible, started by the launcher
 ``gpuckpt-restore-runtime`` beside it (the handler's ``BinaryName``). Its settings, ``restore-runtime.json``
-beside it or /etc/gpuckpt/restore-runtime.json: ``runc`` (the runtime it runs), ``image_roots``, ``state_dir``.
+beside it or /etc/gpuckpt/restore-runtime.json: ``runc`` (the runtime it runs), ``image_roots``, ``state_dir``,
+``ticket_wait`` (seconds a create waits for the node to write the restore ticket).
 """
 import contextlib
 import fcntl
@@ -43,7 +44,8 @@ TICKET = "restore-ticket.json"
 CLAIM, CLAIM_LOCK = ".restore-claim", ".restore-claim.lock"
 SANDBOX_NS, SANDBOX_NAME = "io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri.sandbox-name"
 CONTAINER_NAME, CONTAINER_TYPE = "io.kubernetes.cri.container-name", "io.kubernetes.cri.container-type"
-DEFAULTS = {"runc": "runc", "image_roots": ["/var/lib/gpuckpt/images"], "state_dir": "/run/gpuckpt-restore-runtime"}
+DEFAULTS = {"runc": "runc", "image_roots": ["/var/lib/gpuckpt/images"], "state_dir": "/run/gpuckpt-restore-runtime",
+            "ticket_wait": 60}
 GLOBAL_WITH_VALUE = {"--root", "--log", "--log-format", "--criu", "--rootless"}
 CREATE_WITH_VALUE = {"--bundle", "-b", "--pid-file", "--console-socket", "--pidfd-socket", "--preserve-fds"}
 # CRIU options runc restore takes as its own flags; the others go to CRIU through a configuration file
@@ -115,9 +117,26 @@ def checked_image(config, image):
     if not any(image.startswith(r.rstrip("/") + "/") for r in roots):
         raise Refused("checkpoint %s is not under the image roots %s" % (image, ", ".join(roots)))
     for path in (image, os.path.join(image, TICKET)):
+        if path != image and not os.path.lexists(path):
+            continue  # not written yet: wait_for_ticket waits for it, then checks it
         st = os.lstat(path)
         if st.st_uid != 0 or st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or stat.S_ISLNK(st.st_mode):
             raise Refused("%s must be root's and writable by root alone" % path)
+    return image
+
+
+def wait_for_ticket(config, image):
+    """The ticket, once the node's restore has written it: the migration creates the target pod as soon as the
+    image has left the source, and the node writes the ticket once the image is complete and verified, a few
+    seconds later. Waiting here (``ticket_wait`` seconds) saves the kubelet's back-off of a refused create (10 s
+    and more of downtime). No claim is taken meanwhile: a create refused for want of a ticket can come again."""
+    path = os.path.join(image, TICKET)
+    deadline = time.monotonic() + float(config.get("ticket_wait", 60))
+    while not os.path.lexists(path):
+        if time.monotonic() > deadline or not os.path.isdir(image):
+            raise Refused("no restore ticket in %s (the node's restore has not started, or gave up)" % image)
+        time.sleep(0.2)
+    checked_image(config, image)  # the ticket itself: root's, not a symlink
     return image
 
 
@@ -231,7 +250,7 @@ def restore(config, glob, opts, cid, spec, bundle, request):
     except ValueError:
         raise Refused("annotation %s is not JSON" % ANNOTATION)
     image = checked_image(config, req.get("image"))
-    ticket = read_ticket(image, pod, req.get("token"))
+    ticket = read_ticket(wait_for_ticket(config, image), pod, req.get("token"))
     records = {c.get("name"): c for c in ticket.get("containers") or []}
     if cname not in records:
         raise Refused("container %s of pod %s is not in the checkpoint (it has %s)"
@@ -243,6 +262,7 @@ def restore(config, glob, opts, cid, spec, bundle, request):
             return False
         raise Refused("the restore of container %s of pod %s is %s (%s): it is not started from its entrypoint "
                       "while the migration holds its source" % (cname, pod, state, os.path.join(cdir, CLAIM)))
+    running = False
     try:
         work = os.path.join(config["state_dir"], os.path.basename(cid))
         os.makedirs(work, 0o700, exist_ok=True)
@@ -266,9 +286,9 @@ def restore(config, glob, opts, cid, spec, bundle, request):
         if rc != 0:
             raise Refused("runc restore of container %s of pod %s failed (rc %d); CRIU's log: %s"
                           % (cname, pod, rc, os.path.join(work, "restore.log")))
+        running = True
         with claim_lock(cdir):
             if read_claim(cdir) != "restoring":  # the node's restore gave up meanwhile: this copy must not run
-                subprocess.call([config["runc"]] + glob + ["delete", "--force", cid])
                 raise Refused("the node's restore of pod %s gave up while container %s was restored; it was removed"
                               % (pod, cname))
             with open(os.path.join(work, "restored"), "w") as fh:
@@ -276,8 +296,15 @@ def restore(config, glob, opts, cid, spec, bundle, request):
             set_claim(cdir, "restored")
         return True
     except BaseException:
-        with claim_lock(cdir):
-            set_claim(cdir, "failed")
+        # Whatever failed after runc restored the copy (the claim says failed, the image was removed under it by
+        # the migration's rollback, a full disk), that copy must not run: the kubelet would take it for its own.
+        if running:
+            subprocess.call([config["runc"]] + glob + ["delete", "--force", cid])
+        try:
+            with claim_lock(cdir):
+                set_claim(cdir, "failed")
+        except OSError:
+            pass  # the image is gone: no create can take this claim again
         raise
 
 
