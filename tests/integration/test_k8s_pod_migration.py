@@ -90,7 +90,7 @@ class KubeletStandIn(object):
                 self.failures[uid] = time.monotonic() + 2  # the kubelet's back-off, shortened
                 self._remove_made(host, uid)
                 self.api.set_status(meta["namespace"], meta["name"], {"phase": "Pending", "containerStatuses": [
-                    {"name": c["name"], "ready": False, "restartCount": 0,
+                    {"name": c["name"], "ready": False, "restartCount": 0, "image": c["image"], "imageID": "",
                      "state": {"waiting": {"reason": "CreateContainerError", "message": err[-300:]}}}]})
                 return
             statuses.append({"name": c["name"], "containerID": "containerd://" + cid, "image": c["image"],
@@ -326,7 +326,12 @@ def test_a_pod_whose_restore_fails_on_the_target_node_runs_on_at_its_source(play
     assert run.rc != 0
     assert "rolled back; the workload runs on hosta" in run.stdout, run.stdout[-4000:]
     assert "were not restored on this node" in run.stdout, run.stdout[-4000:]
-    assert [p["metadata"]["name"] for p in api.all_pods()] == ["gpu-test-pod"], "the target pod was deleted"
+    deadline = time.monotonic() + 20  # deleted with a grace period: its kubelet (stand-in) then removes it
+    while len(api.all_pods()) > 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert [p["metadata"]["name"] for p in api.all_pods()] == ["gpu-test-pod"], \
+        (api.all_pods(), cluster["kubelet"].log, run.stdout[-5000:])
+    assert len(api.deleted_uids) == 1
     assert running_pod_containers(cluster, "hostb") == []
     assert any("is not under the image roots" in ln for ln in cluster["kubelet"].log), cluster["kubelet"].log
     for w in made.values():
