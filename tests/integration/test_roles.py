@@ -208,3 +208,31 @@ def test_roles_in_check_mode_change_nothing(playbook, tmp_path):
     run = playbook(ROLE_NCR, _ncr_vars(tmp_path, nvidia_container_runtime_configure=["docker"]), check=True)
     assert run.rc == 0, run.stdout
     assert (tmp_path / "daemon.json").read_text() == before
+
+
+def test_container_runtime_role_installs_the_pod_restore_handler_once(playbook, tmp_path):
+    """The pod migration's runtime handler: its files and settings, the RuntimeClass to apply, and its runtime
+    entry in containerd's config.toml (passing the pods' gpuckpt.fleet/* annotations, runc's systemd cgroup
+    setting as the node's runc entry has it); the node's own settings kept, and a second run changes nothing."""
+    import json
+    import tomllib
+    (tmp_path / "config.toml").write_text(USER_CONFIG_TOML)
+    d = tmp_path / "gpuckpt"
+    v = _ncr_vars(tmp_path, nvidia_container_runtime_configure=[], nvidia_container_runtime_k8s_restore=True,
+                  nvidia_container_runtime_k8s_restore_dir=str(d),
+                  nvidia_container_runtime_k8s_restore_image_roots=["/srv/gpuckpt/images"])
+    run = playbook(ROLE_NCR, v)
+    assert run.rc == 0, run.stdout
+    assert os.access(str(d / "gpuckpt-restore-runtime"), os.X_OK) and (d / "gpuckpt_restore_runtime.py").exists()
+    settings = json.loads((d / "restore-runtime.json").read_text())
+    assert settings["image_roots"] == ["/srv/gpuckpt/images"] and settings["runc"] == "runc"
+    assert "handler: gpuckpt-restore" in (d / "runtimeclass.yaml").read_text()
+    conf = tomllib.loads((tmp_path / "config.toml").read_text())
+    assert conf["root"] == "/srv/containerd"
+    runtimes = conf["plugins"]["io.containerd.grpc.v1.cri"]["containerd"]["runtimes"]
+    assert runtimes["runc"]["options"]["SystemdCgroup"] is True
+    entry = runtimes["gpuckpt-restore"]
+    assert entry["runtime_type"] == "io.containerd.runc.v2" and entry["pod_annotations"] == ["gpuckpt.fleet/*"]
+    assert entry["options"] == {"BinaryName": str(d / "gpuckpt-restore-runtime"), "SystemdCgroup": True}
+    again = playbook(ROLE_NCR, v)
+    assert again.rc == 0 and _recap_changed(again) == 0, [r["_task"] for r in again.results if r.get("changed")]
