@@ -76,8 +76,8 @@ options:
     type: str
   restore_token:
     description:
-      - The secret the pod's annotation C(gpuckpt.fleet/restore) carries with O(restore_pod): only its SHA-256
-        is written on the node, and the runtime handler restores only into the pod that gives it.
+      - The secret the pod's annotation C(gpuckpt.fleet/restore) carries with O(restore_pod) - only its SHA-256
+        is written on the node - and the runtime handler restores only into the pod that gives it.
     type: str
   restore_wait:
     description: Seconds to wait for O(restore_pod)'s containers to be restored on this node before giving up.
