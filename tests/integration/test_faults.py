@@ -80,12 +80,12 @@ def clean_fakecuda(hosts):
 class Controller(object):
     """ansible-playbook migrate.yml running in the background, which a test kills as a whole."""
 
-    def __init__(self, hosts, tmp_path, extra):
+    def __init__(self, hosts, tmp_path, extra, inventory=None):
         self.cp = str(tmp_path / "cp-killed")
         env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS, ANSIBLE_HOST_KEY_CHECKING="false",
                    ANSIBLE_PIPELINING="true", ANSIBLE_SSH_CONTROL_PATH_DIR=self.cp)
         self.log = str(tmp_path / "controller.log")
-        self.proc = subprocess.Popen([ANSIBLE_PLAYBOOK, MIGRATE, "-i", hosts.path("inventory.yml"),
+        self.proc = subprocess.Popen([ANSIBLE_PLAYBOOK, MIGRATE, "-i", inventory or hosts.path("inventory.yml"),
                                       "-e", json.dumps(extra)], stdout=open(self.log, "w"),
                                      stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
 

@@ -354,3 +354,48 @@ def test_a_pod_that_cannot_move_is_refused_before_anything_is_frozen(playbook, h
     for name, w in made.items():
         w.went_on_intact(before[name])
     assert len(running_pod_containers(cluster, "hosta")) == 2
+
+
+@pytest.mark.parametrize("when", ["source-held", "target-pod-made"])
+def test_a_pod_migration_whose_controller_dies_is_recovered_to_exactly_one_copy(playbook, hosts, cluster, tmp_path,
+                                                                                when):
+    """The controller is killed as a whole (its workers and ssh masters too) while the source pod is held, before
+    or after the target pod was created; recover.yml then settles the migration: either the target pod runs the
+    job and the source pod is deleted, or the target is cleaned and the source pod runs on. Exactly one copy,
+    counting on from its held count, none twice; a second recovery changes nothing."""
+    from test_faults import Controller
+    made = start_pod(cluster, hosts)
+    api, mid = cluster["api"], "t-pod-kill-" + when
+    ctl = Controller(hosts, tmp_path, dict(migrate_vars(cluster, mid), gpuckpt_pod_restore_wait=20),
+                     inventory=cluster["inventory"])
+
+    def source_paused():
+        out = cluster["daemons"]["hosta"].ctr("tasks", "ls", namespace="k8s.io", check=False).stdout
+        return sum(1 for ln in out.splitlines() if "PAUSED" in ln) == 2
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if (when == "source-held" and source_paused()) or (when == "target-pod-made" and len(api.all_pods()) == 2):
+            break
+        assert ctl.proc.poll() is None, ctl.output()[-3000:]
+        time.sleep(0.02)
+    else:
+        raise AssertionError(ctl.output()[-3000:])
+    ctl.kill()
+    held = {n: w.counts() for n, w in made.items()}
+    rv = {"source": "hosta", "target": "hostb", "migration_id": mid,
+          "gpuckpt_k8s_auth": {"kubeconfig": cluster["kubeconfig"]}}
+    r = playbook(RECOVER, rv, inventory=cluster["inventory"], interpreter=None)
+    assert r.rc == 0, r.stdout[-5000:] + "\n".join(cluster["kubelet"].log)
+    deadline = time.monotonic() + 20  # a pod deleted with a grace period leaves once its kubelet stopped it
+    while len(api.all_pods()) != 1 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    pods = api.all_pods()
+    assert len(pods) == 1, pods
+    on_target = pods[0]["metadata"]["name"] != "gpu-test-pod"
+    assert len(running_pod_containers(cluster, "hostb" if on_target else "hosta")) == 2
+    assert running_pod_containers(cluster, "hosta" if on_target else "hostb") == []
+    for name, w in made.items():
+        w.went_on_intact(held[name])
+        w.no_count_twice()
+    again = playbook(RECOVER, rv, inventory=cluster["inventory"], interpreter=None)
+    assert again.rc == 0 and changed_tasks(again) == [], changed_tasks(again)
