@@ -1,0 +1,156 @@
+"""On a real GPU: a pod's GPU container held on its node and restored through the pod path, into the container a
+KUBELET STAND-IN makes for the target pod through the runtime handler gpuckpt-restore-runtime (no kubelet runs
+here). One containerd 2.1 (carried: tests/gpu/prepare_carry.sh), namespace k8s.io, the kubelet's labels and the CRI
+plugin's annotations on both containers, the GPU put into each spec as CDI does (test_gpu_runc.gpu_spec).
+
+Steps, as a pod migration runs them on one machine (its only GPU is both nodes' GPU): gpu_checkpoint with runtime
+k8s_pod holds the pod paused, its GPU memory in host RAM; the node's restore (engine.restore with the pod backend and
+the restore ticket) waits; the stand-in makes the target pod's container under the handler, which restores it with
+runc restore; the engine brings the GPU memory back and unlocks it. The PyTorch workload's GPU checksum is then
+compared with the one taken when it filled its memory."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+import uuid
+
+import pytest
+
+from gpu_helpers import REPO, WORKLOAD_PYTHON, TorchWorkload
+from test_gpu_runc import PASS_ENV, gpu_spec
+
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from containerd_daemon import CTR, Containerd, available  # noqa: E402
+
+GIB = float(os.environ.get("GPUCKPT_GPU_GIB", "4"))
+NAMESPACE = "k8s.io"
+COLLECTIONS = os.path.join(REPO, ".build", "collections")
+HANDLER_FILES = os.path.join(REPO, "roles", "nvidia_container_runtime", "files")
+pytestmark = pytest.mark.skipif(not available(), reason="containerd 2.x and grpcio (tests/gpu/install_tools.sh)")
+
+
+def _api(address):
+    sys.path.insert(0, COLLECTIONS)
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.containerd_api import Client
+    return Client(address, NAMESPACE)
+
+
+def make_container(daemon, runc_root, pod, uid, cname, workdir, args, handler=None, annotations=None):
+    """What the kubelet makes for container ``cname`` of pod ``pod``: labels, CRI annotations, a GPU spec."""
+    namespace, name = pod.split("/")
+    cid = uuid.uuid4().hex + uuid.uuid4().hex
+    labels = {"io.kubernetes.pod.name": name, "io.kubernetes.pod.namespace": namespace, "io.kubernetes.pod.uid": uid,
+              "io.kubernetes.container.name": cname, "io.cri-containerd.kind": "container"}
+    ann = {"io.kubernetes.cri.container-type": "container", "io.kubernetes.cri.sandbox-namespace": namespace,
+           "io.kubernetes.cri.sandbox-name": name, "io.kubernetes.cri.container-name": cname}
+    ann.update(annotations or {})
+    create = [CTR, "--address", daemon.address, "--namespace", NAMESPACE, "containers", "create", "--net-host",
+              "--runc-root", runc_root] + (["--runc-binary", handler] if handler else [])
+    for k, v in PASS_ENV.items():
+        create += ["--env", "%s=%s" % (k, v)]
+    for src in (REPO, workdir):
+        create += ["--mount", "type=bind,src=%s,dst=%s,options=rbind:%s" % (src, src, "ro" if src == REPO else "rw")]
+    for k, v in sorted(labels.items()):
+        create += ["--label", "%s=%s" % (k, v)]
+    for k, v in sorted(ann.items()):
+        create += ["--annotation", "%s=%s" % (k, v)]
+    subprocess.run(create + [daemon.import_skeleton(NAMESPACE), cid] + args, check=True)
+    api = _api(daemon.address)
+    try:
+        record = api.container(cid)
+        api.update_spec(cid, gpu_spec(record["spec"]), record["spec_url"], "test")
+    finally:
+        api.close()
+    res = subprocess.run([CTR, "--address", daemon.address, "--namespace", NAMESPACE, "tasks", "start", "--detach",
+                          "--log-uri", "file://" + os.path.join(workdir, "container-%s.log" % cid[:8]), cid],
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, check=False)
+    return cid, res
+
+
+class PodTorch(TorchWorkload):
+    """torch_counter.py as the container ``trainer`` of pod default/gpu-test-pod."""
+
+    def __init__(self, daemon, runc_root, directory, gib):  # pylint: disable=super-init-not-called
+        self.dir, self.gib, self.roles = directory, gib, ["parent"]
+        os.makedirs(directory, exist_ok=True)
+        self.uid = str(uuid.uuid4())
+        args = [WORKLOAD_PYTHON, os.path.join(REPO, "tests", "workloads", "torch_counter.py"), "--dir", directory,
+                "--gib", str(gib)]
+        self.id, res = make_container(daemon, runc_root, "default/gpu-test-pod", self.uid, "trainer", directory, args)
+        assert res.returncode == 0, res.stdout
+        deadline = time.monotonic() + 180
+        while not os.path.exists(os.path.join(directory, "parent.state")):
+            assert time.monotonic() < deadline, "the pod's container never started counting"
+            time.sleep(0.2)
+        self.wait_counting()
+        self.pids = []
+
+
+def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gpu_memory(playbook, tmp_path, record):
+    daemon = Containerd("/tmp/gpk-gpod-%d" % os.getpid()).start()
+    runc_root = str(tmp_path / "runc-root")
+    image_root = str(tmp_path / "images")
+    os.mkdir(image_root, 0o700)
+    image_dir = os.path.join(image_root, "gpu-pod-1")
+    try:
+        w = PodTorch(daemon, runc_root, str(tmp_path / "w"), GIB)
+        before = w.counts()
+        run = playbook("gpuckpt.fleet.checkpoint", {
+            "gpuckpt_pod": "default/gpu-test-pod", "gpuckpt_image_dir": image_dir, "gpuckpt_leave_stopped": True,
+            "gpuckpt_containerd_address": daemon.address, "gpuckpt_runc_root": runc_root})
+        record("gpu_k8s_pod_checkpoint_attempt", rc=run.rc, tail=run.stdout[-4000:] if run.rc else "")
+        assert run.rc == 0, run.stdout
+        ck = run.task("Checkpoint pod default/gpu-test-pod")
+        assert len(ck["cuda_pids"]) == 1 and ck["gpu_stage"] == "done", ck
+        held = w.counts()
+        time.sleep(1)
+        assert w.counts() == held, "the held pod must not count"
+
+        hdir = tmp_path / "handler"
+        hdir.mkdir()
+        for name in ("gpuckpt-restore-runtime", "gpuckpt_restore_runtime.py"):
+            shutil.copy(os.path.join(HANDLER_FILES, name), str(hdir / name))
+        os.chmod(str(hdir / "gpuckpt-restore-runtime"), 0o755)
+        (hdir / "restore-runtime.json").write_text(json.dumps({
+            "runc": shutil.which("runc"), "image_roots": [image_root], "state_dir": str(hdir / "state"),
+            "ticket_wait": 120}))
+        token, target = uuid.uuid4().hex, "default/gpu-test-pod-b"
+        script = ("import json, sys\n"
+                  "from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine\n"
+                  "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import "
+                  "KubernetesPodBackend\n"
+                  "b = KubernetesPodBackend(sys.argv[2], runc_root=sys.argv[5], restore_pod=sys.argv[3], "
+                  "restore_token=sys.argv[4], restore_wait=300)\n"
+                  "r = engine.restore(sys.argv[1], backend=b)\n"
+                  "print(json.dumps({'pids': r['pids'], 'cuda_pids': r['cuda_pids'], 'timings': r['timings'], "
+                  "'resumed_at': r['resumed_at']}))\n")
+        env = dict(os.environ, PYTHONPATH=COLLECTIONS + ":" + os.environ.get("PYTHONPATH", ""))
+        node = subprocess.Popen([sys.executable, "-c", script, image_dir, daemon.address, target, token, runc_root],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
+        t0 = time.monotonic()
+        args = [WORKLOAD_PYTHON, os.path.join(REPO, "tests", "workloads", "torch_counter.py"), "--dir", w.dir,
+                "--gib", str(GIB)]  # the pod spec's command: never run, the handler restores instead
+        cid, res = make_container(daemon, runc_root, target, str(uuid.uuid4()), "trainer", w.dir, args,
+                                  handler=str(hdir / "gpuckpt-restore-runtime"),
+                                  annotations={"gpuckpt.fleet/restore": json.dumps({"image": image_dir,
+                                                                                      "token": token})})
+        made = time.monotonic() - t0
+        out, unused = node.communicate(timeout=600)
+        record("gpu_k8s_pod_restore_attempt", rc=node.returncode, create_rc=res.returncode, create=res.stdout[-2000:],
+               node=out[-4000:])
+        assert res.returncode == 0, res.stdout
+        assert node.returncode == 0, out
+        result = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
+        assert len(result["cuda_pids"]) == 1
+        w.wait_counting(beyond=held)
+        assert w.verified_after(w.counts())
+        record("gpu_k8s_pod_restore", gib=GIB, image_bytes=ck["image_bytes"], checkpoint=ck["timings"],
+               restore=result["timings"], handler_create_seconds=made, counts_before=before, counts_held=held,
+               counts_after=w.counts())
+    finally:
+        daemon.remove_all()
+        daemon.stop()
