@@ -67,8 +67,28 @@ def make_container(daemon, runc_root, pod, uid, cname, workdir, args, handler=No
         api.close()
     res = subprocess.run([CTR, "--address", daemon.address, "--namespace", NAMESPACE, "tasks", "start", "--detach",
                           "--log-uri", "file://" + os.path.join(workdir, "container-%s.log" % cid[:8]), cid],
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, check=False)
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, check=False,
+                         timeout=240)
     return cid, res
+
+
+def diagnostics(daemon, hdir):
+    """What a failed or hung restore left to read: the handler's CRIU logs, containerd's log, the tasks, the
+    processes of the restore."""
+    out = {}
+    for d, unused, files in os.walk(str(hdir)):
+        for f in files:
+            if f.endswith(".log"):
+                with open(os.path.join(d, f), errors="replace") as fh:
+                    out[os.path.join(d, f)] = fh.read()[-3000:]
+    log = os.path.join(daemon.dir, "containerd.log")
+    if os.path.exists(log):
+        with open(log, errors="replace") as fh:
+            out["containerd.log"] = fh.read()[-4000:]
+    out["tasks"] = daemon.ctr("tasks", "ls", namespace=NAMESPACE, check=False).stdout
+    out["ps"] = subprocess.run(["ps", "-eo", "pid,ppid,stat,etime,args"], stdout=subprocess.PIPE,
+                               universal_newlines=True, check=False).stdout[-6000:]
+    return out
 
 
 class PodTorch(TorchWorkload):
@@ -132,14 +152,22 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
         node = subprocess.Popen([sys.executable, "-c", script, image_dir, daemon.address, target, token, runc_root],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
         t0 = time.monotonic()
-        args = [WORKLOAD_PYTHON, os.path.join(REPO, "tests", "workloads", "torch_counter.py"), "--dir", w.dir,
-                "--gib", str(GIB)]  # the pod spec's command: never run, the handler restores instead
-        cid, res = make_container(daemon, runc_root, target, str(uuid.uuid4()), "trainer", w.dir, args,
-                                  handler=str(hdir / "gpuckpt-restore-runtime"),
-                                  annotations={"gpuckpt.fleet/restore": json.dumps({"image": image_dir,
-                                                                                      "token": token})})
-        made = time.monotonic() - t0
-        out, unused = node.communicate(timeout=600)
+        args2 = [WORKLOAD_PYTHON, os.path.join(REPO, "tests", "workloads", "torch_counter.py"), "--dir", w.dir,
+                 "--gib", str(GIB)]  # the pod spec's command: never run, the handler restores instead
+        try:
+            cid, res = make_container(daemon, runc_root, target, str(uuid.uuid4()), "trainer", w.dir, args2,
+                                      handler=str(hdir / "gpuckpt-restore-runtime"),
+                                      annotations={"gpuckpt.fleet/restore": json.dumps({"image": image_dir,
+                                                                                          "token": token})})
+            made = time.monotonic() - t0
+            out, unused = node.communicate(timeout=330)
+        except subprocess.TimeoutExpired as exc:
+            node.kill()
+            record("gpu_k8s_pod_restore_hung", what=str(exc), node=(node.communicate()[0] or "")[-4000:],
+                   **diagnostics(daemon, hdir))
+            raise
+        if res.returncode != 0 or node.returncode != 0:
+            record("gpu_k8s_pod_restore_diagnostics", **diagnostics(daemon, hdir))
         record("gpu_k8s_pod_restore_attempt", rc=node.returncode, create_rc=res.returncode, create=res.stdout[-2000:],
                node=out[-4000:])
         assert res.returncode == 0, res.stdout
