@@ -122,3 +122,27 @@ def test_the_writable_layer_is_applied_inside_the_rootfs_only(tmp_path):
             handler.apply_rootfs_diff(diff_tar(str(tmp_path / "d2.tar"), members), str(rootfs))
         assert host_file.read_text() == "host"
         assert os.stat(str(host_file)).st_nlink == 1
+
+
+@pytest.mark.parametrize("path, expected", [
+    ("kubepods-besteffort-pod0a1b.slice:cri-containerd:abc",
+     "/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod0a1b.slice/cri-containerd-abc.scope"),
+    ("system.slice:docker:abc", "/system.slice/docker-abc.scope"),
+    (":cri-containerd:abc", "/system.slice/cri-containerd-abc.scope"),
+])
+def test_the_systemd_drivers_cgroup_path_is_the_one_systemd_makes(path, expected):
+    assert handler.systemd_cgroup_path(path) == expected
+
+
+def test_on_cgroup_v2_criu_is_told_the_new_containers_cgroup(tmp_path, monkeypatch):
+    """Else CRIU puts the restored processes back into the held source's cgroup, which is frozen."""
+    (tmp_path / "cgroup.controllers").write_text("cpu memory pids\n")
+    monkeypatch.setattr(handler, "CGROUP_FS", str(tmp_path))
+    spec = {"linux": {"cgroupsPath": "/k8s.io/new-container"}}
+    assert handler.cgroup_root(spec) == "/k8s.io/new-container"
+    conf = str(tmp_path / "criu.conf")
+    flags = handler.criu_config(conf, {"auto_flags": ["--file-locks", "--link-remap"]}, handler.cgroup_root(spec))
+    assert flags == ["--file-locks"]
+    assert open(conf).read() == "link-remap\ncgroup-root /k8s.io/new-container\n"
+    monkeypatch.setattr(handler, "CGROUP_FS", str(tmp_path / "v1"))
+    assert handler.cgroup_root(spec) is None

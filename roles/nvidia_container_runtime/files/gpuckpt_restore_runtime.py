@@ -24,7 +24,8 @@ Why each check (a pod's annotations are written by whoever may create pods):
 Only the standard library: it runs on the node, outside Ansible, started by the launcher
 ``gpuckpt-restore-runtime`` beside it (the handler's ``BinaryName``). Its settings, ``restore-runtime.json``
 beside it or /etc/gpuckpt/restore-runtime.json: ``runc`` (the runtime it runs), ``image_roots``, ``state_dir``,
-``ticket_wait`` (seconds a create waits for the node to write the restore ticket).
+``ticket_wait`` (seconds a create waits for the node to write the restore ticket), ``restore_timeout`` (seconds a
+restore may run before it is killed).
 """
 import contextlib
 import fcntl
@@ -45,7 +46,7 @@ CLAIM, CLAIM_LOCK = ".restore-claim", ".restore-claim.lock"
 SANDBOX_NS, SANDBOX_NAME = "io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri.sandbox-name"
 CONTAINER_NAME, CONTAINER_TYPE = "io.kubernetes.cri.container-name", "io.kubernetes.cri.container-type"
 DEFAULTS = {"runc": "runc", "image_roots": ["/var/lib/gpuckpt/images"], "state_dir": "/run/gpuckpt-restore-runtime",
-            "ticket_wait": 60}
+            "ticket_wait": 60, "restore_timeout": 1800}
 GLOBAL_WITH_VALUE = {"--root", "--log", "--log-format", "--criu", "--rootless"}
 CREATE_WITH_VALUE = {"--bundle", "-b", "--pid-file", "--console-socket", "--pidfd-socket", "--preserve-fds"}
 # CRIU options runc restore takes as its own flags; the others go to CRIU through a configuration file
@@ -229,14 +230,45 @@ def apply_rootfs_diff(diff, rootfs):
                                                      else {}))
 
 
-def criu_config(path, record):
-    """The dump's CRIU options that runc restore has no flag for, as a CRIU configuration file (runc hands it
-    to CRIU: annotation org.criu.config)."""
+CGROUP_FS = "/sys/fs/cgroup"
+
+
+def systemd_cgroup_path(path):
+    """runc's cgroupsPath of the systemd driver, ``slice:prefix:name``, as the cgroup v2 path systemd makes for it
+    (runc's ExpandSlice: each dash-separated prefix of a slice's name is a parent slice)."""
+    slice_, prefix, name = (path.split(":") + ["", ""])[:3]
+    slice_ = slice_ or "system.slice"
+    out, parent = "", ""
+    if slice_ != "-.slice":
+        for part in slice_[:-len(".slice")].split("-") if slice_.endswith(".slice") else [slice_]:
+            out += "/" + parent + part + ".slice"
+            parent += part + "-"
+    unit = name if name.endswith(".slice") else "%s-%s.scope" % (prefix, name) if prefix else name + ".scope"
+    return out + "/" + unit
+
+
+def cgroup_root(spec):
+    """On cgroup v2, the cgroup the restored processes must go into: the new container's (its spec's cgroupsPath).
+    Without it CRIU puts them back into the cgroup they were dumped from, the held source's, which is frozen: the
+    restore would freeze there. (On cgroup v1, runc names each controller's cgroup to CRIU itself.)"""
+    if not os.path.exists(os.path.join(CGROUP_FS, "cgroup.controllers")):
+        return None
+    path = str((spec.get("linux") or {}).get("cgroupsPath") or "")
+    if ":" in path:
+        return systemd_cgroup_path(path)
+    return path if path.startswith("/") else None
+
+
+def criu_config(path, record, cgroup=None):
+    """The dump's CRIU options that runc restore has no flag for, and the cgroup the restored processes go into,
+    as a CRIU configuration file (runc hands it to CRIU: annotation org.criu.config)."""
     opts = [o for o in list(record.get("auto_flags") or []) + list(record.get("criu_options") or [])
             if o not in RUNC_RESTORE_FLAGS]
     with open(path, "w") as fh:
         for o in opts:
             fh.write(o.lstrip("-") + "\n")
+        if cgroup:
+            fh.write("cgroup-root %s\n" % cgroup)
     return [o for o in list(record.get("auto_flags") or []) + list(record.get("criu_options") or [])
             if o in RUNC_RESTORE_FLAGS]
 
@@ -270,7 +302,7 @@ def restore(config, glob, opts, cid, spec, bundle, request):
         rootfs = root if os.path.isabs(root) else os.path.join(bundle, root)
         if os.path.exists(os.path.join(cdir, "rootfs-diff.tar")):
             apply_rootfs_diff(os.path.join(cdir, "rootfs-diff.tar"), rootfs)
-        flags = criu_config(os.path.join(work, "criu.conf"), records[cname])
+        flags = criu_config(os.path.join(work, "criu.conf"), records[cname], cgroup_root(spec))
         spec.setdefault("annotations", {})["org.criu.config"] = os.path.join(work, "criu.conf")
         with open(os.path.join(bundle, "config.json"), "w") as fh:
             json.dump(spec, fh)
@@ -282,7 +314,18 @@ def restore(config, glob, opts, cid, spec, bundle, request):
                 argv += [name, value]
         if "--no-pivot" in opts:
             argv.append("--no-pivot")
-        rc = subprocess.call(argv + [cid])  # with the shim's stdio: runc maps the dumped pipes onto it
+        # With the shim's stdio: runc maps the dumped pipes onto it. In a session of its own, so that a restore
+        # that hangs (CRIU waiting on something that never comes) is killed whole after restore_timeout seconds
+        # instead of holding the kubelet's create for ever.
+        proc = subprocess.Popen(argv + [cid], start_new_session=True)
+        try:
+            rc = proc.wait(timeout=float(config.get("restore_timeout", 1800)))
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+            subprocess.call([config["runc"]] + glob + ["delete", "--force", cid])
+            raise Refused("runc restore of container %s of pod %s did not end within %ss and was killed; CRIU's log: "
+                          "%s" % (cname, pod, config.get("restore_timeout", 1800), os.path.join(work, "restore.log")))
         if rc != 0:
             raise Refused("runc restore of container %s of pod %s failed (rc %d); CRIU's log: %s"
                           % (cname, pod, rc, os.path.join(work, "restore.log")))
