@@ -368,7 +368,11 @@ def main(argv):
                                                                     "restored")):
             return 0  # restored running by its create
         elif cmd == "delete" and cid:
-            shutil.rmtree(os.path.join(config["state_dir"], os.path.basename(cid)), ignore_errors=True)
+            work = os.path.join(config["state_dir"], os.path.basename(cid))
+            log = os.path.join(work, "restore.log")
+            if os.path.exists(log) and not os.path.exists(os.path.join(work, "restored")):
+                os.replace(log, work + ".failed-restore.log")  # what the operator reads: kept past the delete
+            shutil.rmtree(work, ignore_errors=True)
     except (Refused, OSError, ValueError) as exc:
         log_error(glob, str(exc))
         return 1
