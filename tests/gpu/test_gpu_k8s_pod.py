@@ -4,7 +4,9 @@ here). One containerd 2.1 (carried: tests/gpu/prepare_carry.sh), namespace k8s.i
 plugin's annotations on both containers, the GPU put into each spec as CDI does (test_gpu_runc.gpu_spec).
 
 Steps, as a pod migration runs them on one machine (its only GPU is both nodes' GPU): gpu_checkpoint with runtime
-k8s_pod holds the pod paused, its GPU memory in host RAM; the node's restore (engine.restore with the pod backend and
+k8s_pod holds the pod paused, its GPU memory in host RAM (then the held source is removed, as it would be on
+another node: here it would share the host network namespace, and its abstract sockets, with the copy); the node's
+restore (engine.restore with the pod backend and
 the restore ticket) waits; the stand-in makes the target pod's container under the handler, which restores it with
 runc restore; the engine brings the GPU memory back and unlocks it. The PyTorch workload's GPU checksum is then
 compared with the one taken when it filled its memory."""
@@ -129,6 +131,14 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
         held = w.counts()
         time.sleep(1)
         assert w.counts() == held, "the held pod must not count"
+        # On two nodes the held source lives on in its own node's network namespace. Here both containers would
+        # share this machine's (gpu_spec: host network), where the held source keeps its abstract unix sockets
+        # bound, so the copy could not bind them again: the source goes first, as if it were on another node.
+        daemon.ctr("tasks", "kill", "--signal", "SIGKILL", w.id, namespace=NAMESPACE, check=False)
+        for unused in range(100):
+            if daemon.ctr("tasks", "delete", w.id, namespace=NAMESPACE, check=False).returncode == 0:
+                break
+            time.sleep(0.1)
 
         hdir = tmp_path / "handler"
         hdir.mkdir()
