@@ -164,11 +164,11 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
         t0 = time.monotonic()
         args2 = [WORKLOAD_PYTHON, os.path.join(REPO, "tests", "workloads", "torch_counter.py"), "--dir", w.dir,
                  "--gib", str(GIB)]  # the pod spec's command: never run, the handler restores instead
+        request = json.dumps({"image": image_dir, "token": token})
         try:
             cid, res = make_container(daemon, runc_root, target, str(uuid.uuid4()), "trainer", w.dir, args2,
                                       handler=str(hdir / "gpuckpt-restore-runtime"),
-                                      annotations={"gpuckpt.fleet/restore": json.dumps({"image": image_dir,
-                                                                                          "token": token})})
+                                      annotations={"gpuckpt.fleet/restore": request})
             made = time.monotonic() - t0
             out, unused = node.communicate(timeout=330)
         except subprocess.TimeoutExpired as exc:
