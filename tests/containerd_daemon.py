@@ -7,6 +7,7 @@ import hashlib
 import io
 import json
 import os
+import shutil
 import signal
 import subprocess
 import tarfile
@@ -131,3 +132,32 @@ class Containerd(object):
             self.proc.wait()
         self.proc = None
         subprocess.run(["umount", "-R", os.path.join(self.dir, "root")], stderr=subprocess.DEVNULL, check=False)
+
+
+def start_on_host(hosts, name, directory):
+    """A containerd of loopback host ``name`` (tests/hosts/loopback.py), started over ssh so that its shims and
+    tasks live in that host's pid space; one already running there is reused. ``directory`` must be short (a
+    unix socket's path has at most 107 bytes)."""
+    d = Containerd(directory)
+    if not os.path.exists(d.address):
+        d.write_config()
+        hosts.ssh(name, "PATH=%s:$PATH setsid %s --config %s/config.toml >%s/containerd.log 2>&1 </dev/null & "
+                        "echo $! >%s/pid" % (PREFIX, CONTAINERD, d.dir, d.dir, d.dir))
+        d.wait_ready()
+    return d
+
+
+def stop_on_host(hosts, name, directory):
+    """Stop the containerd start_on_host started on ``name`` (by the pid it recorded, in that host's pid space),
+    with its tasks, and remove its state."""
+    d = Containerd(directory)
+    if not os.path.exists(os.path.join(d.dir, "pid")):
+        return
+    d.remove_all()
+    hosts.ssh(name, "kill $(cat %s/pid)" % d.dir, check=False)
+    for unused in range(100):  # its pid file is in the host's pid space: wait for its socket to go
+        if not os.path.exists(d.address) or d.ctr("version", check=False).returncode != 0:
+            break
+        time.sleep(0.1)
+    subprocess.run(["umount", "-R", os.path.join(d.dir, "root")], stderr=subprocess.DEVNULL, check=False)
+    shutil.rmtree(d.dir, ignore_errors=True)

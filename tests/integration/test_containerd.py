@@ -6,14 +6,12 @@ from __future__ import annotations
 
 import os
 import shlex
-import shutil
-import subprocess
 import time
 import uuid
 
 import pytest
 
-from containerd_daemon import CONTAINERD, CTR, IMAGE, PREFIX, Containerd, available
+from containerd_daemon import CTR, IMAGE, Containerd, available, start_on_host, stop_on_host
 from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, alive, tree
 
 from loopback_workloads import MIGRATE, changed_tasks
@@ -202,12 +200,7 @@ class RemoteContainerdWorkload(CountingWorkload):
         os.makedirs(workdir, exist_ok=True)
         self.daemons = {}
         for name in ("hosta", "hostb"):
-            d = Containerd("/tmp/gpk-ctrd-%s-%d" % (name, os.getpid()))
-            if not os.path.exists(d.address):
-                d.write_config()
-                hosts.ssh(name, "PATH=%s:$PATH setsid %s --config %s/config.toml >%s/containerd.log 2>&1 "
-                                "</dev/null & echo $! >%s/pid" % (PREFIX, CONTAINERD, d.dir, d.dir, d.dir))
-                d.wait_ready()
+            d = start_on_host(hosts, name, loopback_dir(name))
             d.import_skeleton(namespace)
             self.daemons[name] = d
         fc = hosts.path("hosta", "fakecuda")
@@ -237,20 +230,15 @@ class RemoteContainerdWorkload(CountingWorkload):
             d.remove_all()
 
 
+def loopback_dir(name):
+    return "/tmp/gpk-ctrd-%s-%d" % (name, os.getpid())
+
+
 @pytest.fixture(scope="module")
 def loopback_containerds(hosts):
     yield
     for name in ("hosta", "hostb"):
-        d = Containerd("/tmp/gpk-ctrd-%s-%d" % (name, os.getpid()))
-        if os.path.exists(os.path.join(d.dir, "pid")):
-            d.remove_all()
-            hosts.ssh(name, "kill $(cat %s/pid)" % d.dir, check=False)
-            for unused in range(100):  # its pid file is in the host's pid space: wait for its socket to go
-                if not os.path.exists(d.address) or d.ctr("version", check=False).returncode != 0:
-                    break
-                time.sleep(0.1)
-            subprocess.run(["umount", "-R", os.path.join(d.dir, "root")], stderr=subprocess.DEVNULL, check=False)
-            shutil.rmtree(d.dir, ignore_errors=True)
+        stop_on_host(hosts, name, loopback_dir(name))
 
 
 def _migrate_vars(w, mid):

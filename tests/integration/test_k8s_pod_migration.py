@@ -19,7 +19,7 @@ import uuid
 
 import pytest
 
-from containerd_daemon import CONTAINERD, IMAGE, PREFIX, Containerd, available
+from containerd_daemon import IMAGE, available, start_on_host, stop_on_host
 from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload
 
 from loopback_workloads import MIGRATE, changed_tasks
@@ -173,21 +173,26 @@ class PodContainer(CountingWorkload):
         os.makedirs(workdir, exist_ok=True)
 
 
+def node_dir(host):
+    return "/tmp/gpk-pod-%s-%d" % (host, os.getpid())
+
+
+@pytest.fixture(scope="module")
+def node_containerds(hosts):
+    """Each loopback host's containerd, started once for the module and stopped by its pid at the end."""
+    yield {host: start_on_host(hosts, host, node_dir(host)) for host in NODES}
+    for host in NODES:
+        stop_on_host(hosts, host, node_dir(host))
+
+
 @pytest.fixture
-def cluster(hosts, tmp_path):
+def cluster(hosts, node_containerds, tmp_path):
     """Each loopback host a node: its containerd (started over ssh, so that its shims live in the host's pid
     space), the API double knowing both nodes, a kubelet stand-in, and the restore runtime handler installed on
     both (handlers[host]), as the role installs it."""
-    daemons = {}
-    for host in NODES:
-        d = Containerd("/tmp/gpk-pod-%s-%d" % (host, os.getpid()))
-        if not os.path.exists(d.address):
-            d.write_config()
-            hosts.ssh(host, "PATH=%s:$PATH setsid %s --config %s/config.toml >%s/containerd.log 2>&1 </dev/null & "
-                            "echo $! >%s/pid" % (PREFIX, CONTAINERD, d.dir, d.dir, d.dir))
-            d.wait_ready()
+    daemons = dict(node_containerds)
+    for d in daemons.values():
         d.import_skeleton("k8s.io")
-        daemons[host] = d
     handlers = {}
     for host in NODES:
         hdir = os.path.join(str(tmp_path), "handler-" + host)
