@@ -34,6 +34,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 from . import discovery, hugepages, image, quiesce
+from . import gpus as gpu_devices
 from . import driver as cuda
 from .errors import DriverUnavailable, GpuCkptError, ImageError, InvalidTarget, TransactionError
 from .journal import Fenced, identities, process_identity, same_process
@@ -328,12 +329,16 @@ def plan_checkpoint(target, image_dir, opts, backend):
     if opts.quiesce_signal:
         quiesce.check_caught(cuda_pids or [root], *opts.quiesce_signal)
     proc_states = {str(p): (discovery.read_stat(p) or {}).get("state") for p in pids}
+    # The GPUs each CUDA process holds (its open device files), read while it runs: the checkpoint
+    # closes them. What a restore onto other GPUs maps from (see gpus.py).
+    inv = gpu_devices.inventory() if cuda_pids and not sandboxed else []
+    cuda_gpus = {str(p): gpu_devices.process_gpus(p, inv) for p in ([] if sandboxed else cuda_pids)}
     # The host's facts for the manifest are read now: asking NVML or nvidia-smi while the workload is
     # frozen added 0.05-0.7 s of downtime (more with the push's streams busy on the same cores).
     return _Ctx(target=target, image_dir=image_dir, root=root, pids=pids, cuda_pids=cuda_pids, drv=drv,
                 host=host_facts(drv),
                 gpu_stage=gpu_stage, runtime_facts=runtime_facts, identities=identities(pids),
-                states=proc_states, after=opts.after, backend=backend, opts=opts)
+                states=proc_states, cuda_gpus=cuda_gpus, after=opts.after, backend=backend, opts=opts)
 
 
 def _checkpoint_steps(ctx, clock, sender):
@@ -432,6 +437,7 @@ def _checkpoint_steps(ctx, clock, sender):
              "host": host, "runtime": c.runtime_info,
              "target": {"workload": str(c.target), "root_pid": c.root, "pids": c.pids, "cuda_pids": c.cuda_pids,
                         "identities": c.identities, "states": c.states, "after": c.after,
+                        "gpus": c.cuda_gpus,
                         "processes": [discovery.process_info(p) for p in c.pids] if c.after == "running" else
                         [{"pid": p} for p in c.pids]},
              "gpu_stage": c.gpu_stage, "leave_running": c.after == "running", "leave_stopped": c.after == "stopped",
@@ -657,7 +663,11 @@ def _restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_
             cuda_pids = _map_pids(manifest, new_pids)
         by_runtime = backend.owns_cuda_stage  # its restore brought the GPU memory back and unlocked
         if not by_runtime:
-            _each(cuda_pids, lambda p: drv.restore(p, gpu_pairs), parallel)
+            # the user's map for every process; else the runtime's (a pod's new container was given other
+            # GPUs by the device plugin), else none: the driver puts each GPU back where it was
+            placed = {p: gpu_pairs or backend.gpu_pairs_for(p) for p in cuda_pids}
+            clock.gpu_pairs = {str(p): pairs for p, pairs in placed.items() if pairs}
+            _each(cuda_pids, lambda p: drv.restore(p, placed[p]), parallel)
         clock.stop("cuda_restore")
         if probe:
             # Its GPU memory is back but its CUDA processes are still locked: a failing probe is rolled
@@ -890,7 +900,8 @@ def _restore(image_dir, opts, backend, journal, progress):
                   resumed_at=clock.resumed_at, validation_notes=getattr(clock, "notes", []),
                   probe=getattr(clock, "probe", None),
                   verify_seconds=verify_seconds, driver_call_seconds=_driver_seconds(drv, calls0),
-                  gpu_pairs=pairs, msg="restored %d process(es) (%d on the GPU) from %s"
+                  gpu_pairs=pairs if pairs or not getattr(clock, "gpu_pairs", None) else clock.gpu_pairs,
+                  msg="restored %d process(es) (%d on the GPU) from %s"
                   % (len(new_pids), len(cuda_pids), image_dir))
     return result
 

@@ -166,9 +166,14 @@ driver_call_seconds:
   returned: when changed
   type: dict
 gpu_pairs:
-  description: The (old, new) GPU UUID pairs passed to the driver, when O(gpu_map) was given.
+  description:
+    - The (old, new) GPU UUID pairs passed to the driver.
+    - A list when O(gpu_map) was given (the same pairs for every CUDA process).
+    - A dict of restored pid to its pairs when the runtime put the processes onto other GPUs than they had
+      (a pod whose new containers were given other GPUs by the device plugin).
+    - Null when every process went back onto the GPUs it had.
   returned: when changed
-  type: list
+  type: raw
 probe:
   description: What O(probe_command) did (cmd, rc, seconds, and the tails of stdout and stderr).
   returned: when changed and O(probe_command) was given

@@ -247,7 +247,56 @@ int cuCheckpointProcessGetState(int pid, int *state) {
 
 int cuCheckpointProcessLock(int pid, void *args) { (void)args; return transition("lock", pid, RUNNING, LOCKED); }
 int cuCheckpointProcessCheckpoint(int pid, void *args) { (void)args; return transition("checkpoint", pid, LOCKED, CHECKPOINTED); }
-int cuCheckpointProcessRestore(int pid, void *args) { (void)args; return transition("restore", pid, CHECKPOINTED, LOCKED); }
+/* CUcheckpointRestoreArgs (driver 580+): a pointer to the GPU pairs and their count lead it. The pairs a
+ * restore was given are logged as "restore-pairs <pid> <old>=<new>,..." in calls.log, so tests see where
+ * the process was put; a pair whose new GPU is not in $FAKECUDA_STATE_DIR/gpus (one UUID a line, when that
+ * file exists: this host's GPUs) is refused with CUDA_ERROR_INVALID_VALUE, as the driver refuses a GPU it
+ * does not have. */
+typedef struct { unsigned char old_uuid[16]; unsigned char new_uuid[16]; } FakeGpuPair;
+typedef struct { FakeGpuPair *pairs; unsigned int count; } FakeRestoreArgs;
+
+static void format_uuid(const unsigned char *b, char *out) {
+    sprintf(out, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x", b[0], b[1], b[2], b[3],
+            b[4], b[5], b[6], b[7], b[8], b[9], b[10], b[11], b[12], b[13], b[14], b[15]);
+}
+
+static int host_has_gpu(const char *uuid) {
+    char p[4096], line[128];
+    path_for(p, sizeof p, "gpus");
+    FILE *f = fopen(p, "r");
+    if (!f) return 1;
+    int found = 0;
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\r\n")] = 0;
+        if (strcasecmp(line, uuid) == 0) { found = 1; break; }
+    }
+    fclose(f);
+    return found;
+}
+
+int cuCheckpointProcessRestore(int pid, void *args) {
+    const FakeRestoreArgs *ra = (const FakeRestoreArgs *)args;
+    if (ra && ra->count) {
+        char entry[128], old_s[48], new_s[48], logp[4096];
+        static char text[16384];
+        text[0] = 0;
+        int known = 1;
+        for (unsigned int i = 0; i < ra->count && i < 64; i++) {
+            format_uuid(ra->pairs[i].old_uuid, old_s);
+            format_uuid(ra->pairs[i].new_uuid, new_s);
+            snprintf(entry, sizeof entry, "%s%s=%s", i ? "," : "", old_s, new_s);
+            strncat(text, entry, sizeof text - strlen(text) - 1);
+            if (!host_has_gpu(new_s)) known = 0;
+        }
+        int lk = big_lock();
+        path_for(logp, sizeof logp, "calls.log");
+        FILE *f = fopen(logp, "a");
+        if (f) { fprintf(f, "restore-pairs %d %s\n", pid, text); fclose(f); }
+        big_unlock(lk);
+        if (!known) return CUDA_ERROR_INVALID_VALUE;
+    }
+    return transition("restore", pid, CHECKPOINTED, LOCKED);
+}
 int cuCheckpointProcessUnlock(int pid, void *args) { (void)args; return transition("unlock", pid, LOCKED, RUNNING); }
 int cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
     if (!tid) return CUDA_ERROR_INVALID_VALUE;

@@ -42,9 +42,13 @@ class KubeletStandIn(object):
     container's id, and on a deletion kills the pod's containers (SIGKILL after the grace period: a paused task
     dies of it) before the pod leaves the API server."""
 
-    def __init__(self, api, daemons, hosts, handlers):
+    def __init__(self, api, daemons, hosts, handlers, gpus=None):
         self.api, self.daemons, self.hosts, self.handlers = api, daemons, hosts, handlers
         self.made, self.failures, self.log = {}, {}, []
+        # DEVICE PLUGIN STAND-IN (CDI mode): {host: [free GPU minors]}; a container that asks for nvidia.com/gpu
+        # gets the first free ones as device nodes in its spec (linux.devices and the device cgroup's rules)
+        self.gpus_free = {h: list(m) for h, m in (gpus or {}).items()}
+        self.gpus_given = {}  # container id: [minors]
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kubelet-stand-in", daemon=True)
 
@@ -125,10 +129,48 @@ class KubeletStandIn(object):
         for m in c.get("volumeMounts") or []:
             args += ["--mount", "type=bind,src=%s,dst=%s,options=rbind:%s"
                      % (volumes[m["name"]], m["mountPath"], "ro" if m.get("readOnly") else "rw")]
+        asked = int(((c.get("resources") or {}).get("limits") or {}).get("nvidia.com/gpu", 0))
+        if asked:
+            return self._make_with_gpus(daemon, host, cid, args, c, asked)
         res = daemon.ctr(*(args + [IMAGE, cid] + c["command"]), namespace="k8s.io", check=False)
         if res.returncode != 0:
             daemon.ctr("containers", "delete", cid, namespace="k8s.io", check=False)
             return None, (res.stderr or res.stdout).strip()
+        return cid, None
+
+    def _make_with_gpus(self, daemon, host, cid, run_args, c, asked):
+        """As the CRI plugin does with a device plugin's CDI devices: the container created, its spec given the
+        GPUs' device nodes and device cgroup rules, then its task started."""
+        from ansible_collections.gpuckpt.fleet.plugins.module_utils.containerd_api import Client
+        free = self.gpus_free.get(host) or []
+        if len(free) < asked:
+            return None, "the device plugin stand-in has %d free GPU(s) on %s, %d asked" % (len(free), host, asked)
+        minors, self.gpus_free[host] = free[:asked], free[asked:]
+        log_uri = run_args[run_args.index("--log-uri") + 1]
+        create = [a for a in run_args[1:] if a != "--detach"]
+        del create[create.index("--log-uri"):create.index("--log-uri") + 2]
+        res = daemon.ctr(*(["containers", "create"] + create + [IMAGE, cid] + c["command"]), namespace="k8s.io",
+                         check=False)
+        if res.returncode == 0:
+            api = Client(daemon.address, "k8s.io", timeout=30)
+            try:
+                record = api.container(cid)
+                spec = record["spec"]
+                linux = spec.setdefault("linux", {})
+                linux["devices"] = list(linux.get("devices") or []) + [
+                    {"path": "/dev/nvidia%d" % m, "type": "c", "major": 195, "minor": m, "fileMode": 438, "uid": 0,
+                     "gid": 0} for m in minors]
+                rules = linux.setdefault("resources", {}).setdefault("devices", [])
+                rules += [{"allow": True, "type": "c", "major": 195, "minor": m, "access": "rwm"} for m in minors]
+                api.update_spec(cid, spec, record["spec_url"], "preflight")
+            finally:
+                api.close()
+            res = daemon.ctr("tasks", "start", "--detach", "--log-uri", log_uri, cid, namespace="k8s.io", check=False)
+        if res.returncode != 0:
+            daemon.ctr("containers", "delete", cid, namespace="k8s.io", check=False)
+            self.gpus_free[host] = sorted(self.gpus_free[host] + minors)
+            return None, (res.stderr or res.stdout).strip()
+        self.gpus_given[cid] = minors
         return cid, None
 
     def _remove_made(self, host, uid):
@@ -141,6 +183,8 @@ class KubeletStandIn(object):
         return [ln.split()[0] for ln in out.splitlines()[1:] if ln.strip()]
 
     def _kill(self, host, cid):
+        if cid in self.gpus_given:
+            self.gpus_free[host] = sorted(self.gpus_free.get(host, []) + self.gpus_given.pop(cid))
         d = self.daemons[host]
         d.ctr("tasks", "kill", "--signal", "SIGKILL", cid, namespace="k8s.io", check=False)
         for unused in range(100):
@@ -208,16 +252,37 @@ def cluster(hosts, node_containerds, tmp_path):
     api.add_node("node-a", gpus=2)
     api.add_node("node-b", gpus=2)
     api.graceful_nodes.update(NODES.values())  # deletion waits for the kubelet stand-in, as the API's does
-    kubelet = KubeletStandIn(api, daemons, hosts, handlers).start()
+    # Each node's GPUs as its driver lists them (/proc/driver/nvidia/gpus, through GPUCKPT_NVIDIA_PROC), four a
+    # node, and the libcuda double told which are the target's. node-b's GPU 0 is another pod's: the device plugin
+    # stand-in gives the moved pod other minors than it had, so its GPUs are remapped and its /dev is redone.
+    gpu_uuids = {}
+    for host in NODES:
+        proc = os.path.join(str(tmp_path), "nvidia-proc-" + host)
+        gpu_uuids[host] = {}
+        for m in range(4):
+            gpu_uuids[host][m] = "GPU-%s-0000-4000-8000-00000000000%d" % (("aaaaaaaa", "bbbbbbbb")[host == "hostb"], m)
+            gdir = os.path.join(proc, "gpus", "0000:%02x:00.0" % (0x10 + m))
+            os.makedirs(gdir)
+            with open(os.path.join(gdir, "information"), "w") as fh:
+                fh.write("Model: \t\t NVIDIA H100 80GB HBM3 (a test double)\nGPU UUID: \t %s\nDevice Minor: \t %d\n"
+                         "Bus Location: \t 0000:%02x:00.0\n" % (gpu_uuids[host][m], m, 0x10 + m))
+    env_b = hosts.host_vars["hostb"]["gpuckpt_environment"]
+    with open(os.path.join(env_b["FAKECUDA_STATE_DIR"], "gpus"), "w") as fh:
+        fh.write("".join(u + "\n" for u in gpu_uuids["hostb"].values()))
+    kubelet = KubeletStandIn(api, daemons, hosts, handlers, gpus={"hosta": [0, 1, 2, 3], "hostb": [1, 2, 3]}).start()
     with open(hosts.path("inventory.yml")) as fh:
         inv = json.load(fh)
     for host, d in daemons.items():
-        inv["gpu_nodes"]["hosts"][host].update(gpuckpt_containerd_address=d.address, gpuckpt_k8s_node_name=NODES[host])
+        env = dict(hosts.host_vars[host]["gpuckpt_environment"],
+                   GPUCKPT_NVIDIA_PROC=os.path.join(str(tmp_path), "nvidia-proc-" + host))
+        inv["gpu_nodes"]["hosts"][host].update(gpuckpt_containerd_address=d.address, gpuckpt_k8s_node_name=NODES[host],
+                                               gpuckpt_environment=env)
     inv["all"] = {"hosts": {"localhost": {"ansible_connection": "local", "ansible_python_interpreter": sys.executable}}}
     inventory = os.path.join(str(tmp_path), "inventory-pods.yml")
     with open(inventory, "w") as fh:
         json.dump(inv, fh)
     c = {"api": api, "kubelet": kubelet, "daemons": daemons, "inventory": inventory, "handlers": handlers,
+         "gpu_uuids": gpu_uuids,
          "kubeconfig": api.kubeconfig(os.path.join(str(tmp_path), "kubeconfig")), "dir": str(tmp_path)}
     yield c
     kubelet.stop()
@@ -271,6 +336,15 @@ def layer_of(cluster, host, cid):
     return res.stdout.strip()
 
 
+def container_pid(cluster, host, cid):
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.containerd_api import Client
+    api = Client(cluster["daemons"][host].address, "k8s.io", timeout=30)
+    try:
+        return api.task(cid)["pid"]
+    finally:
+        api.close()
+
+
 def running_pod_containers(cluster, host):
     out = cluster["daemons"][host].ctr("tasks", "ls", namespace="k8s.io", check=False).stdout
     return sorted(ln.split()[0] for ln in out.splitlines()[1:] if ln.strip() and "RUNNING" in ln)
@@ -301,6 +375,19 @@ def test_a_pod_of_two_gpu_containers_migrates_to_the_named_node_and_a_rerun_chan
         w.no_count_twice()
     # each container's writable layer as it was checkpointed, not written again by its entrypoint
     assert sorted(layer_of(cluster, "hostb", cid) for cid in ids) == ["logger", "trainer"]
+    # The trainer had GPUs 0 and 1 of node-a; the device plugin gave its new container GPUs 1 and 2 of node-b: each
+    # of its CUDA processes was restored with the driver's map, place by place, and the restored container's /dev
+    # holds the nodes of its new GPUs only (CRIU brought back the old /dev/nvidia0 and /dev/nvidia1).
+    a, b = cluster["gpu_uuids"]["hosta"], cluster["gpu_uuids"]["hostb"]
+    pairs = [ln.split() for ln in open(os.path.join(hosts.host_vars["hostb"]["gpuckpt_environment"]["FAKECUDA_STATE_DIR"],
+                                                    "calls.log")) if ln.startswith("restore-pairs ")]
+    assert sorted(p[2] for p in pairs) == ["%s=%s,%s=%s" % (a[0], b[1], a[1], b[2])] * 2, pairs
+    trainer = [cid for cid in ids if cid in cluster["kubelet"].gpus_given]
+    assert len(trainer) == 1 and cluster["kubelet"].gpus_given[trainer[0]] == [1, 2]
+    root = "/proc/%d/root/dev" % container_pid(cluster, "hostb", trainer[0])
+    nodes = {n: os.stat(os.path.join(root, n)) for n in os.listdir(root) if n.startswith("nvidia")}
+    assert sorted(nodes) == ["nvidia1", "nvidia2"], sorted(nodes)
+    assert [(os.major(st.st_rdev), os.minor(st.st_rdev)) for unused, st in sorted(nodes.items())] == [(195, 1), (195, 2)]
     deletes = [r for r in api.requests if r[0] == "DELETE"]
     assert deletes == [("DELETE", "/api/v1/namespaces/default/pods/gpu-test-pod")], deletes
     assert api.deleted_uids == [source_uid]

@@ -143,6 +143,11 @@ class Backend(object):
         """Host pids of the restored CUDA processes; None lets the engine match them by tree order."""
         return None
 
+    def gpu_pairs_for(self, pid):
+        """The driver's (old, new) GPU UUID pairs for restored CUDA process ``pid``, when this runtime put it
+        into a container that was given other GPUs (gpus.py); None: the GPUs it had."""
+        return None
+
     def preflight(self, full=True):
         """Check the runtime is present and usable; return facts for the manifest (versions...).
         ``full=False`` skips the slow checks (kept for restore, where time is downtime)."""

@@ -37,6 +37,7 @@ import re
 import time
 
 from .. import discovery
+from .. import gpus as gpu_devices
 from ..containerd_api import Client, ContainerdError
 from ..errors import GpuCkptError, InvalidTarget
 from ..fsutil import atomic_write
@@ -193,6 +194,7 @@ class KubernetesPodBackend(ContainerBackend):
 
     def dump(self, target, image_dir, work_dir, after):
         self.check_after(after)
+        inv = gpu_devices.inventory()  # (read before the pause: no downtime)
         api = self.client()
         paused, records = [], []
         try:
@@ -205,7 +207,10 @@ class KubernetesPodBackend(ContainerBackend):
                 os.mkdir(sub, 0o700)
                 os.mkdir(work, 0o700)
                 info = member.dump_task(api, self.trees[cname][0], sub, work, exit_after=False, paused=True)
-                records.append(dict(info, name=cname))
+                # its GPUs, from its spec (the device plugin's allocation): a restore maps them onto the new pod's
+                gpus = [{"uuid": g["uuid"], "minor": g["minor"]}
+                        for g in gpu_devices.spec_gpus((info.get("record") or {}).get("spec"), inv)]
+                records.append(dict(info, name=cname, gpus=gpus))
             if after == "running":
                 self._resume(api, paused, "runtime-dump")
         except Exception:
@@ -379,17 +384,32 @@ class KubernetesPodBackend(ContainerBackend):
                                        stage="runtime-restore",
                                        hint="the pod must be scheduled here with the restore runtime class")
                 time.sleep(0.2)
+            self._restoring, self._restored_image = records, image_dir
+            pids, self._pairs_by_pid, inv = [], {}, None
+            for rec in records:
+                pid, tree = self._member().resolve(found[rec["name"]])
+                pids += [p for p in tree if p not in pids]
+                old = rec.get("gpus") or []
+                new_spec = (api.container(found[rec["name"]], stage="runtime-restore") or {}).get("spec") or {}
+                inv = gpu_devices.inventory() if inv is None else inv
+                new = gpu_devices.spec_gpus(new_spec, inv)
+                if not old and not new:
+                    continue
+                # the GPUs the device plugin gave the new container: its processes go onto them, place by place
+                pairs = gpu_devices.placement_pairs(old, new, "container %s of pod %s/%s" % (rec["name"], namespace,
+                                                                                           name))
+                gpu_devices.sync_device_nodes(pid, new)
+                for p in tree:
+                    self._pairs_by_pid[p] = pairs
+            return pids
         except Exception:
             self._fail_claims(image_dir, records)
             raise
         finally:
             api.close()
-        pids = []
-        self._restoring, self._restored_image = records, image_dir
-        for rec in records:
-            pid, tree = self._member().resolve(found[rec["name"]])
-            pids += [p for p in tree if p not in pids]
-        return pids
+
+    def gpu_pairs_for(self, pid):
+        return getattr(self, "_pairs_by_pid", {}).get(pid)
 
     def _restored_container(self, api, namespace, name, cname):
         for c in api.containers():

@@ -1,0 +1,257 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Which GPUs a container holds, and how its processes are put back onto the GPUs of another container.
+
+The driver restores a CUDA process onto the GPUs it was checkpointed on, by their place, unless it is given
+a map of GPU UUIDs (old -> new) that names every GPU the process had (driver 580+). A pod restored on
+another node, or onto other GPUs of its node, gets the GPUs the device plugin gives its new container: a
+container's GPUs are matched by their place in it (its first GPU onto the new container's first GPU, ...),
+so that ``cuda:0`` in the job is ``cuda:0`` again, on the GPU the new container owns.
+
+A container's GPUs are read from its OCI spec, as the runtime builds them: the NVIDIA device nodes in
+``linux.devices`` (major 195; what CDI and the device plugin's CDI mode put there), else the
+``NVIDIA_VISIBLE_DEVICES`` the NVIDIA container runtime reads (UUIDs or indices). A GPU's UUID is found
+from its device minor in the driver's ``/proc/driver/nvidia/gpus/*/information`` (``GPU UUID``,
+``Device Minor``, ``Bus Location``); ``$GPUCKPT_NVIDIA_PROC`` names another place for that directory
+(a node agent in a container that sees the host's /proc elsewhere).
+
+A restored container's /dev is the one its checkpoint recorded: CRIU restores the container's /dev
+(a tmpfs) with the device nodes the *source* container had, and the new spec's device nodes are not made
+(measured with runc 1.1.5 and CRIU 4.2.1: a container checkpointed with /dev/nvidia0 and restored into a
+spec that lists /dev/nvidia1 had /dev/nvidia0 and no /dev/nvidia1). The driver's restore opens the new
+GPU's node from inside the process, so ``sync_device_nodes`` makes the /dev of the restored container
+match its new spec before the GPU memory is restored: the new GPUs' nodes made, the old GPUs' nodes that
+the new container does not own removed (the device cgroup denies them anyway; a node for another
+tenant's GPU has no business there).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import stat
+
+from .errors import GpuCkptError, InvalidTarget
+
+NVIDIA_MAJOR = 195
+# minors 254 (nvidia-modeset) and 255 (nvidiactl) are the driver's control nodes, not GPUs
+FIRST_CONTROL_MINOR = 254
+DEFAULT_PROC = "/proc/driver/nvidia"
+GPU_NODE = re.compile(r"^nvidia([0-9]+)$")
+CLONE_NEWNS = 0x00020000
+
+
+def proc_dir():
+    return os.environ.get("GPUCKPT_NVIDIA_PROC") or DEFAULT_PROC
+
+
+def inventory(root=None):
+    """This host's GPUs as the driver lists them: [{"uuid", "minor", "bus"}], in bus order (the NVIDIA
+    container runtime's and nvidia-smi's index order). [] without the driver."""
+    base = os.path.join(root or proc_dir(), "gpus")
+    out = []
+    try:
+        names = sorted(os.listdir(base))
+    except OSError:
+        return []
+    for name in names:
+        fields = {}
+        try:
+            with open(os.path.join(base, name, "information")) as fh:
+                for line in fh:
+                    key, sep, value = line.partition(":")
+                    if sep:
+                        fields[key.strip()] = value.strip()
+        except OSError:
+            continue
+        try:
+            minor = int(fields.get("Device Minor", ""))
+        except ValueError:
+            continue
+        uuid = fields.get("GPU UUID", "")
+        if uuid:
+            out.append({"uuid": uuid, "minor": minor, "bus": fields.get("Bus Location") or name})
+    out.sort(key=lambda g: g["bus"].lower())
+    return out
+
+
+def _gpu_minor(entry):
+    """The GPU minor of an OCI ``linux.devices`` entry, or None (not an NVIDIA GPU node)."""
+    try:
+        if entry.get("type", "c") != "c" or int(entry.get("major", -1)) != NVIDIA_MAJOR:
+            return None
+        minor = int(entry.get("minor", -1))
+    except (TypeError, ValueError):
+        return None
+    return minor if 0 <= minor < FIRST_CONTROL_MINOR else None
+
+
+def spec_gpus(spec, inv=None):
+    """The GPUs an OCI spec gives its container, in their order inside it (by device minor, as the
+    driver enumerates them): [{"uuid", "minor", "path"}]. ``uuid`` is None for a minor this host's
+    driver does not list."""
+    inv = inventory() if inv is None else inv
+    by_minor = {g["minor"]: g for g in inv}
+    found = {}
+    for entry in ((spec or {}).get("linux") or {}).get("devices") or []:
+        minor = _gpu_minor(entry)
+        if minor is not None and minor not in found:
+            found[minor] = {"uuid": (by_minor.get(minor) or {}).get("uuid"), "minor": minor,
+                            "path": entry.get("path") or "/dev/nvidia%d" % minor}
+    if not found:
+        for g in _visible_devices(spec, inv):
+            found[g["minor"]] = {"uuid": g["uuid"], "minor": g["minor"], "path": "/dev/nvidia%d" % g["minor"]}
+    return [found[m] for m in sorted(found)]
+
+
+def _visible_devices(spec, inv):
+    """The GPUs that NVIDIA_VISIBLE_DEVICES in the spec's environment names (the NVIDIA container runtime's
+    legacy mode): "all", a list of UUIDs, or indices into the driver's bus order."""
+    value = None
+    for item in ((spec or {}).get("process") or {}).get("env") or []:
+        key, sep, val = str(item).partition("=")
+        if sep and key == "NVIDIA_VISIBLE_DEVICES":
+            value = val.strip()
+    if not value or value in ("void", "none"):
+        return []
+    if value == "all":
+        return list(inv)
+    by_uuid = {g["uuid"]: g for g in inv}
+    out = []
+    for word in value.split(","):
+        word = word.strip()
+        if word.isdigit() and int(word) < len(inv):
+            out.append(inv[int(word)])
+        elif word in by_uuid:
+            out.append(by_uuid[word])
+    return out
+
+
+def process_gpus(pid, inv=None):
+    """The GPUs a (running, not yet checkpointed) CUDA process holds open, by its device files' numbers
+    (those of the host, whatever the names inside a container): [{"uuid", "minor"}] by minor."""
+    inv = inventory() if inv is None else inv
+    by_minor = {g["minor"]: g["uuid"] for g in inv}
+    minors = set()
+    base = "/proc/%d/fd" % int(pid)
+    try:
+        fds = os.listdir(base)
+    except OSError:
+        return []
+    for fd in fds:
+        try:
+            st = os.stat(os.path.join(base, fd))
+        except OSError:
+            continue
+        if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == NVIDIA_MAJOR and \
+                os.minor(st.st_rdev) < FIRST_CONTROL_MINOR:
+            minors.add(os.minor(st.st_rdev))
+    return [{"uuid": by_minor.get(m), "minor": m} for m in sorted(minors)]
+
+
+def placement_pairs(old, new, what):
+    """The driver's (old UUID, new UUID) pairs that put a container's GPUs ``old`` onto ``new`` place by
+    place; None when they are the same GPUs (the driver's own default). Refused when the counts differ
+    or a UUID is unknown: the driver's map is one to one, and a wrong guess would put a job on a GPU its
+    container does not own."""
+    if len(old) != len(new):
+        raise InvalidTarget("%s held %d GPU(s) when it was checkpointed and is given %d here; the driver restores "
+                            "each GPU of a checkpoint onto exactly one GPU" % (what, len(old), len(new)),
+                            stage="cuda-restore", hint="give the new container as many GPUs as the old one had")
+    unknown = [g for g in list(old) + list(new) if not g.get("uuid")]
+    if unknown:
+        raise InvalidTarget("%s: the GPU of device minor %s is not one this node's driver lists (%s/gpus)"
+                            % (what, unknown[0].get("minor"), proc_dir()), stage="cuda-restore",
+                            hint="the GPU's UUID is read from the driver's information files")
+    pairs = [(o["uuid"], n["uuid"]) for o, n in zip(old, new)]
+    return None if all(a == b for a, b in pairs) else pairs
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def sync_device_nodes(pid, gpus):
+    """Make the /dev of the container that ``pid`` runs in hold exactly the GPU nodes ``gpus`` (spec_gpus of
+    its new spec): each made (character device 195:minor, mode 0666 as the NVIDIA runtime makes them) where
+    it is missing or is something else, and every other GPU node (nvidia<N> of major 195) removed. Done
+    in a child that enters the container's mount namespace and its root, so that nothing in the container
+    (a symlink planted at /dev) can point it at the host. Returns {"made": [...], "removed": [...]}."""
+    root_fd = os.open("/proc/%d/root" % int(pid), os.O_RDONLY | os.O_DIRECTORY)
+    ns_fd = os.open("/proc/%d/ns/mnt" % int(pid), os.O_RDONLY)
+    read_end, write_end = os.pipe()
+    try:
+        child = os.fork()
+        if child == 0:  # pragma: no cover - runs in the forked child
+            code = 1
+            try:
+                os.close(read_end)
+                libc = _libc()
+                if libc.setns(ns_fd, CLONE_NEWNS) != 0:
+                    raise OSError(ctypes.get_errno(), "setns into the container's mount namespace")
+                os.fchdir(root_fd)
+                os.chroot(".")
+                report = _sync_here(gpus)
+                os.write(write_end, ("ok " + " ".join(report["made"]) + "|" + " ".join(report["removed"])).encode())
+                code = 0
+            except BaseException as exc:  # noqa: BLE001 - reported to the parent through the pipe
+                try:
+                    os.write(write_end, ("error %s" % exc).encode()[:3000])
+                except OSError:
+                    pass
+            finally:
+                os._exit(code)
+        os.close(write_end)
+        write_end = -1
+        data = b""
+        while True:
+            chunk = os.read(read_end, 4096)
+            if not chunk:
+                break
+            data += chunk
+        os.waitpid(child, 0)
+    finally:
+        for fd in (root_fd, ns_fd, read_end, write_end):
+            if fd >= 0:
+                os.close(fd)
+    text = data.decode(errors="replace")
+    if not text.startswith("ok "):
+        raise GpuCkptError("could not set the GPU device nodes of the restored container of pid %d: %s"
+                           % (pid, text[len("error "):] or "the helper died"), stage="cuda-restore", pid=pid)
+    made, _, removed = text[3:].partition("|")
+    return {"made": made.split(), "removed": removed.split()}
+
+
+def _sync_here(gpus):
+    """In the container's mount namespace and root: its /dev/nvidia<N> nodes made to match ``gpus``."""
+    want = {}
+    for g in gpus:
+        path = g.get("path") or "/dev/nvidia%d" % g["minor"]
+        if os.path.dirname(path) != "/dev" or not GPU_NODE.match(os.path.basename(path)):
+            path = "/dev/nvidia%d" % g["minor"]
+        want[os.path.basename(path)] = int(g["minor"])
+    made, removed = [], []
+    dev = os.open("/dev", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    try:
+        for name in os.listdir(dev):
+            if not GPU_NODE.match(name) or name in want:
+                continue
+            st = os.stat(name, dir_fd=dev, follow_symlinks=False)
+            if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == NVIDIA_MAJOR:
+                os.unlink(name, dir_fd=dev)
+                removed.append("/dev/" + name)
+        for name, minor in sorted(want.items()):
+            try:
+                st = os.stat(name, dir_fd=dev, follow_symlinks=False)
+                if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(NVIDIA_MAJOR, minor):
+                    continue
+                os.unlink(name, dir_fd=dev)  # a regular file, a symlink, another device: not this GPU
+            except FileNotFoundError:
+                pass
+            os.mknod(name, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, minor), dir_fd=dev)
+            os.chmod(name, 0o666, dir_fd=dev)  # past the umask (a node just made: no link to follow)
+            made.append("/dev/" + name)
+    finally:
+        os.close(dev)
+    return {"made": made, "removed": removed}

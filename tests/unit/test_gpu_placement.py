@@ -1,0 +1,142 @@
+"""Which GPUs a container holds and how a restored one is put onto the GPUs of its new container (gpus.py):
+the driver's information files, OCI specs, the driver's pairs, and a real container-like process whose /dev is
+made to match its new GPUs (a mount namespace and a root of its own, as root)."""
+from __future__ import annotations
+
+import os
+import shutil
+import stat
+import subprocess
+import time
+
+import pytest
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils import gpus
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError, InvalidTarget
+
+UUIDS = ["GPU-11111111-2222-3333-4444-55555555555%d" % m for m in range(4)]
+
+
+def write_proc(root, minors_by_bus):
+    """A /proc/driver/nvidia lookalike: gpus/<bus>/information as driver 580 writes it."""
+    for bus, minor in minors_by_bus.items():
+        d = os.path.join(root, "gpus", bus)
+        os.makedirs(d)
+        with open(os.path.join(d, "information"), "w") as fh:
+            fh.write("Model: \t\t NVIDIA H200\nIRQ:   \t\t 0\nGPU UUID: \t %s\nVideo BIOS: \t ??.??.??.??.??\n"
+                     "Bus Type: \t PCIe\nDMA Size: \t 52 bits\nDevice Minor: \t %d\nBus Location: \t %s\n"
+                     % (UUIDS[minor], minor, bus))
+    return root
+
+
+@pytest.fixture
+def inv(tmp_path, monkeypatch):
+    # minors not in bus order: the index of NVIDIA_VISIBLE_DEVICES is the bus order, a node's name its minor
+    root = write_proc(str(tmp_path / "nvidia"), {"0000:1a:00.0": 0, "0000:2b:00.0": 2, "0000:3c:00.0": 1,
+                                                 "0000:4d:00.0": 3})
+    monkeypatch.setenv("GPUCKPT_NVIDIA_PROC", root)
+    return gpus.inventory()
+
+
+def dev(minor, path=None):
+    return {"path": path or "/dev/nvidia%d" % minor, "type": "c", "major": 195, "minor": minor, "fileMode": 438}
+
+
+def test_inventory_reads_the_driver_information_files_in_bus_order(inv):
+    assert [(g["bus"], g["minor"], g["uuid"]) for g in inv] == [
+        ("0000:1a:00.0", 0, UUIDS[0]), ("0000:2b:00.0", 2, UUIDS[2]), ("0000:3c:00.0", 1, UUIDS[1]),
+        ("0000:4d:00.0", 3, UUIDS[3])]
+    assert gpus.inventory("/nonexistent") == []
+
+
+def test_a_spec_gives_its_gpus_by_device_nodes_then_by_the_runtime_variable(inv):
+    spec = {"linux": {"devices": [dev(3), {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+                                  {"path": "/dev/nvidia-uvm", "type": "c", "major": 507, "minor": 0}, dev(1)]},
+            "process": {"env": ["NVIDIA_VISIBLE_DEVICES=all"]}}
+    assert [(g["minor"], g["uuid"]) for g in gpus.spec_gpus(spec, inv)] == [(1, UUIDS[1]), (3, UUIDS[3])]
+    env = {"process": {"env": ["PATH=/usr/bin", "NVIDIA_VISIBLE_DEVICES=%s,%s" % (UUIDS[3], UUIDS[0])]}}
+    assert [g["minor"] for g in gpus.spec_gpus(env, inv)] == [0, 3]
+    by_index = {"process": {"env": ["NVIDIA_VISIBLE_DEVICES=1"]}}  # index 1 in bus order: minor 2
+    assert [g["uuid"] for g in gpus.spec_gpus(by_index, inv)] == [UUIDS[2]]
+    assert len(gpus.spec_gpus({"process": {"env": ["NVIDIA_VISIBLE_DEVICES=all"]}}, inv)) == 4
+    for none in ("void", "none", ""):
+        assert gpus.spec_gpus({"process": {"env": ["NVIDIA_VISIBLE_DEVICES=" + none]}}, inv) == []
+    assert gpus.spec_gpus({}, inv) == [] and gpus.spec_gpus(None, inv) == []
+    unknown = gpus.spec_gpus({"linux": {"devices": [dev(7)]}}, inv)
+    assert unknown == [{"uuid": None, "minor": 7, "path": "/dev/nvidia7"}]
+
+
+def test_placement_maps_a_containers_gpus_place_by_place_or_refuses(inv):
+    old = [{"uuid": UUIDS[0], "minor": 0}, {"uuid": UUIDS[1], "minor": 1}]
+    assert gpus.placement_pairs(old, old, "c") is None  # its own GPUs: the driver's default
+    swapped = [{"uuid": UUIDS[1], "minor": 1}, {"uuid": UUIDS[0], "minor": 0}]
+    assert gpus.placement_pairs(old, swapped, "c") == [(UUIDS[0], UUIDS[1]), (UUIDS[1], UUIDS[0])]
+    with pytest.raises(InvalidTarget) as exc:
+        gpus.placement_pairs(old, old[:1], "container trainer of pod default/p")
+    assert "held 2 GPU(s)" in exc.value.msg and "given 1" in exc.value.msg
+    with pytest.raises(InvalidTarget) as exc:
+        gpus.placement_pairs(old[:1], [{"uuid": None, "minor": 9}], "c")
+    assert "device minor 9" in exc.value.msg
+
+
+def test_a_process_without_gpu_files_holds_no_gpu(inv):
+    assert gpus.process_gpus(os.getpid(), inv) == []
+    assert gpus.process_gpus(2 ** 22 + 1, inv) == []
+
+
+@pytest.fixture
+def contained(tmp_path):
+    """A process in a mount namespace of its own, chrooted into a root whose /dev is its own tmpfs, as a
+    container's: /dev holds the old GPU's node nvidia0, a regular file where nvidia2 should be, and a
+    symlink planted at nvidia5 pointing at a file of the host."""
+    if os.geteuid() != 0 or not shutil.which("unshare"):
+        pytest.skip("needs root and unshare")
+    root = tmp_path / "root"
+    for d in ("dev", "usr", "proc"):
+        (root / d).mkdir(parents=True)
+    for link in ("bin", "lib", "lib64", "sbin"):
+        if os.path.islink("/" + link):
+            os.symlink(os.readlink("/" + link), str(root / link))
+    victim = tmp_path / "host-file"
+    victim.write_text("the host's")
+    script = ("mount --make-rprivate / && mount --rbind /usr {r}/usr && mount -t tmpfs dev {r}/dev && "
+              "mknod -m 666 {r}/dev/nvidia0 c 195 0 && echo x > {r}/dev/nvidia2 && ln -s {v} {r}/dev/nvidia5 && "
+              "mknod -m 666 {r}/dev/null c 1 3 && exec chroot {r} /usr/bin/sleep 120").format(r=root, v=victim)
+    proc = subprocess.Popen(["unshare", "--mount", "--", "/bin/sh", "-c", script])
+    deadline = time.monotonic() + 10
+    while os.readlink("/proc/%d/root" % proc.pid) != str(root):
+        assert proc.poll() is None and time.monotonic() < deadline, "the contained process did not start"
+        time.sleep(0.05)
+    yield proc.pid, root, victim
+    proc.kill()
+    proc.wait()
+
+
+def test_the_restored_containers_dev_is_made_to_hold_its_new_gpus_only(contained):
+    pid, root, victim = contained
+    report = gpus.sync_device_nodes(pid, [{"uuid": UUIDS[1], "minor": 1, "path": "/dev/nvidia1"},
+                                          {"uuid": UUIDS[2], "minor": 2, "path": "/dev/nvidia2"}])
+    assert report == {"made": ["/dev/nvidia1", "/dev/nvidia2"], "removed": ["/dev/nvidia0"]}
+    dev_dir = "/proc/%d/root/dev" % pid
+    nodes = {n: os.lstat(os.path.join(dev_dir, n)) for n in os.listdir(dev_dir) if n.startswith("nvidia")}
+    assert sorted(nodes) == ["nvidia1", "nvidia2", "nvidia5"]
+    for n, minor in (("nvidia1", 1), ("nvidia2", 2)):
+        st = nodes[n]
+        assert stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (195, minor)
+        assert stat.S_IMODE(st.st_mode) == 0o666
+    assert stat.S_ISLNK(nodes["nvidia5"].st_mode) and victim.read_text() == "the host's"
+    assert not os.path.exists(str(root / "dev" / "nvidia1")), "made in the container's /dev, not the host's view"
+    again = gpus.sync_device_nodes(pid, [{"uuid": UUIDS[1], "minor": 1}, {"uuid": UUIDS[2], "minor": 2}])
+    assert again == {"made": [], "removed": []}
+
+
+def test_a_dev_that_is_a_symlink_out_of_the_container_is_refused(contained, tmp_path):
+    pid, root, unused = contained
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    subprocess.run(["nsenter", "-t", str(pid), "-m", "--", "/bin/sh", "-c",
+                    "umount -l %s/dev && rmdir %s/dev && ln -s %s %s/dev" % (root, root, outside, root)], check=True)
+    with pytest.raises(GpuCkptError) as exc:
+        gpus.sync_device_nodes(pid, [{"uuid": UUIDS[1], "minor": 1}])
+    assert "could not set the GPU device nodes" in exc.value.msg
+    assert os.listdir(str(outside)) == []
