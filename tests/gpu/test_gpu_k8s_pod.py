@@ -129,6 +129,16 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
         ck = run.task("Checkpoint pod default/gpu-test-pod")
         assert len(ck["cuda_pids"]) == 1 and ck["gpu_stage"] == "done", ck
         held = w.counts()
+        # the GPU its CUDA process held (its device files) and its container's GPUs (its spec), by the driver's UUID
+        sys.path.insert(0, COLLECTIONS)
+        from ansible_collections.gpuckpt.fleet.plugins.module_utils import image as image_mod
+        manifest = image_mod.load_manifest(image_dir)
+        uuids = manifest["host"]["cuda_device_uuids"]
+        held_gpus = manifest["target"]["gpus"][str(ck["cuda_pids"][0])]
+        container_gpus = manifest["runtime"]["containers"][0]["gpus"]
+        record("gpu_k8s_pod_gpus", driver_uuids=uuids, process_gpus=held_gpus, container_gpus=container_gpus)
+        assert [g["uuid"] for g in held_gpus] == uuids[:1] and [g["uuid"] for g in container_gpus] == uuids, \
+            (held_gpus, container_gpus, uuids)
         time.sleep(1)
         assert w.counts() == held, "the held pod must not count"
         # On two nodes the held source lives on in its own node's network namespace. Here both containers would
@@ -157,7 +167,7 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
                   "restore_token=sys.argv[4], restore_wait=300)\n"
                   "r = engine.restore(sys.argv[1], backend=b)\n"
                   "print(json.dumps({'pids': r['pids'], 'cuda_pids': r['cuda_pids'], 'timings': r['timings'], "
-                  "'resumed_at': r['resumed_at']}))\n")
+                  "'resumed_at': r['resumed_at'], 'gpu_pairs': r['gpu_pairs']}))\n")
         env = dict(os.environ, PYTHONPATH=COLLECTIONS + ":" + os.environ.get("PYTHONPATH", ""))
         node = subprocess.Popen([sys.executable, "-c", script, image_dir, daemon.address, target, token, runc_root],
                                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
@@ -184,6 +194,10 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
         assert node.returncode == 0, out
         result = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
         assert len(result["cuda_pids"]) == 1
+        assert not result["gpu_pairs"], "its own GPU again: the driver's default, no map"
+        dev = "/proc/%d/root/dev" % result["pids"][0]
+        assert sorted(n for n in os.listdir(dev) if n.startswith("nvidia") and n[6:].isdigit()) == \
+            ["nvidia%d" % g["minor"] for g in container_gpus]
         w.wait_counting(beyond=held)
         assert w.verified_after(w.counts())
         record("gpu_k8s_pod_restore", gib=GIB, image_bytes=ck["image_bytes"], checkpoint=ck["timings"],
