@@ -27,7 +27,6 @@ tenant's GPU has no business there).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import re
 import stat
@@ -39,7 +38,6 @@ NVIDIA_MAJOR = 195
 FIRST_CONTROL_MINOR = 254
 DEFAULT_PROC = "/proc/driver/nvidia"
 GPU_NODE = re.compile(r"^nvidia([0-9]+)$")
-CLONE_NEWNS = 0x00020000
 
 
 def proc_dir():
@@ -168,63 +166,34 @@ def placement_pairs(old, new, what):
     return None if all(a == b for a, b in pairs) else pairs
 
 
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
 def sync_device_nodes(pid, gpus):
     """Make the /dev of the container that ``pid`` runs in hold exactly the GPU nodes ``gpus`` (spec_gpus of
     its new spec): each made (character device 195:minor, mode 0666 as the NVIDIA runtime makes them) where
-    it is missing or is something else, and every other GPU node (nvidia<N> of major 195) removed. Done
-    in a child that enters the container's mount namespace and its root, so that nothing in the container
-    (a symlink planted at /dev) can point it at the host. Returns {"made": [...], "removed": [...]}."""
-    root_fd = os.open("/proc/%d/root" % int(pid), os.O_RDONLY | os.O_DIRECTORY)
-    ns_fd = os.open("/proc/%d/ns/mnt" % int(pid), os.O_RDONLY)
-    read_end, write_end = os.pipe()
+    it is missing or is something else, and every other GPU node (nvidia<N> of major 195) removed. Returns
+    {"made": [...], "removed": [...]}.
+
+    The container's /dev is reached through ``/proc/<pid>/root`` (its root, in its own mount namespace: the
+    walk follows that namespace's mounts), opened without following a link at ``dev``, and changed only by
+    names inside it that are never followed: nothing in the container (a symlink planted at /dev or at a
+    node's name) can point it at the host. (Joining the container's mount namespace instead was refused with
+    EINVAL for a container restored by runc restore on an H100 machine's kernel 6.18.)"""
     try:
-        child = os.fork()
-        if child == 0:  # pragma: no cover - runs in the forked child
-            code = 1
-            try:
-                os.close(read_end)
-                libc = _libc()
-                if libc.setns(ns_fd, CLONE_NEWNS) != 0:
-                    raise OSError(ctypes.get_errno(), "setns into the container's mount namespace")
-                os.fchdir(root_fd)
-                os.chroot(".")
-                report = _sync_here(gpus)
-                os.write(write_end, ("ok " + " ".join(report["made"]) + "|" + " ".join(report["removed"])).encode())
-                code = 0
-            except BaseException as exc:  # noqa: BLE001 - reported to the parent through the pipe
-                try:
-                    os.write(write_end, ("error %s" % exc).encode()[:3000])
-                except OSError:
-                    pass
-            finally:
-                os._exit(code)
-        os.close(write_end)
-        write_end = -1
-        data = b""
-        while True:
-            chunk = os.read(read_end, 4096)
-            if not chunk:
-                break
-            data += chunk
-        os.waitpid(child, 0)
-    finally:
-        for fd in (root_fd, ns_fd, read_end, write_end):
-            if fd >= 0:
-                os.close(fd)
-    text = data.decode(errors="replace")
-    if not text.startswith("ok "):
+        dev = os.open("/proc/%d/root/dev" % int(pid), os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError as exc:
+        raise GpuCkptError("could not set the GPU device nodes of the restored container of pid %d: its /dev: %s"
+                           % (pid, exc.strerror), stage="cuda-restore", pid=pid,
+                           hint="the container's /dev must be a directory (a tmpfs, as runtimes make it), not a link")
+    try:
+        return _sync_nodes(dev, gpus)
+    except OSError as exc:
         raise GpuCkptError("could not set the GPU device nodes of the restored container of pid %d: %s"
-                           % (pid, text[len("error "):] or "the helper died"), stage="cuda-restore", pid=pid)
-    made, _, removed = text[3:].partition("|")
-    return {"made": made.split(), "removed": removed.split()}
+                           % (pid, exc), stage="cuda-restore", pid=pid)
+    finally:
+        os.close(dev)
 
 
-def _sync_here(gpus):
-    """In the container's mount namespace and root: its /dev/nvidia<N> nodes made to match ``gpus``."""
+def _sync_nodes(dev, gpus):
+    """In the container's /dev (the directory fd ``dev``): its nvidia<N> nodes made to match ``gpus``."""
     want = {}
     for g in gpus:
         path = g.get("path") or "/dev/nvidia%d" % g["minor"]
@@ -232,26 +201,31 @@ def _sync_here(gpus):
             path = "/dev/nvidia%d" % g["minor"]
         want[os.path.basename(path)] = int(g["minor"])
     made, removed = [], []
-    dev = os.open("/dev", os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    try:
-        for name in os.listdir(dev):
-            if not GPU_NODE.match(name) or name in want:
-                continue
+    for name in sorted(os.listdir(dev)):
+        if not GPU_NODE.match(name) or name in want:
+            continue
+        st = os.stat(name, dir_fd=dev, follow_symlinks=False)
+        if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == NVIDIA_MAJOR:
+            os.unlink(name, dir_fd=dev)
+            removed.append("/dev/" + name)
+    for name, minor in sorted(want.items()):
+        try:
             st = os.stat(name, dir_fd=dev, follow_symlinks=False)
-            if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == NVIDIA_MAJOR:
-                os.unlink(name, dir_fd=dev)
-                removed.append("/dev/" + name)
-        for name, minor in sorted(want.items()):
-            try:
-                st = os.stat(name, dir_fd=dev, follow_symlinks=False)
-                if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(NVIDIA_MAJOR, minor):
-                    continue
-                os.unlink(name, dir_fd=dev)  # a regular file, a symlink, another device: not this GPU
-            except FileNotFoundError:
-                pass
-            os.mknod(name, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, minor), dir_fd=dev)
-            os.chmod(name, 0o666, dir_fd=dev)  # past the umask (a node just made: no link to follow)
-            made.append("/dev/" + name)
-    finally:
-        os.close(dev)
+            if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(NVIDIA_MAJOR, minor):
+                continue
+            os.unlink(name, dir_fd=dev)  # a regular file, a symlink, another device: not this GPU
+        except FileNotFoundError:
+            pass
+        os.mknod(name, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, minor), dir_fd=dev)
+        # 0666 past the umask, on the node made and on nothing else: the job runs meanwhile and could put a
+        # link to a host file in its place; a path fd opened without following, checked, then changed
+        node = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=dev)
+        try:
+            st = os.fstat(node)
+            if not stat.S_ISCHR(st.st_mode) or st.st_rdev != os.makedev(NVIDIA_MAJOR, minor):
+                raise OSError("/dev/%s was replaced while it was made" % name)
+            os.chmod("/proc/self/fd/%d" % node, 0o666)
+        finally:
+            os.close(node)
+        made.append("/dev/" + name)
     return {"made": made, "removed": removed}
