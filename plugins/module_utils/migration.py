@@ -101,13 +101,17 @@ def _describe(path):
     return "a directory holding %s" % (", ".join(entries[:5]) or "nothing")
 
 
-def settle_target(journal, backend=None, mode="settle", remove_image=True, wait=RESTORE_WAIT):
+def settle_target(journal, backend=None, mode="settle", remove_image=True, wait=RESTORE_WAIT,
+                  abandon_pod_restore=False):
     """Decide the migration on the target (rule 1 of the module doc) and carry out the target's half.
     Returns {"decision": "commit"|"rollback", "changed": bool, "phase": the target's phase, "msg"}.
     ``mode``: settle (either way), commit (refuse, changing nothing, when it cannot commit), or rollback
-    (refuse, changing nothing, when the workload runs here)."""
+    (refuse, changing nothing, when the workload runs here). ``abandon_pod_restore``: the caller saw
+    through the API server that the migration's target pod does not exist (see abandon_pod_restore)."""
     from .runtimes.process import ProcessBackend
     backend = backend or ProcessBackend()
+    if abandon_pod_restore:
+        abandon_pod_restore_wait(journal)
     with journal.hold(wait=wait, purpose="the settlement of migration %s" % journal.id):
         doc = journal.read()
         if not doc:
@@ -141,6 +145,32 @@ def settle_target(journal, backend=None, mode="settle", remove_image=True, wait=
         # (the phase still says restoring): what it recorded is killed.
         killed = _clean(journal, doc, backend)
         return _decision("rollback", True, "cleaned", "target cleaned (%s)" % killed)
+
+
+def abandon_pod_restore_wait(journal):
+    """A pod's restore here waits (restore_wait, 600 s by default) for the containers of a target pod that the
+    controller creates; a controller that died before it created that pod leaves it waiting, with the journal's
+    lock held, and the held source frozen behind it. When the caller has seen that the pod does not exist, the
+    restore claims of the containers not yet restored are marked failed: the waiting restore gives up at once
+    (and rolls back), and the runtime handler refuses any later create. Never more than a rollback: a container
+    already restored is left alone, and the engine unlocks nothing it has not restored. Returns the names
+    marked."""
+    from .runtimes import k8s_pod
+    doc = journal.read() or {}
+    image_dir = doc.get("image_dir") or ""
+    if doc.get("phase") != "restoring" or not doc.get("restore_pod") or not same_dir(image_dir,
+                                                                                       doc.get("image_dir_identity")):
+        return []
+    marked = []
+    for rec in (k8s_pod.read_restore_ticket(image_dir) or {}).get("containers") or []:
+        name = rec.get("name")
+        try:
+            if k8s_pod.restore_claim(image_dir, name) not in ("restored", "failed"):
+                k8s_pod.set_restore_claim(image_dir, name, "failed")
+                marked.append(name)
+        except (OSError, InvalidTarget):
+            continue
+    return marked
 
 
 def _decision(decision, changed, phase, msg):

@@ -67,6 +67,15 @@ options:
         Without it, a source whose image may have reached a target that cannot be asked stays held.
     type: bool
     default: false
+  abandon_pod_restore:
+    description:
+      - For the target's C(settle) and C(rollback) of a pod migration, the caller's word that the migration's target pod
+        does not exist (the playbooks ask the API server). The target's restore, which waits for that pod's
+        containers, then gives up at once instead of after its restore_wait (the restore claims of its
+        containers are marked failed), and the migration rolls back.
+      - Nothing that was restored is touched.
+    type: bool
+    default: false
   wait:
     description: Seconds to wait for the journal's lock, held by a step still running (a restore, a checkpoint).
     type: float
@@ -167,6 +176,7 @@ def main():
         target_phase=dict(type="str"),
         target_lost=dict(type="bool", default=False),
         wait=dict(type="float", default=migration.RESTORE_WAIT),
+        abandon_pod_restore=dict(type="bool", default=False),
         libcuda_path=dict(type="path"),
         runtime_timeout=dict(type="float", default=0),
         **RUNTIME_ARGS
@@ -190,7 +200,7 @@ def main():
         elif role == "target":
             mode = {"settle": "settle", "commit": "commit", "rollback": "rollback"}[action]
             res = migration.settle_target(journal, _backend(journal, p), mode=mode, remove_image=p["remove_image"],
-                                          wait=p["wait"])
+                                          wait=p["wait"], abandon_pod_restore=p["abandon_pod_restore"])
             changed, msg = res["changed"], res["msg"]
             out = {"decision": res["decision"]}
         elif action == "commit":

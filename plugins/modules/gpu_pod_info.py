@@ -51,6 +51,12 @@ options:
   target_pod_name:
     description: The name of O(migration_id)'s target pod; by default P(gpuckpt.fleet.k8s_target_pod_name#filter)'s.
     type: str
+  missing_ok:
+    description:
+      - Return C(pod) null when there is no pod of that name (and no migration pod, see O(migration_id)), instead of
+        failing. A failure to reach the API server still fails.
+    type: bool
+    default: false
   allow_owned:
     description:
       - Accept a pod that a controller (Job, ReplicaSet, StatefulSet, ...) owns. Only when that controller will not
@@ -141,6 +147,7 @@ def main():
         allow_owned=dict(type="bool", default=False),
         migration_id=dict(type="str"),
         target_pod_name=dict(type="str"),
+        missing_ok=dict(type="bool", default=False),
         **k8s_pods.auth_args()
     ), supports_check_mode=True)
     p = module.params
@@ -157,6 +164,8 @@ def main():
                 module.exit_json(changed=False, pod=None, migration_pod=made,
                                  msg="pod %s/%s is gone; migration %s's pod %s runs on node %s"
                                      % (p["namespace"], p["name"], p["migration_id"], made["name"], made["node"]))
+        if found is None and p["missing_ok"]:
+            module.exit_json(changed=False, pod=None, msg="there is no pod %s/%s" % (p["namespace"], p["name"]))
         described = k8s_pods.describe_pod(found or k8s_pods.read_pod(api, p["namespace"], p["name"]),
                                           p["gpu_resources"], p["allow_owned"])
         k8s_pods.check_gpu_count(described, p["gpu_count"])

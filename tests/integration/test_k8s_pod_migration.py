@@ -458,7 +458,9 @@ def test_a_pod_migration_whose_controller_dies_is_recovered_to_exactly_one_copy(
     from test_faults import Controller
     made = start_pod(cluster, hosts)
     api, mid = cluster["api"], "t-pod-kill-" + when
-    ctl = Controller(hosts, tmp_path, dict(migrate_vars(cluster, mid), gpuckpt_pod_restore_wait=20),
+    # The target node's restore would wait 600 s for the containers of a target pod that may never be made: the
+    # recovery asks the API server and, the pod absent, has that restore give up at once.
+    ctl = Controller(hosts, tmp_path, dict(migrate_vars(cluster, mid), gpuckpt_pod_restore_wait=600),
                      inventory=cluster["inventory"])
 
     def source_paused():
@@ -476,8 +478,10 @@ def test_a_pod_migration_whose_controller_dies_is_recovered_to_exactly_one_copy(
     held = {n: w.counts() for n, w in made.items()}
     rv = {"source": "hosta", "target": "hostb", "migration_id": mid,
           "gpuckpt_k8s_auth": {"kubeconfig": cluster["kubeconfig"]}}
+    t0 = time.monotonic()
     r = playbook(RECOVER, rv, inventory=cluster["inventory"], interpreter=None)
     assert r.rc == 0, r.stdout[-5000:] + "\n".join(cluster["kubelet"].log)
+    assert time.monotonic() - t0 < 300, "the recovery waited out the target's restore_wait"
     deadline = time.monotonic() + 20  # a pod deleted with a grace period leaves once its kubelet stopped it
     while len(api.all_pods()) != 1 and time.monotonic() < deadline:
         time.sleep(0.2)
