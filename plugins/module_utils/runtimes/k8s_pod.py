@@ -389,6 +389,8 @@ class KubernetesPodBackend(ContainerBackend):
             for rec in records:
                 pid, tree = self._member().resolve(found[rec["name"]])
                 pids += [p for p in tree if p not in pids]
+                if "gpus" not in rec:  # an image of an older collection: its GPUs were not recorded
+                    continue
                 old = rec.get("gpus") or []
                 new_spec = (api.container(found[rec["name"]], stage="runtime-restore") or {}).get("spec") or {}
                 inv = gpu_devices.inventory() if inv is None else inv
