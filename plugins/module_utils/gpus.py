@@ -21,9 +21,9 @@ A restored container's /dev is the one its checkpoint recorded: CRIU restores th
 (measured with runc 1.1.5 and CRIU 4.2.1: a container checkpointed with /dev/nvidia0 and restored into a
 spec that lists /dev/nvidia1 had /dev/nvidia0 and no /dev/nvidia1). The driver's restore opens the new
 GPU's node from inside the process, so ``sync_device_nodes`` makes the /dev of the restored container
-match its new spec before the GPU memory is restored: the new GPUs' nodes made, the old GPUs' nodes that
-the new container does not own removed (the device cgroup denies them anyway; a node for another
-tenant's GPU has no business there).
+match its new spec before the GPU memory is restored: the nodes the spec lists made (the new GPUs, and the
+control nodes, whose majors differ between nodes), the old GPUs' nodes that the new container does not own
+removed (the device cgroup denies them anyway; a node for another tenant's GPU has no business there).
 """
 from __future__ import annotations
 
@@ -166,11 +166,31 @@ def placement_pairs(old, new, what):
     return None if all(a == b for a, b in pairs) else pairs
 
 
-def sync_device_nodes(pid, gpus):
-    """Make the /dev of the container that ``pid`` runs in hold exactly the GPU nodes ``gpus`` (spec_gpus of
-    its new spec): each made (character device 195:minor, mode 0666 as the NVIDIA runtime makes them) where
-    it is missing or is something else, and every other GPU node (nvidia<N> of major 195) removed. Returns
-    {"made": [...], "removed": [...]}.
+def spec_device_nodes(spec):
+    """The device nodes an OCI spec lists directly under /dev ({name: (S_IFCHR|S_IFBLK, major, minor, mode)}): what
+    the restored container's /dev must hold. Besides the GPUs, the NVIDIA control nodes, whose majors differ
+    from node to node (nvidia-uvm's is given by the kernel when the module loads)."""
+    out = {}
+    for entry in ((spec or {}).get("linux") or {}).get("devices") or []:
+        path = str(entry.get("path") or "")
+        name = os.path.basename(path)
+        kind = {"c": stat.S_IFCHR, "u": stat.S_IFCHR, "b": stat.S_IFBLK}.get(entry.get("type"))
+        if os.path.dirname(path) != "/dev" or not name or name.startswith(".") or kind is None:
+            continue
+        try:
+            major, minor = int(entry.get("major")), int(entry.get("minor"))
+            mode = int(entry.get("fileMode") or 0o666) & 0o777
+        except (TypeError, ValueError):
+            continue
+        out[name] = (kind, major, minor, mode)
+    return out
+
+
+def sync_device_nodes(pid, spec):
+    """Make the /dev of the container that ``pid`` runs in hold the device nodes its new OCI ``spec`` lists
+    (spec_device_nodes): each made where it is missing or is something else (another device, a file, a link),
+    and every GPU node (nvidia<N> of major 195) that the spec does not list removed. Returns {"made": [...],
+    "removed": [...]}.
 
     The container's /dev is reached through ``/proc/<pid>/root`` (its root, in its own mount namespace: the
     walk follows that namespace's mounts), opened without following a link at ``dev``, and changed only by
@@ -184,7 +204,7 @@ def sync_device_nodes(pid, gpus):
                            % (pid, exc.strerror), stage="cuda-restore", pid=pid,
                            hint="the container's /dev must be a directory (a tmpfs, as runtimes make it), not a link")
     try:
-        return _sync_nodes(dev, gpus)
+        return _sync_nodes(dev, spec_device_nodes(spec))
     except OSError as exc:
         raise GpuCkptError("could not set the GPU device nodes of the restored container of pid %d: %s"
                            % (pid, exc), stage="cuda-restore", pid=pid)
@@ -192,14 +212,8 @@ def sync_device_nodes(pid, gpus):
         os.close(dev)
 
 
-def _sync_nodes(dev, gpus):
-    """In the container's /dev (the directory fd ``dev``): its nvidia<N> nodes made to match ``gpus``."""
-    want = {}
-    for g in gpus:
-        path = g.get("path") or "/dev/nvidia%d" % g["minor"]
-        if os.path.dirname(path) != "/dev" or not GPU_NODE.match(os.path.basename(path)):
-            path = "/dev/nvidia%d" % g["minor"]
-        want[os.path.basename(path)] = int(g["minor"])
+def _sync_nodes(dev, want):
+    """In the container's /dev (the directory fd ``dev``): the nodes ``want`` made, stray GPU nodes removed."""
     made, removed = [], []
     for name in sorted(os.listdir(dev)):
         if not GPU_NODE.match(name) or name in want:
@@ -208,23 +222,26 @@ def _sync_nodes(dev, gpus):
         if stat.S_ISCHR(st.st_mode) and os.major(st.st_rdev) == NVIDIA_MAJOR:
             os.unlink(name, dir_fd=dev)
             removed.append("/dev/" + name)
-    for name, minor in sorted(want.items()):
+    for name, (kind, major, minor, mode) in sorted(want.items()):
+        rdev = os.makedev(major, minor)
         try:
             st = os.stat(name, dir_fd=dev, follow_symlinks=False)
-            if stat.S_ISCHR(st.st_mode) and st.st_rdev == os.makedev(NVIDIA_MAJOR, minor):
+            if stat.S_IFMT(st.st_mode) == kind and st.st_rdev == rdev:
                 continue
-            os.unlink(name, dir_fd=dev)  # a regular file, a symlink, another device: not this GPU
+            if stat.S_ISDIR(st.st_mode):
+                raise OSError("/dev/%s is a directory where the spec lists a device" % name)
+            os.unlink(name, dir_fd=dev)  # a regular file, a symlink, another device: not this one
         except FileNotFoundError:
             pass
-        os.mknod(name, 0o666 | stat.S_IFCHR, os.makedev(NVIDIA_MAJOR, minor), dir_fd=dev)
-        # 0666 past the umask, on the node made and on nothing else: the job runs meanwhile and could put a
+        os.mknod(name, mode | kind, rdev, dir_fd=dev)
+        # its mode past the umask, on the node made and on nothing else: the job runs meanwhile and could put a
         # link to a host file in its place; a path fd opened without following, checked, then changed
         node = os.open(name, os.O_PATH | os.O_NOFOLLOW, dir_fd=dev)
         try:
             st = os.fstat(node)
-            if not stat.S_ISCHR(st.st_mode) or st.st_rdev != os.makedev(NVIDIA_MAJOR, minor):
+            if stat.S_IFMT(st.st_mode) != kind or st.st_rdev != rdev:
                 raise OSError("/dev/%s was replaced while it was made" % name)
-            os.chmod("/proc/self/fd/%d" % node, 0o666)
+            os.chmod("/proc/self/fd/%d" % node, mode)
         finally:
             os.close(node)
         made.append("/dev/" + name)

@@ -100,7 +100,7 @@ def contained(tmp_path):
     victim = tmp_path / "host-file"
     victim.write_text("the host's")
     script = ("mount --make-rprivate / && mount --rbind /usr {r}/usr && mount -t tmpfs dev {r}/dev && "
-              "mknod -m 666 {r}/dev/nvidia0 c 195 0 && echo x > {r}/dev/nvidia2 && ln -s {v} {r}/dev/nvidia5 && "
+              "mknod -m 666 {r}/dev/nvidia0 c 195 0 && mknod -m 666 {r}/dev/nvidia-uvm c 510 0 && echo x > {r}/dev/nvidia2 && ln -s {v} {r}/dev/nvidia5 && "
               "mknod -m 666 {r}/dev/null c 1 3 && exec chroot {r} /usr/bin/sleep 120").format(r=root, v=victim)
     proc = subprocess.Popen(["unshare", "--mount", "--", "/bin/sh", "-c", script])
     deadline = time.monotonic() + 10
@@ -114,20 +114,24 @@ def contained(tmp_path):
 
 def test_the_restored_containers_dev_is_made_to_hold_its_new_gpus_only(contained):
     pid, root, victim = contained
-    report = gpus.sync_device_nodes(pid, [{"uuid": UUIDS[1], "minor": 1, "path": "/dev/nvidia1"},
-                                          {"uuid": UUIDS[2], "minor": 2, "path": "/dev/nvidia2"}])
-    assert report == {"made": ["/dev/nvidia1", "/dev/nvidia2"], "removed": ["/dev/nvidia0"]}
+    # the new spec: GPUs 1 and 2, and nvidia-uvm under this node's major (the container has the source's)
+    spec = {"linux": {"devices": [dev(1), dev(2), {"path": "/dev/nvidia-uvm", "type": "c", "major": 511, "minor": 0,
+                                                   "fileMode": 0o666},
+                                  {"path": "/dev/../etc/x", "type": "c", "major": 1, "minor": 3},
+                                  {"path": "/dev/dri/card0", "type": "c", "major": 226, "minor": 0}]}}
+    report = gpus.sync_device_nodes(pid, spec)
+    assert report == {"made": ["/dev/nvidia-uvm", "/dev/nvidia1", "/dev/nvidia2"], "removed": ["/dev/nvidia0"]}
     dev_dir = "/proc/%d/root/dev" % pid
     nodes = {n: os.lstat(os.path.join(dev_dir, n)) for n in os.listdir(dev_dir) if n.startswith("nvidia")}
-    assert sorted(nodes) == ["nvidia1", "nvidia2", "nvidia5"]
+    assert sorted(nodes) == ["nvidia-uvm", "nvidia1", "nvidia2", "nvidia5"]
+    assert os.minor(nodes["nvidia-uvm"].st_rdev) == 0 and os.major(nodes["nvidia-uvm"].st_rdev) == 511
     for n, minor in (("nvidia1", 1), ("nvidia2", 2)):
         st = nodes[n]
         assert stat.S_ISCHR(st.st_mode) and (os.major(st.st_rdev), os.minor(st.st_rdev)) == (195, minor)
         assert stat.S_IMODE(st.st_mode) == 0o666
     assert stat.S_ISLNK(nodes["nvidia5"].st_mode) and victim.read_text() == "the host's"
     assert not os.path.exists(str(root / "dev" / "nvidia1")), "made in the container's /dev, not the host's view"
-    again = gpus.sync_device_nodes(pid, [{"uuid": UUIDS[1], "minor": 1}, {"uuid": UUIDS[2], "minor": 2}])
-    assert again == {"made": [], "removed": []}
+    assert gpus.sync_device_nodes(pid, spec) == {"made": [], "removed": []}
 
 
 def test_a_dev_that_is_a_symlink_out_of_the_container_is_refused(contained, tmp_path):
@@ -137,6 +141,6 @@ def test_a_dev_that_is_a_symlink_out_of_the_container_is_refused(contained, tmp_
     subprocess.run(["nsenter", "-t", str(pid), "-m", "--", "/bin/sh", "-c",
                     "umount -l %s/dev && rmdir %s/dev && ln -s %s %s/dev" % (root, root, outside, root)], check=True)
     with pytest.raises(GpuCkptError) as exc:
-        gpus.sync_device_nodes(pid, [{"uuid": UUIDS[1], "minor": 1}])
+        gpus.sync_device_nodes(pid, {"linux": {"devices": [dev(1)]}})
     assert "could not set the GPU device nodes" in exc.value.msg
     assert os.listdir(str(outside)) == []

@@ -400,7 +400,7 @@ class KubernetesPodBackend(ContainerBackend):
                 # the GPUs the device plugin gave the new container: its processes go onto them, place by place
                 pairs = gpu_devices.placement_pairs(old, new, "container %s of pod %s/%s" % (rec["name"], namespace,
                                                                                            name))
-                gpu_devices.sync_device_nodes(pid, new)
+                gpu_devices.sync_device_nodes(pid, new_spec)
                 for p in tree:
                     self._pairs_by_pid[p] = pairs
             return pids
