@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -20,7 +21,7 @@ import uuid
 import pytest
 
 from containerd_daemon import IMAGE, available, start_on_host, stop_on_host
-from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload
+from helpers import COLLECTIONS, COUNTER, FAKE_LIBCUDA, MANAGED_PYTHON, REPO, CountingWorkload
 
 from loopback_workloads import MIGRATE, changed_tasks
 
@@ -31,6 +32,25 @@ RECOVER = "gpuckpt.fleet.recover"
 HANDLER_FILES = os.path.join(REPO, "roles", "nvidia_container_runtime", "files")
 NODES = {"hosta": "node-a", "hostb": "node-b"}
 pytestmark = pytest.mark.skipif(not available(), reason="containerd 2.x and python3-grpcio (tests/setup.sh) needed")
+
+
+# The device plugin stand-in's part of making a container: its GPUs' device nodes and device cgroup rules put in
+# its spec, as the CRI plugin does with CDI devices (argv: containerd address, container id, JSON list of minors).
+ADD_GPUS = """
+import json, sys
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.containerd_api import Client
+api = Client(sys.argv[1], "k8s.io", timeout=30)
+record = api.container(sys.argv[2])
+spec, minors = record["spec"], json.loads(sys.argv[3])
+linux = spec.setdefault("linux", {})
+linux["devices"] = list(linux.get("devices") or []) + [
+    {"path": "/dev/nvidia%d" % m, "type": "c", "major": 195, "minor": m, "fileMode": 438, "uid": 0, "gid": 0}
+    for m in minors]
+linux.setdefault("resources", {}).setdefault("devices", []).extend(
+    {"allow": True, "type": "c", "major": 195, "minor": m, "access": "rwm"} for m in minors)
+api.update_spec(sys.argv[2], spec, record["spec_url"], "preflight")
+api.close()
+"""
 
 
 class KubeletStandIn(object):
@@ -141,31 +161,27 @@ class KubeletStandIn(object):
     def _make_with_gpus(self, daemon, host, cid, run_args, c, asked):
         """As the CRI plugin does with a device plugin's CDI devices: the container created, its spec given the
         GPUs' device nodes and device cgroup rules, then its task started."""
-        from ansible_collections.gpuckpt.fleet.plugins.module_utils.containerd_api import Client
         free = self.gpus_free.get(host) or []
         if len(free) < asked:
             return None, "the device plugin stand-in has %d free GPU(s) on %s, %d asked" % (len(free), host, asked)
         minors, self.gpus_free[host] = free[:asked], free[asked:]
-        log_uri = run_args[run_args.index("--log-uri") + 1]
-        create = [a for a in run_args[1:] if a != "--detach"]
-        del create[create.index("--log-uri"):create.index("--log-uri") + 2]
-        res = daemon.ctr(*(["containers", "create"] + create + [IMAGE, cid] + c["command"]), namespace="k8s.io",
-                         check=False)
-        if res.returncode == 0:
-            api = Client(daemon.address, "k8s.io", timeout=30)
-            try:
-                record = api.container(cid)
-                spec = record["spec"]
-                linux = spec.setdefault("linux", {})
-                linux["devices"] = list(linux.get("devices") or []) + [
-                    {"path": "/dev/nvidia%d" % m, "type": "c", "major": 195, "minor": m, "fileMode": 438, "uid": 0,
-                     "gid": 0} for m in minors]
-                rules = linux.setdefault("resources", {}).setdefault("devices", [])
-                rules += [{"allow": True, "type": "c", "major": 195, "minor": m, "access": "rwm"} for m in minors]
-                api.update_spec(cid, spec, record["spec_url"], "preflight")
-            finally:
-                api.close()
-            res = daemon.ctr("tasks", "start", "--detach", "--log-uri", log_uri, cid, namespace="k8s.io", check=False)
+        try:
+            log_uri = run_args[run_args.index("--log-uri") + 1]
+            create = [a for a in run_args[1:] if a != "--detach"]
+            del create[create.index("--log-uri"):create.index("--log-uri") + 2]
+            res = daemon.ctr(*(["containers", "create"] + create + [IMAGE, cid] + c["command"]), namespace="k8s.io",
+                             check=False)
+            if res.returncode == 0:
+                # the spec is changed through containerd's API by the managed python (its grpc; the tests' has none)
+                res = subprocess.run([MANAGED_PYTHON, "-c", ADD_GPUS, daemon.address, cid, json.dumps(minors)],
+                                     env=dict(os.environ, PYTHONPATH=COLLECTIONS), capture_output=True,
+                                     universal_newlines=True, check=False)
+            if res.returncode == 0:
+                res = daemon.ctr("tasks", "start", "--detach", "--log-uri", log_uri, cid, namespace="k8s.io",
+                                 check=False)
+        except BaseException:
+            self.gpus_free[host] = sorted(self.gpus_free[host] + minors)
+            raise
         if res.returncode != 0:
             daemon.ctr("containers", "delete", cid, namespace="k8s.io", check=False)
             self.gpus_free[host] = sorted(self.gpus_free[host] + minors)
@@ -319,7 +335,10 @@ def start_pod(cluster, hosts, name="gpu-test-pod"):
                             "spec": {"nodeName": "node-a", "containers": containers, "volumes": volumes,
                                      "restartPolicy": "Always"}})
     for w in made.values():
-        w.wait_counting(timeout=60)
+        try:
+            w.wait_counting(timeout=60)
+        except AssertionError as exc:
+            raise AssertionError("%s; the kubelet stand-in: %s" % (exc, "\n".join(cluster["kubelet"].log[:4])))
     return made
 
 
@@ -337,12 +356,8 @@ def layer_of(cluster, host, cid):
 
 
 def container_pid(cluster, host, cid):
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils.containerd_api import Client
-    api = Client(cluster["daemons"][host].address, "k8s.io", timeout=30)
-    try:
-        return api.task(cid)["pid"]
-    finally:
-        api.close()
+    out = cluster["daemons"][host].ctr("tasks", "ls", namespace="k8s.io", check=False).stdout
+    return [int(ln.split()[1]) for ln in out.splitlines()[1:] if ln.split() and ln.split()[0] == cid][0]
 
 
 def running_pod_containers(cluster, host):
@@ -384,10 +399,11 @@ def test_a_pod_of_two_gpu_containers_migrates_to_the_named_node_and_a_rerun_chan
     assert sorted(p[2] for p in pairs) == ["%s=%s,%s=%s" % (a[0], b[1], a[1], b[2])] * 2, pairs
     trainer = [cid for cid in ids if cid in cluster["kubelet"].gpus_given]
     assert len(trainer) == 1 and cluster["kubelet"].gpus_given[trainer[0]] == [1, 2]
-    root = "/proc/%d/root/dev" % container_pid(cluster, "hostb", trainer[0])
-    nodes = {n: os.stat(os.path.join(root, n)) for n in os.listdir(root) if n.startswith("nvidia")}
-    assert sorted(nodes) == ["nvidia1", "nvidia2"], sorted(nodes)
-    assert [(os.major(st.st_rdev), os.minor(st.st_rdev)) for unused, st in sorted(nodes.items())] == [(195, 1), (195, 2)]
+    # (its pid is one of hostb's pid namespace: looked at from there)
+    listing = hosts.ssh("hostb", "cd /proc/%d/root/dev && stat -c '%%n %%F %%t %%T' nvidia*"
+                        % container_pid(cluster, "hostb", trainer[0])).stdout.split("\n")
+    nodes = sorted(ln.strip() for ln in listing if ln.strip())
+    assert nodes == ["nvidia1 character special file c3 1", "nvidia2 character special file c3 2"], nodes
     deletes = [r for r in api.requests if r[0] == "DELETE"]
     assert deletes == [("DELETE", "/api/v1/namespaces/default/pods/gpu-test-pod")], deletes
     assert api.deleted_uids == [source_uid]
