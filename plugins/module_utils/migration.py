@@ -158,8 +158,8 @@ def abandon_pod_restore_wait(journal):
     from .runtimes import k8s_pod
     doc = journal.read() or {}
     image_dir = doc.get("image_dir") or ""
-    if doc.get("phase") != "restoring" or not doc.get("restore_pod") or not same_dir(image_dir,
-                                                                                       doc.get("image_dir_identity")):
+    ours = same_dir(image_dir, doc.get("image_dir_identity"))
+    if doc.get("phase") != "restoring" or not doc.get("restore_pod") or not ours:
         return []
     marked = []
     for rec in (k8s_pod.read_restore_ticket(image_dir) or {}).get("containers") or []:

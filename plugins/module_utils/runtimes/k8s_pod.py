@@ -398,8 +398,8 @@ class KubernetesPodBackend(ContainerBackend):
                 if not old and not new:
                     continue
                 # the GPUs the device plugin gave the new container: its processes go onto them, place by place
-                pairs = gpu_devices.placement_pairs(old, new, "container %s of pod %s/%s" % (rec["name"], namespace,
-                                                                                           name))
+                what = "container %s of pod %s/%s" % (rec["name"], namespace, name)
+                pairs = gpu_devices.placement_pairs(old, new, what)
                 gpu_devices.sync_device_nodes(pid, new_spec)
                 for p in tree:
                     self._pairs_by_pid[p] = pairs
