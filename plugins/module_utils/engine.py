@@ -900,7 +900,7 @@ def _restore(image_dir, opts, backend, journal, progress):
                   resumed_at=clock.resumed_at, validation_notes=getattr(clock, "notes", []),
                   probe=getattr(clock, "probe", None),
                   verify_seconds=verify_seconds, driver_call_seconds=_driver_seconds(drv, calls0),
-                  gpu_pairs=pairs if pairs or not getattr(clock, "gpu_pairs", None) else clock.gpu_pairs,
+                  gpu_pairs=pairs or getattr(clock, "gpu_pairs", None) or None,
                   msg="restored %d process(es) (%d on the GPU) from %s"
                   % (len(new_pids), len(cuda_pids), image_dir))
     return result

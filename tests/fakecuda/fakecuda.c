@@ -277,8 +277,8 @@ static int host_has_gpu(const char *uuid) {
 int cuCheckpointProcessRestore(int pid, void *args) {
     const FakeRestoreArgs *ra = (const FakeRestoreArgs *)args;
     if (ra && ra->count) {
-        char entry[128], old_s[48], new_s[48], logp[4096];
-        static char text[16384];
+        /* on the stack: the engine restores its processes from several threads at once */
+        char entry[128], old_s[48], new_s[48], logp[4096], text[8192];
         text[0] = 0;
         int known = 1;
         for (unsigned int i = 0; i < ra->count && i < 64; i++) {

@@ -371,6 +371,8 @@ def test_a_pod_of_two_gpu_containers_migrates_to_the_named_node_and_a_rerun_chan
     api = cluster["api"]
     source_uid = api.pod("default", "gpu-test-pod")["metadata"]["uid"]
     before = {n: w.counts() for n, w in made.items()}
+    calls_b = os.path.join(hosts.host_vars["hostb"]["gpuckpt_environment"]["FAKECUDA_STATE_DIR"], "calls.log")
+    calls_before = os.path.getsize(calls_b) if os.path.exists(calls_b) else 0  # (the hosts live for the session)
     run = playbook(MIGRATE, migrate_vars(cluster, "t-pod"), inventory=cluster["inventory"], interpreter=None)
     assert run.rc == 0, run.stdout[-6000:] + "\n".join(cluster["kubelet"].log)
     ck = run.task("Stage 1/3")
@@ -394,8 +396,9 @@ def test_a_pod_of_two_gpu_containers_migrates_to_the_named_node_and_a_rerun_chan
     # of its CUDA processes was restored with the driver's map, place by place, and the restored container's /dev
     # holds the nodes of its new GPUs only (CRIU brought back the old /dev/nvidia0 and /dev/nvidia1).
     a, b = cluster["gpu_uuids"]["hosta"], cluster["gpu_uuids"]["hostb"]
-    pairs = [ln.split() for ln in open(os.path.join(hosts.host_vars["hostb"]["gpuckpt_environment"]["FAKECUDA_STATE_DIR"],
-                                                    "calls.log")) if ln.startswith("restore-pairs ")]
+    with open(calls_b) as fh:
+        fh.seek(calls_before)
+        pairs = [ln.split() for ln in fh.read().splitlines() if ln.startswith("restore-pairs ")]
     assert sorted(p[2] for p in pairs) == ["%s=%s,%s=%s" % (a[0], b[1], a[1], b[2])] * 2, pairs
     trainer = [cid for cid in ids if cid in cluster["kubelet"].gpus_given]
     assert len(trainer) == 1 and cluster["kubelet"].gpus_given[trainer[0]] == [1, 2]
