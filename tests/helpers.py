@@ -106,6 +106,14 @@ class FakeCuda(object):
         except OSError:
             return []
 
+    def calls_log(self):
+        """calls.log's lines as written (the restore's GPU pairs among them)."""
+        try:
+            with open(os.path.join(self.state_dir, "calls.log")) as fh:
+                return [line.rstrip("\n") for line in fh if line.strip()]
+        except OSError:
+            return []
+
     def inject(self, call, pid, code):
         with open(os.path.join(self.state_dir, "inject"), "a") as fh:
             fh.write("%s %d %d\n" % (call, pid, code))
@@ -231,6 +239,45 @@ def write_runc_bundle(bundle, args, env=(), rw=(), cgroup=None):
     with open(os.path.join(bundle, "config.json"), "w") as fh:
         json.dump(cfg, fh)
     return bundle
+
+
+# A device plugin's part of making a container (CDI mode): its GPUs' device nodes and device cgroup rules put in
+# its spec, as the CRI plugin does with CDI devices. Run by the managed python (its grpc; the tests' venv has
+# none) with argv: containerd address, namespace, container id, JSON list of minors.
+ADD_GPUS = """
+import json, sys
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.containerd_api import Client
+api = Client(sys.argv[1], sys.argv[2], timeout=30)
+record = api.container(sys.argv[3])
+spec, minors = record["spec"], json.loads(sys.argv[4])
+linux = spec.setdefault("linux", {})
+linux["devices"] = list(linux.get("devices") or []) + [
+    {"path": "/dev/nvidia%d" % m, "type": "c", "major": 195, "minor": m, "fileMode": 438, "uid": 0, "gid": 0}
+    for m in minors]
+linux.setdefault("resources", {}).setdefault("devices", []).extend(
+    {"allow": True, "type": "c", "major": 195, "minor": m, "access": "rwm"} for m in minors)
+api.update_spec(sys.argv[3], spec, record["spec_url"], "preflight")
+api.close()
+"""
+
+
+def give_container_gpus(address, namespace, cid, minors):
+    """ADD_GPUS on containerd container ``cid`` (made, its task not started); the completed process."""
+    return subprocess.run([MANAGED_PYTHON, "-c", ADD_GPUS, address, namespace, cid, json.dumps(list(minors))],
+                          env=dict(os.environ, PYTHONPATH=COLLECTIONS), capture_output=True, universal_newlines=True,
+                          check=False)
+
+
+def write_nvidia_proc(root, uuids):
+    """A node's /proc/driver/nvidia as its driver writes it (gpus/<bus>/information), GPU minor m with uuids[m]:
+    what GPUCKPT_NVIDIA_PROC points the collection at, for a test double of a node's GPUs."""
+    for m, uuid_ in enumerate(uuids):
+        d = os.path.join(root, "gpus", "0000:%02x:00.0" % (0x10 + m))
+        os.makedirs(d)
+        with open(os.path.join(d, "information"), "w") as fh:
+            fh.write("Model: \t\t NVIDIA H100 80GB HBM3 (a test double)\nGPU UUID: \t %s\nDevice Minor: \t %d\n"
+                     "Bus Location: \t 0000:%02x:00.0\n" % (uuid_, m, 0x10 + m))
+    return root
 
 
 SKELETON_IMAGE = "localhost/gpuckpt-skel:1"

@@ -246,3 +246,77 @@ def _sync_nodes(dev, want):
             os.close(node)
         made.append("/dev/" + name)
     return {"made": made, "removed": removed}
+
+
+def _is_gpu_path(path):
+    return bool(GPU_NODE.match(os.path.basename(str(path or ""))))
+
+
+def lists_nvidia_devices(spec):
+    """Whether an OCI spec gives its container NVIDIA device nodes (the GPUs or the driver's control nodes)."""
+    return any(os.path.basename(str(e.get("path") or "")).startswith("nvidia")
+               for e in ((spec or {}).get("linux") or {}).get("devices") or [])
+
+
+def stale_spec_devices(spec, host_root="/"):
+    """The NVIDIA ``linux.devices`` entries of an OCI spec whose path is, on this host, a device of the same
+    kind with other numbers: [(entry, host major, host minor)]. A spec made on another node names that node's
+    numbers (nvidia-uvm's and nvidia-caps' majors are given by the kernel when the module loads), and the
+    container runtime builds the device cgroup from them. A GPU node (nvidia<N>) the host lacks is refused:
+    that GPU is not here. Only the driver's nodes are looked at: their path in the container is their path on
+    the host (the driver opens them by the minors it lists), while another device may be given to a container
+    under another name (``--device /dev/sdc:/dev/xvdc``), where the host's node of that name is not it."""
+    out = []
+    minors = None
+    for entry in ((spec or {}).get("linux") or {}).get("devices") or []:
+        path = str(entry.get("path") or "")
+        kind = {"c": stat.S_IFCHR, "u": stat.S_IFCHR, "b": stat.S_IFBLK}.get(entry.get("type"))
+        if not path.startswith("/dev/") or not os.path.basename(path).startswith("nvidia") or kind is None:
+            continue
+        if _is_gpu_path(path):
+            minors = {g["minor"] for g in inventory()} if minors is None else minors
+            if minors and _gpu_minor(entry) not in minors:
+                raise InvalidTarget("the container's spec gives it %s (minor %s), a GPU this host's driver does not "
+                                    "list; nothing was restored" % (path, entry.get("minor")), stage="preflight",
+                                    hint="restore onto a host with as many GPUs, or give the container a spec made "
+                                         "for this host")
+        try:
+            st = os.stat(os.path.join(host_root, path.lstrip("/")))
+        except OSError:
+            continue  # no node here (nvidia-modprobe makes them on first use): the runtime makes it as the spec says
+        if stat.S_IFMT(st.st_mode) != kind:
+            continue
+        try:
+            same = (int(entry.get("major")), int(entry.get("minor"))) == (os.major(st.st_rdev), os.minor(st.st_rdev))
+        except (TypeError, ValueError):
+            same = False
+        if not same:
+            out.append((entry, os.major(st.st_rdev), os.minor(st.st_rdev)))
+    return out
+
+
+def retarget_spec_devices(spec, host_root="/"):
+    """Give an OCI spec recorded on another host this host's NVIDIA device numbers, by path, as the runtime would
+    have resolved them had the container been created here: each stale ``linux.devices`` entry (stale_spec_devices)
+    and the device-cgroup rules (``linux.resources.devices``) that allowed its old numbers. Changes ``spec``;
+    returns ["path old -> new", ...] (empty: nothing differed)."""
+    stale = stale_spec_devices(spec, host_root)
+    rules = (((spec or {}).get("linux") or {}).get("resources") or {}).get("devices") or []
+    # every rule mapped from its old numbers at once: one entry's new numbers may be another's old ones
+    moved = {}
+    for entry, major, minor in stale:
+        moved[(_rule_type(entry.get("type")), str(entry.get("major")), str(entry.get("minor")))] = (major, minor)
+    for rule in rules:
+        key = (rule.get("type"), str(rule.get("major")), str(rule.get("minor")))
+        if key in moved:
+            rule["major"], rule["minor"] = moved[key]
+    changed = []
+    for entry, major, minor in stale:
+        changed.append("%s %s:%s -> %d:%d" % (entry.get("path"), entry.get("major"), entry.get("minor"), major, minor))
+        entry["major"], entry["minor"] = major, minor
+    return changed
+
+
+def _rule_type(entry_type):
+    """The device-cgroup rule type of a ``linux.devices`` type ("u", unbuffered, is a character device)."""
+    return "b" if entry_type == "b" else "c"

@@ -41,8 +41,9 @@ def _api(address):
     return Client(address, NAMESPACE)
 
 
-def make_container(daemon, runc_root, pod, uid, cname, workdir, args, handler=None, annotations=None):
-    """What the kubelet makes for container ``cname`` of pod ``pod``: labels, CRI annotations, a GPU spec."""
+def make_container(daemon, runc_root, pod, uid, cname, workdir, args, handler=None, annotations=None, gpu_minors=None):
+    """What the kubelet makes for container ``cname`` of pod ``pod``: labels, CRI annotations, a GPU spec with
+    the GPUs ``gpu_minors`` (None: all), as the device plugin gives them."""
     namespace, name = pod.split("/")
     cid = uuid.uuid4().hex + uuid.uuid4().hex
     labels = {"io.kubernetes.pod.name": name, "io.kubernetes.pod.namespace": namespace, "io.kubernetes.pod.uid": uid,
@@ -64,7 +65,7 @@ def make_container(daemon, runc_root, pod, uid, cname, workdir, args, handler=No
     api = _api(daemon.address)
     try:
         record = api.container(cid)
-        api.update_spec(cid, gpu_spec(record["spec"]), record["spec_url"], "test")
+        api.update_spec(cid, gpu_spec(record["spec"], gpu_minors=gpu_minors), record["spec_url"], "test")
     finally:
         api.close()
     res = subprocess.run([CTR, "--address", daemon.address, "--namespace", NAMESPACE, "tasks", "start", "--detach",
@@ -96,13 +97,14 @@ def diagnostics(daemon, hdir):
 class PodTorch(TorchWorkload):
     """torch_counter.py as the container ``trainer`` of pod default/gpu-test-pod."""
 
-    def __init__(self, daemon, runc_root, directory, gib):  # pylint: disable=super-init-not-called
+    def __init__(self, daemon, runc_root, directory, gib, gpu_minors=None):  # pylint: disable=super-init-not-called
         self.dir, self.gib, self.roles = directory, gib, ["parent"]
         os.makedirs(directory, exist_ok=True)
         self.uid = str(uuid.uuid4())
         args = [WORKLOAD_PYTHON, os.path.join(REPO, "tests", "workloads", "torch_counter.py"), "--dir", directory,
                 "--gib", str(gib)]
-        self.id, res = make_container(daemon, runc_root, "default/gpu-test-pod", self.uid, "trainer", directory, args)
+        self.id, res = make_container(daemon, runc_root, "default/gpu-test-pod", self.uid, "trainer", directory, args,
+                                      gpu_minors=gpu_minors)
         assert res.returncode == 0, res.stdout
         deadline = time.monotonic() + 180
         while not os.path.exists(os.path.join(directory, "parent.state")):
@@ -112,14 +114,28 @@ class PodTorch(TorchWorkload):
         self.pids = []
 
 
+def gpu_inventory():
+    sys.path.insert(0, COLLECTIONS)
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils import gpus
+    return gpus.inventory()
+
+
 def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gpu_memory(playbook, tmp_path, record):
+    """On a machine with one GPU the target pod is given that GPU again; with two or more, the source pod has
+    the first and the target pod the second (as a device plugin on another node would choose): the restore
+    maps the job onto it with the driver's pairs, and its container's /dev holds that GPU's node only."""
+    inv = gpu_inventory()
+    src_minors = dst_minors = None
+    if len(inv) >= 2:
+        src_minors, dst_minors = [inv[0]["minor"]], [inv[1]["minor"]]
+    record("gpu_k8s_pod_placement", inventory=inv, source_minors=src_minors, target_minors=dst_minors)
     daemon = Containerd("/tmp/gpk-gpod-%d" % os.getpid()).start()
     runc_root = str(tmp_path / "runc-root")
     image_root = str(tmp_path / "images")
     os.mkdir(image_root, 0o700)
     image_dir = os.path.join(image_root, "gpu-pod-1")
     try:
-        w = PodTorch(daemon, runc_root, str(tmp_path / "w"), GIB)
+        w = PodTorch(daemon, runc_root, str(tmp_path / "w"), GIB, gpu_minors=src_minors)
         before = w.counts()
         run = playbook("gpuckpt.fleet.checkpoint", {
             "gpuckpt_pod": "default/gpu-test-pod", "gpuckpt_image_dir": image_dir, "gpuckpt_leave_stopped": True,
@@ -137,8 +153,9 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
         held_gpus = manifest["target"]["gpus"][str(ck["cuda_pids"][0])]
         container_gpus = manifest["runtime"]["containers"][0]["gpus"]
         record("gpu_k8s_pod_gpus", driver_uuids=uuids, process_gpus=held_gpus, container_gpus=container_gpus)
-        assert [g["uuid"] for g in held_gpus] == uuids[:1] and [g["uuid"] for g in container_gpus] == uuids, \
-            (held_gpus, container_gpus, uuids)
+        given = [g["uuid"] for g in inv if src_minors is None or g["minor"] in src_minors]
+        assert [g["uuid"] for g in held_gpus] == given[:1] and [g["uuid"] for g in container_gpus] == given, \
+            (held_gpus, container_gpus, given)
         time.sleep(1)
         assert w.counts() == held, "the held pod must not count"
         # On two nodes the held source lives on in its own node's network namespace. Here both containers would
@@ -178,7 +195,7 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
         try:
             cid, res = make_container(daemon, runc_root, target, str(uuid.uuid4()), "trainer", w.dir, args2,
                                       handler=str(hdir / "gpuckpt-restore-runtime"),
-                                      annotations={"gpuckpt.fleet/restore": request})
+                                      annotations={"gpuckpt.fleet/restore": request}, gpu_minors=dst_minors)
             made = time.monotonic() - t0
             out, unused = node.communicate(timeout=330)
         except subprocess.TimeoutExpired as exc:
@@ -194,10 +211,22 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
         assert node.returncode == 0, out
         result = json.loads([ln for ln in out.splitlines() if ln.startswith("{")][-1])
         assert len(result["cuda_pids"]) == 1
-        assert not result["gpu_pairs"], "its own GPU again: the driver's default, no map"
+        new_pid = result["cuda_pids"][0]
+        if dst_minors is None:
+            assert not result["gpu_pairs"], "its own GPU again: the driver's default, no map"
+            expect_minors = [g["minor"] for g in container_gpus]
+        else:
+            moved = {g["minor"]: g["uuid"] for g in inv}
+            assert result["gpu_pairs"] == {str(new_pid): [[moved[src_minors[0]], moved[dst_minors[0]]]]}, \
+                result["gpu_pairs"]
+            expect_minors = dst_minors
         dev = "/proc/%d/root/dev" % result["pids"][0]
         assert sorted(n for n in os.listdir(dev) if n.startswith("nvidia") and n[6:].isdigit()) == \
-            ["nvidia%d" % g["minor"] for g in container_gpus]
+            ["nvidia%d" % m for m in expect_minors]
+        from ansible_collections.gpuckpt.fleet.plugins.module_utils import gpus
+        now_on = gpus.process_gpus(new_pid, inv)
+        record("gpu_k8s_pod_restored_onto", gpu_pairs=result["gpu_pairs"], process_gpus=now_on)
+        assert [g["minor"] for g in now_on] == expect_minors[:1], now_on
         w.wait_counting(beyond=held)
         assert w.verified_after(w.counts())
         record("gpu_k8s_pod_restore", gib=GIB, image_bytes=ck["image_bytes"], checkpoint=ck["timings"],

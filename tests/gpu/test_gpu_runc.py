@@ -43,12 +43,14 @@ def gpu_bundle(bundle, args, workdir, cgroup):
         json.dump(cfg, fh)
 
 
-def gpu_spec(cfg, rootfs=None):
+def gpu_spec(cfg, rootfs=None, gpu_minors=None):
     """Make an OCI spec run a CUDA process: the host's /usr, /etc and /opt read-only, /dev/nvidia* as
     devices with their cgroup rules (what CDI writes), no rlimits (these VMs refuse setrlimit above their
     own), and the host's network (as GPU jobs often run): CRIU locks a container network of its own with
     iptables-restore, which the GPU machine lacks (the engine refuses that case in preflight,
-    tests/integration/test_runc.py). ``rootfs``: where to make mountpoints (None: the runtime makes them)."""
+    tests/integration/test_runc.py). ``rootfs``: where to make mountpoints (None: the runtime makes them).
+    ``gpu_minors``: the GPUs (/dev/nvidia<minor>) the container is given, as a device plugin gives them
+    (None: all); the control nodes always."""
     cfg["process"].pop("rlimits", None)
     # Each host mount under the bound trees is bound on its own (runc tells CRIU that its config's bind
     # mounts are external): an rbind would carry submounts that CRIU cannot dump, like the GPU
@@ -81,6 +83,9 @@ def gpu_spec(cfg, rootfs=None):
         if not stat.S_ISCHR(st.st_mode):
             continue
         major, minor = os.major(st.st_rdev), os.minor(st.st_rdev)
+        name = os.path.basename(dev)
+        if gpu_minors is not None and name[6:].isdigit() and int(name[6:]) not in gpu_minors:
+            continue
         devices.append({"path": dev, "type": "c", "major": major, "minor": minor, "fileMode": 0o666, "uid": 0, "gid": 0})
         allow.append({"allow": True, "type": "c", "major": major, "minor": minor, "access": "rwm"})
     assert devices, "no /dev/nvidia* device nodes on this machine"

@@ -4,6 +4,7 @@ CRIU 4.2.1. Inside the container a parent and a child count and hold a memory pa
 with the libcuda TEST DOUBLE, so the CUDA stage runs on the task's host pids as it does on a GPU node."""
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import time
@@ -12,7 +13,7 @@ import uuid
 import pytest
 
 from containerd_daemon import CTR, IMAGE, Containerd, available, start_on_host, stop_on_host
-from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, alive, tree
+from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, alive, give_container_gpus, tree, write_nvidia_proc
 
 from loopback_workloads import MIGRATE, changed_tasks
 
@@ -38,7 +39,7 @@ class ContainerdWorkload(CountingWorkload):
 
     roles = ("parent", "child1")
 
-    def __init__(self, daemon, base, fakecuda, namespace="default", labels=None, cid=None):
+    def __init__(self, daemon, base, fakecuda, namespace="default", labels=None, cid=None, gpu_minors=None):
         self.daemon, self.namespace = daemon, namespace
         self.fakecuda_dir = fakecuda.state_dir
         self.base, self.dir = base, os.path.join(base, "w")
@@ -55,7 +56,18 @@ class ContainerdWorkload(CountingWorkload):
             args += ["--mount", "type=bind,src=%s,dst=%s,options=rbind:%s" % (src, src, opt)]
         cmd = ("echo %s > /var/written-in-the-layer && exec /usr/bin/python3 %s --dir %s --mb 8 --fakecuda %s"
                % (self.id, COUNTER, self.dir, FAKE_LIBCUDA))
-        daemon.ctr(*(args + [daemon.import_skeleton(namespace), self.id, "/bin/sh", "-c", cmd]), namespace=namespace)
+        image = daemon.import_skeleton(namespace)
+        if gpu_minors is None:
+            daemon.ctr(*(args + [image, self.id, "/bin/sh", "-c", cmd]), namespace=namespace)
+        else:  # created, given GPUs as a device plugin gives them (CDI), then started
+            log_uri = args[args.index("--log-uri") + 1]
+            create = [a for a in args[1:] if a != "--detach"]
+            del create[create.index("--log-uri"):create.index("--log-uri") + 2]
+            daemon.ctr(*(["containers", "create"] + create + [image, self.id, "/bin/sh", "-c", cmd]),
+                       namespace=namespace)
+            res = give_container_gpus(daemon.address, namespace, self.id, gpu_minors)
+            assert res.returncode == 0, res.stderr
+            daemon.ctr("tasks", "start", "--detach", "--log-uri", log_uri, self.id, namespace=namespace)
         self.wait_counting()
 
     def task(self):
@@ -87,8 +99,9 @@ class ContainerdWorkload(CountingWorkload):
 def containerd_workload(tmp_path, fakecuda, containerd):
     made = []
 
-    def make(namespace="default"):
-        w = ContainerdWorkload(containerd, str(tmp_path / ("c%d" % len(made))), fakecuda, namespace)
+    def make(namespace="default", gpu_minors=None):
+        w = ContainerdWorkload(containerd, str(tmp_path / ("c%d" % len(made))), fakecuda, namespace,
+                               gpu_minors=gpu_minors)
         made.append(w)
         return w
     yield make
@@ -143,6 +156,45 @@ def test_task_checkpoint_then_restore_is_a_task_containerd_manages(
 
     second = playbook(RESTORE, w.vars(image_dir), env=fakecuda.env)
     assert second.rc == 0 and second.task("Restore from")["changed"] is False
+
+
+def test_a_task_restored_where_the_driver_lists_other_gpus_goes_onto_them_place_by_place(
+        tmp_path, playbook, containerd_workload, fakecuda):
+    """The container was given GPU minor 1 of node A; its image is restored where the driver lists other GPUs
+    (node B's UUIDs: GPUCKPT_NVIDIA_PROC points at another node's driver files, the libcuda double holds node
+    B's GPUs). Where minor 1 is not a GPU of that node, the restore is refused before anything is restored;
+    where it is, the task's processes are restored onto node B's GPU of that place, with the driver's pairs."""
+    node_a = ["GPU-aaaaaaaa-0000-4000-8000-00000000000%d" % m for m in range(2)]
+    node_b = ["GPU-bbbbbbbb-0000-4000-8000-00000000000%d" % m for m in range(2)]
+    proc_a = write_nvidia_proc(str(tmp_path / "proc-a"), node_a)
+    proc_b = write_nvidia_proc(str(tmp_path / "proc-b"), node_b)
+    proc_b_one = write_nvidia_proc(str(tmp_path / "proc-b-one"), node_b[:1])
+    env_a, env_b = dict(fakecuda.env, GPUCKPT_NVIDIA_PROC=proc_a), dict(fakecuda.env, GPUCKPT_NVIDIA_PROC=proc_b)
+    w = containerd_workload(gpu_minors=[1])
+    image_dir = str(tmp_path / "img")
+    run = playbook(CHECKPOINT, w.vars(image_dir), env=env_a)
+    assert run.rc == 0, run.stdout
+    with open(os.path.join(image_dir, "manifest.json")) as fh:
+        assert json.load(fh)["runtime"]["gpus"] == [{"uuid": node_a[1], "minor": 1}]
+    stopped_at = w.counts()
+    with open(os.path.join(fakecuda.state_dir, "gpus"), "w") as fh:
+        fh.write("".join(u + "\n" for u in node_b))
+
+    refused = playbook(RESTORE, w.vars(image_dir), env=dict(fakecuda.env, GPUCKPT_NVIDIA_PROC=proc_b_one))
+    assert refused.rc != 0
+    msg = refused.task("Restore from")["msg"]
+    assert "/dev/nvidia1 (minor 1), a GPU this host's driver does not list; nothing was restored" in msg, msg
+    assert w.task()["status"] == "STOPPED" and not [ln for ln in fakecuda.calls_log() if ln.startswith("restore")]
+
+    run = playbook(RESTORE, w.vars(image_dir), env=env_b)
+    assert run.rc == 0, run.stdout
+    rs = run.task("Restore from")
+    pairs = [ln.split() for ln in fakecuda.calls_log() if ln.startswith("restore-pairs ")]
+    assert sorted(int(p[1]) for p in pairs) == sorted(rs["cuda_pids"])
+    assert {p[2] for p in pairs} == {"%s=%s" % (node_a[1], node_b[1])}, pairs
+    dev = "/proc/%d/root/dev" % w.task()["pid"]
+    assert sorted(n for n in os.listdir(dev) if n.startswith("nvidia")) == ["nvidia1"]
+    w.went_on_intact(stopped_at)
 
 
 def test_leave_stopped_holds_the_task_paused_and_a_restore_beside_it_is_refused(

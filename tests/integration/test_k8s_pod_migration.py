@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import threading
 import time
@@ -21,7 +20,7 @@ import uuid
 import pytest
 
 from containerd_daemon import IMAGE, available, start_on_host, stop_on_host
-from helpers import COLLECTIONS, COUNTER, FAKE_LIBCUDA, MANAGED_PYTHON, REPO, CountingWorkload
+from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, give_container_gpus, write_nvidia_proc
 
 from loopback_workloads import MIGRATE, changed_tasks
 
@@ -32,25 +31,6 @@ RECOVER = "gpuckpt.fleet.recover"
 HANDLER_FILES = os.path.join(REPO, "roles", "nvidia_container_runtime", "files")
 NODES = {"hosta": "node-a", "hostb": "node-b"}
 pytestmark = pytest.mark.skipif(not available(), reason="containerd 2.x and python3-grpcio (tests/setup.sh) needed")
-
-
-# The device plugin stand-in's part of making a container: its GPUs' device nodes and device cgroup rules put in
-# its spec, as the CRI plugin does with CDI devices (argv: containerd address, container id, JSON list of minors).
-ADD_GPUS = """
-import json, sys
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.containerd_api import Client
-api = Client(sys.argv[1], "k8s.io", timeout=30)
-record = api.container(sys.argv[2])
-spec, minors = record["spec"], json.loads(sys.argv[3])
-linux = spec.setdefault("linux", {})
-linux["devices"] = list(linux.get("devices") or []) + [
-    {"path": "/dev/nvidia%d" % m, "type": "c", "major": 195, "minor": m, "fileMode": 438, "uid": 0, "gid": 0}
-    for m in minors]
-linux.setdefault("resources", {}).setdefault("devices", []).extend(
-    {"allow": True, "type": "c", "major": 195, "minor": m, "access": "rwm"} for m in minors)
-api.update_spec(sys.argv[2], spec, record["spec_url"], "preflight")
-api.close()
-"""
 
 
 class KubeletStandIn(object):
@@ -173,9 +153,7 @@ class KubeletStandIn(object):
                              check=False)
             if res.returncode == 0:
                 # the spec is changed through containerd's API by the managed python (its grpc; the tests' has none)
-                res = subprocess.run([MANAGED_PYTHON, "-c", ADD_GPUS, daemon.address, cid, json.dumps(minors)],
-                                     env=dict(os.environ, PYTHONPATH=COLLECTIONS), capture_output=True,
-                                     universal_newlines=True, check=False)
+                res = give_container_gpus(daemon.address, "k8s.io", cid, minors)
             if res.returncode == 0:
                 res = daemon.ctr("tasks", "start", "--detach", "--log-uri", log_uri, cid, namespace="k8s.io",
                                  check=False)
@@ -273,15 +251,9 @@ def cluster(hosts, node_containerds, tmp_path):
     # stand-in gives the moved pod other minors than it had, so its GPUs are remapped and its /dev is redone.
     gpu_uuids = {}
     for host in NODES:
-        proc = os.path.join(str(tmp_path), "nvidia-proc-" + host)
-        gpu_uuids[host] = {}
-        for m in range(4):
-            gpu_uuids[host][m] = "GPU-%s-0000-4000-8000-00000000000%d" % (("aaaaaaaa", "bbbbbbbb")[host == "hostb"], m)
-            gdir = os.path.join(proc, "gpus", "0000:%02x:00.0" % (0x10 + m))
-            os.makedirs(gdir)
-            with open(os.path.join(gdir, "information"), "w") as fh:
-                fh.write("Model: \t\t NVIDIA H100 80GB HBM3 (a test double)\nGPU UUID: \t %s\nDevice Minor: \t %d\n"
-                         "Bus Location: \t 0000:%02x:00.0\n" % (gpu_uuids[host][m], m, 0x10 + m))
+        gpu_uuids[host] = {m: "GPU-%s-0000-4000-8000-00000000000%d" % (("aaaaaaaa", "bbbbbbbb")[host == "hostb"], m)
+                           for m in range(4)}
+        write_nvidia_proc(os.path.join(str(tmp_path), "nvidia-proc-" + host), [gpu_uuids[host][m] for m in range(4)])
     env_b = hosts.host_vars["hostb"]["gpuckpt_environment"]
     with open(os.path.join(env_b["FAKECUDA_STATE_DIR"], "gpus"), "w") as fh:
         fh.write("".join(u + "\n" for u in gpu_uuids["hostb"].values()))

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 
-from helpers import COUNTER, FAKE_LIBCUDA, CountingWorkload, alive, tree, write_runc_bundle
+from helpers import COUNTER, FAKE_LIBCUDA, CountingWorkload, alive, tree, write_nvidia_proc, write_runc_bundle
 
 CHECKPOINT = "gpuckpt.fleet.checkpoint"
 RESTORE = "gpuckpt.fleet.restore"
@@ -180,3 +180,78 @@ def test_a_container_network_that_criu_cannot_lock_is_refused_before_anything_is
     assert not os.path.exists(image_dir)
     assert [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")] == []
     assert w.state()["status"] == "running" and w.is_counting()
+
+
+GPU_UUIDS = ["GPU-cccccccc-0000-4000-8000-00000000000%d" % m for m in range(2)]
+
+
+def give_gpus(bundle, minors):
+    """Give a bundle's container the GPUs ``minors`` as CDI writes them into its spec: their nodes (and the
+    driver's control node) in linux.devices, each allowed by the device cgroup."""
+    path = os.path.join(bundle, "config.json")
+    with open(path) as fh:
+        cfg = json.load(fh)
+    nodes = [("/dev/nvidia%d" % m, 195, m) for m in minors] + [("/dev/nvidiactl", 195, 255)]
+    cfg["linux"]["devices"] = [{"path": p, "type": "c", "major": ma, "minor": mi, "fileMode": 0o666, "uid": 0, "gid": 0}
+                               for p, ma, mi in nodes]
+    cfg["linux"].setdefault("resources", {})["devices"] = [{"allow": False, "access": "rwm"}] + [
+        {"allow": True, "type": "c", "major": ma, "minor": mi, "access": "rwm"} for unused, ma, mi in nodes]
+    with open(path, "w") as fh:
+        json.dump(cfg, fh)
+
+
+def test_a_container_restored_into_a_bundle_that_gives_it_another_gpu_goes_onto_that_gpu(
+        tmp_path, playbook, runc_workload, fakecuda, monkeypatch):
+    """The target's bundle gives the container /dev/nvidia1 where it had /dev/nvidia0 (another GPU of the
+    node, or the same place on another node): its processes are restored with the driver's pairs onto that
+    GPU (the libcuda double logs them, and refuses a GPU the host does not list), and its /dev, which CRIU
+    brings back as it was, holds that GPU's node only. A bundle with another count of GPUs is refused before
+    anything is restored; the image is then restored into the right one."""
+    proc = write_nvidia_proc(str(tmp_path / "nvidia-proc"), GPU_UUIDS)
+    monkeypatch.setenv("GPUCKPT_NVIDIA_PROC", proc)
+    with open(os.path.join(fakecuda.state_dir, "gpus"), "w") as fh:
+        fh.write("".join(u + "\n" for u in GPU_UUIDS))
+    w = runc_workload()
+    # the running container is given GPU 0 (runc applies the spec at start: stop and start it again with it)
+    w.stop()
+    give_gpus(w.bundle, [0])
+    w.start()
+    image_dir = str(tmp_path / "img")
+    run = _ckpt(playbook, fakecuda, w, image_dir)
+    assert run.rc == 0, run.stdout
+    with open(os.path.join(image_dir, "manifest.json")) as fh:
+        assert json.load(fh)["runtime"]["gpus"] == [{"uuid": GPU_UUIDS[0], "minor": 0}]
+    stopped_at = w.counts()
+
+    def bundle_with(name, minors):
+        other = os.path.join(str(tmp_path), name)
+        with open(os.path.join(w.bundle, "config.json")) as fh:
+            cfg = json.load(fh)
+        os.makedirs(other)
+        shutil.copytree(os.path.join(w.bundle, "rootfs"), os.path.join(other, "rootfs"), symlinks=True)
+        with open(os.path.join(other, "config.json"), "w") as fh:
+            json.dump(cfg, fh)
+        give_gpus(other, minors)
+        return other
+
+    def restore_into(bundle):
+        return playbook(RESTORE, {"gpuckpt_image_dir": image_dir, "gpuckpt_runc_root": w.root,
+                                  "gpuckpt_runc_bundle": bundle}, env=fakecuda.env)
+
+    two = restore_into(bundle_with("bundle-two-gpus", [0, 1]))
+    assert two.rc != 0
+    res = two.task("Restore from")
+    assert "held 1 GPU(s) when it was checkpointed and is given 2 here" in res["msg"], res
+    assert w.state() is None and not any(ln.startswith("restore-pairs") for ln in fakecuda.calls_log())
+
+    run = restore_into(bundle_with("bundle-gpu1", [1]))
+    assert run.rc == 0, run.stdout
+    rs = run.task("Restore from")
+    assert w.state()["status"] == "running"
+    pairs = [ln.split() for ln in fakecuda.calls_log() if ln.startswith("restore-pairs ")]
+    assert sorted(int(p[1]) for p in pairs) == sorted(rs["cuda_pids"])
+    assert {p[2] for p in pairs} == {"%s=%s" % (GPU_UUIDS[0], GPU_UUIDS[1])}, pairs
+    dev = "/proc/%d/root/dev" % int(w.state()["pid"])
+    nodes = {n: os.stat(os.path.join(dev, n)).st_rdev for n in os.listdir(dev) if n.startswith("nvidia")}
+    assert nodes == {"nvidia1": os.makedev(195, 1), "nvidiactl": os.makedev(195, 255)}, nodes
+    w.went_on_intact(stopped_at)

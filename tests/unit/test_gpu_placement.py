@@ -144,3 +144,53 @@ def test_a_dev_that_is_a_symlink_out_of_the_container_is_refused(contained, tmp_
         gpus.sync_device_nodes(pid, {"linux": {"devices": [dev(1)]}})
     assert "could not set the GPU device nodes" in exc.value.msg
     assert os.listdir(str(outside)) == []
+
+
+def node(root, name, kind, major, minor):
+    path = os.path.join(root, "dev", name)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    os.mknod(path, 0o600 | kind, os.makedev(major, minor))
+
+
+def test_a_spec_from_another_node_gets_this_nodes_nvidia_numbers_and_nothing_else(inv, tmp_path):
+    """nvidia-uvm's major is the kernel's choice on each node: a recorded spec's entries for the driver's nodes
+    (and the device-cgroup rules that allowed them) take this host's numbers, by path, all at once (one
+    entry's new numbers are another's old ones here); a device given under another name is left alone."""
+    host = str(tmp_path / "host")
+    node(host, "nvidia-uvm", stat.S_IFCHR, 509, 0)
+    node(host, "nvidia-uvm-tools", stat.S_IFCHR, 509, 1)
+    node(host, "nvidiactl", stat.S_IFCHR, 195, 255)
+    node(host, "nvidia0", stat.S_IFCHR, 195, 0)
+    node(host, "xvdc", stat.S_IFBLK, 8, 0)
+    spec = {"linux": {
+        "devices": [dev(0), {"path": "/dev/nvidiactl", "type": "c", "major": 195, "minor": 255},
+                    {"path": "/dev/nvidia-uvm", "type": "c", "major": 507, "minor": 0},
+                    {"path": "/dev/nvidia-uvm-tools", "type": "c", "major": 509, "minor": 0},
+                    {"path": "/dev/nvidia-caps/nvidia-cap1", "type": "c", "major": 238, "minor": 1},
+                    {"path": "/dev/xvdc", "type": "b", "major": 8, "minor": 32}],
+        "resources": {"devices": [{"allow": False, "access": "rwm"},
+                                  {"allow": True, "type": "c", "major": 195, "minor": 0, "access": "rwm"},
+                                  {"allow": True, "type": "c", "major": 507, "minor": 0, "access": "rwm"},
+                                  {"allow": True, "type": "c", "major": 509, "minor": 0, "access": "rwm"},
+                                  {"allow": True, "type": "b", "major": 8, "minor": 32, "access": "rwm"}]}}}
+    assert [e["path"] for e, unused, unused2 in gpus.stale_spec_devices(spec, host)] == [
+        "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools"]
+    changed = gpus.retarget_spec_devices(spec, host)
+    assert changed == ["/dev/nvidia-uvm 507:0 -> 509:0", "/dev/nvidia-uvm-tools 509:0 -> 509:1"]
+    numbers = {e["path"]: (e["major"], e["minor"]) for e in spec["linux"]["devices"]}
+    assert numbers == {"/dev/nvidia0": (195, 0), "/dev/nvidiactl": (195, 255), "/dev/nvidia-uvm": (509, 0),
+                       "/dev/nvidia-uvm-tools": (509, 1), "/dev/nvidia-caps/nvidia-cap1": (238, 1),
+                       "/dev/xvdc": (8, 32)}
+    rules = [(r.get("type"), r.get("major"), r.get("minor")) for r in spec["linux"]["resources"]["devices"]]
+    assert rules == [(None, None, None), ("c", 195, 0), ("c", 509, 0), ("c", 509, 1), ("b", 8, 32)]
+    assert gpus.retarget_spec_devices(spec, host) == [], "a spec of this host is left as it is"
+
+
+def test_a_spec_naming_a_gpu_the_driver_does_not_list_is_refused(inv, tmp_path):
+    spec = {"linux": {"devices": [dev(1), dev(7)]}}
+    with pytest.raises(InvalidTarget) as err:
+        gpus.stale_spec_devices(spec, str(tmp_path))
+    assert "/dev/nvidia7 (minor 7), a GPU this host's driver does not list" in err.value.msg
+    assert err.value.stage == "preflight"
+    assert gpus.stale_spec_devices({"linux": {"devices": [dev(1), dev(3)]}}, str(tmp_path)) == []
+    assert gpus.lists_nvidia_devices(spec) and not gpus.lists_nvidia_devices({"linux": {"devices": []}})

@@ -14,6 +14,7 @@ import signal
 
 from .. import discovery
 from .. import driver as cuda
+from .. import gpus as gpu_devices
 from ..criu import Criu
 from ..errors import GpuCkptError, InvalidTarget
 from ..run import find_binary, run
@@ -303,6 +304,7 @@ class ContainerBackend(Backend):
         self.extra = list(criu_options or ())
         self.timeout = timeout
         self.container = None
+        self._pairs_by_pid = {}
 
     @property
     def criu(self):
@@ -353,6 +355,18 @@ class ContainerBackend(Backend):
 
     def map_pids(self, manifest, new_pids):
         return map_by_ns_pid(manifest, new_pids)
+
+    def adopt_devices(self, pid, tree, spec, pairs, sync):
+        """After the runtime's restore of the container whose init is ``pid`` (its processes ``tree``), before
+        the GPU memory comes back: its processes are to go onto the GPUs ``pairs`` names (None: those they
+        had), and (``sync``) its /dev, which CRIU restored as the source's, is made to hold the device nodes of
+        ``spec``, the spec it now runs under (gpus.sync_device_nodes)."""
+        self._pairs_by_pid = {p: pairs for p in tree} if pairs else {}
+        if sync or pairs:
+            gpu_devices.sync_device_nodes(pid, spec)
+
+    def gpu_pairs_for(self, pid):
+        return self._pairs_by_pid.get(pid)
 
     def is_held(self, pids):
         return False

@@ -29,6 +29,7 @@ dockerd's own state wrong, so that namespace is refused with a pointer to ``runt
 """
 from __future__ import annotations
 
+import copy
 import errno
 import os
 import signal
@@ -36,6 +37,7 @@ import stat
 import tarfile
 
 from .. import discovery
+from .. import gpus as gpu_devices
 from ..containerd_api import DEFAULT_ADDRESS, RUNC_OPTIONS_URL, Client, ContainerdError, msg, without_fields
 from ..errors import CommandError, GpuCkptError, InvalidTarget
 from .base import ContainerBackend, mount_hint, ns_pid
@@ -185,6 +187,8 @@ class ContainerdBackend(ContainerBackend):
         return {"backend": self.name, "container": self.container, "namespace": self.namespace,
                 "root_pid": int(target), "ns_pids": self._ns, "cgroup_v2_path": self._cgroup_seen,
                 "record": {k: rec[k] for k in RECORD_KEYS},
+                # the container's GPUs, by UUID: what a restore onto other GPUs maps from (gpus.py)
+                "gpus": [{"uuid": g["uuid"], "minor": g["minor"]} for g in gpu_devices.spec_gpus(rec.get("spec"))],
                 "runtime_options_b64": _b64(rec["runtime_options"]), "rootfs_diff": diff,
                 "created_at": rec.get("created_at"),
                 "criu_options": self.extra, "auto_flags": list(self.auto_flags)}
@@ -194,9 +198,19 @@ class ContainerdBackend(ContainerBackend):
         self.container = rt.get("container") or self.container
         self.namespace = rt.get("namespace") or self.namespace
         record = dict(rt.get("record") or {})
+        record["spec"] = copy.deepcopy(record.get("spec") or {})  # made this host's below, not the manifest's
         criu_dir = os.path.join(image_dir, CRIU_SUBDIR)
-        if not record or not os.path.isdir(criu_dir):
+        if not rt.get("record") or not os.path.isdir(criu_dir):
             raise InvalidTarget("the image holds no containerd checkpoint (%s/)" % CRIU_SUBDIR, stage="preflight")
+        # A spec recorded on another host names that host's device numbers: this host's, by path, as containerd
+        # would have resolved them had the container been created here; the GPUs it then gives the container
+        # are where its processes go, place by place. Checked before anything here is changed.
+        moved = gpu_devices.retarget_spec_devices(record["spec"])
+        pairs = None
+        if "gpus" in rt:  # (an image of an older collection: its GPUs were not recorded)
+            new = gpu_devices.spec_gpus(record["spec"])
+            if rt["gpus"] or new:
+                pairs = gpu_devices.placement_pairs(rt["gpus"], new, "containerd container %s" % self.container)
         api = self.client()
         created = snapshot = False
         try:
@@ -236,13 +250,15 @@ class ContainerdBackend(ContainerBackend):
                 raise CommandError("containerd's restore of %s failed: %s" % (self.container, exc.msg),
                                    stage="runtime-restore", stderr=_log_errors(os.path.join(work_dir, "restore.log")),
                                    hint="see restore.log in the work dir")
+            tree = discovery.process_tree(pid)
+            self.adopt_devices(pid, tree, spec, pairs, sync=bool(moved))
         except Exception:
             if created:
                 self._remove(api, record.get("snapshotter") if snapshot else None, record.get("snapshot_key"))
             raise
         finally:
             api.close()
-        return discovery.process_tree(pid)
+        return tree
 
     def _cgroup_for(self, spec, rt):
         """The cgroup the restored container goes into: the one its spec names, unless that cgroup is in

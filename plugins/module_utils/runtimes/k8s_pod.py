@@ -92,7 +92,6 @@ class KubernetesPodBackend(ContainerBackend):
         # the restore: the target pod (namespace/name) the controller creates, its token, how long to wait for it
         self.restore_pod, self.restore_token, self.restore_wait = restore_pod, restore_token, restore_wait
         self._restoring, self._restored_image = [], None
-        self._pairs_by_pid = {}  # restored pid: the driver's GPU pairs of its container (restore)
 
     def _member(self, container_id=None):
         m = ContainerdBackend(self.address, K8S_NAMESPACE, self.runc_root, self._criu_path, self.extra, self.timeout)
@@ -410,9 +409,6 @@ class KubernetesPodBackend(ContainerBackend):
             raise
         finally:
             api.close()
-
-    def gpu_pairs_for(self, pid):
-        return self._pairs_by_pid.get(pid)
 
     def _restored_container(self, api, namespace, name, cname):
         for c in api.containers():

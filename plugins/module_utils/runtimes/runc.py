@@ -28,6 +28,7 @@ import os
 import subprocess
 
 from .. import discovery
+from .. import gpus as gpu_devices
 from ..errors import CommandError, InvalidTarget
 from ..run import find_binary, run, run_detaching
 from .base import ContainerBackend, mount_hint, ns_pid
@@ -56,6 +57,15 @@ def cgroup2_frozen(path):
             return any(line.split() == ["frozen", "1"] for line in fh)
     except OSError:
         return False
+
+
+def bundle_spec(bundle):
+    """The OCI spec (config.json) of a bundle, or {} when it cannot be read."""
+    try:
+        with open(os.path.join(bundle or "", "config.json")) as fh:
+            return json.load(fh)
+    except (OSError, ValueError):
+        return {}
 
 
 class RuncBackend(ContainerBackend):
@@ -143,6 +153,9 @@ class RuncBackend(ContainerBackend):
             raise
         return {"backend": self.name, "container": self.container, "root_pid": int(target),
                 "bundle": self._bundle_seen, "runc_root": self.root, "ns_pids": self._ns,
+                # the container's GPUs, by UUID: what a restore into a bundle that names others maps from
+                "gpus": [{"uuid": g["uuid"], "minor": g["minor"]}
+                         for g in gpu_devices.spec_gpus(bundle_spec(self._bundle_seen))],
                 "cgroup_v2_path": self._cgroup_seen, "criu_options": self.extra, "auto_flags": list(self.auto_flags),
                 "criu_seconds": round(res.seconds, 6)}
 
@@ -153,11 +166,7 @@ class RuncBackend(ContainerBackend):
         src = (manifest.get("runtime") or {}).get("cgroup_v2_path")
         if not src or not os.path.exists(os.path.join(CGROUP2_ROOT, "cgroup.controllers")):
             return None
-        try:
-            with open(os.path.join(bundle, "config.json")) as fh:
-                want = ((json.load(fh).get("linux") or {}).get("cgroupsPath") or "")
-        except (OSError, ValueError):
-            want = ""
+        want = (bundle_spec(bundle).get("linux") or {}).get("cgroupsPath") or ""
         # Only an absolute cgroupfs path is where runc surely puts the container; a systemd
         # "slice:prefix:name" or a relative path is left to runc and CRIU as they are.
         env, dest = None, src
@@ -178,8 +187,29 @@ class RuncBackend(ContainerBackend):
                                      "linux.cgroupsPath of its own")
         return env
 
+    def devices_for(self, bundle, manifest):
+        """The target bundle's spec, checked against this host's devices (runc builds the container's device
+        cgroup from the spec's numbers: a spec made on another node would deny the GPU its job reopens), and
+        the driver's GPU pairs that put the container's processes onto the GPUs that spec gives it."""
+        spec = bundle_spec(bundle)
+        stale = gpu_devices.stale_spec_devices(spec)
+        if stale:
+            raise InvalidTarget("the bundle's config.json names device numbers other than this host's (%s); "
+                                "nothing was restored" % ", ".join("%s %s:%s, here %d:%d" % (
+                                    e.get("path"), e.get("major"), e.get("minor"), ma, mi) for e, ma, mi in stale[:3]),
+                                stage="preflight", hint="make the target's bundle on the target (nvidia-ctk cdi "
+                                                        "generate and your runtime's spec), or pass bundle")
+        rt = manifest.get("runtime") or {}
+        pairs = None
+        if "gpus" in rt:  # (an image of an older collection: its GPUs were not recorded)
+            new = gpu_devices.spec_gpus(spec)
+            if rt["gpus"] or new:
+                pairs = gpu_devices.placement_pairs(rt["gpus"], new, "runc container %s" % self.container)
+        return spec, pairs
+
     def restore(self, image_dir, work_dir, manifest):
         bundle = self.restore_bundle(manifest)
+        spec, pairs = self.devices_for(bundle, manifest)
         env = self.cgroup_env(bundle, manifest, work_dir)
         log = open(os.path.join(work_dir, "container.log"), "ab")
         # The relay holds the read end of the container's stdio pipe and outlives this module.
@@ -204,7 +234,14 @@ class RuncBackend(ContainerBackend):
             raise CommandError("runc restore exited with rc=%d" % rc, stage="runtime-restore",
                                cmd=self._cmd(*args), rc=rc, stderr="".join([ln for ln in lines if "Error" in ln][-15:]))
         st = self.state(self.container)
-        return discovery.process_tree(int(st["pid"]))
+        pid = int(st["pid"])
+        tree = discovery.process_tree(pid)
+        try:
+            self.adopt_devices(pid, tree, spec, pairs, sync=gpu_devices.lists_nvidia_devices(spec))
+        except Exception:
+            self.remove()  # restored, but its GPUs cannot be given back: no copy is left behind
+            raise
+        return tree
 
     def bind(self, manifest):
         super(RuncBackend, self).bind(manifest)
