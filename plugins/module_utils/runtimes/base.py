@@ -356,6 +356,19 @@ class ContainerBackend(Backend):
     def map_pids(self, manifest, new_pids):
         return map_by_ns_pid(manifest, new_pids)
 
+    def placement(self, manifest, spec):
+        """The driver's GPU pairs that put the CUDA processes of the container of ``manifest`` onto the GPUs
+        ``spec`` (the spec it is restored into) gives it, place by place (gpus.placement_pairs); None when they
+        are the GPUs it had, when the image has no CUDA process, or when it is of an older collection, which
+        did not record the container's GPUs. Refused: another count, a GPU this host's driver does not list."""
+        rt = manifest.get("runtime") or {}
+        if "gpus" not in rt or not (manifest.get("target") or {}).get("cuda_pids"):
+            return None
+        new = gpu_devices.spec_gpus(spec)
+        if not rt["gpus"] and not new:
+            return None
+        return gpu_devices.placement_pairs(rt["gpus"], new, "%s container %s" % (self.name, self.container))
+
     def adopt_devices(self, pid, tree, spec, pairs, sync):
         """After the runtime's restore of the container whose init is ``pid`` (its processes ``tree``), before
         the GPU memory comes back: its processes are to go onto the GPUs ``pairs`` names (None: those they

@@ -206,11 +206,7 @@ class ContainerdBackend(ContainerBackend):
         # would have resolved them had the container been created here; the GPUs it then gives the container
         # are where its processes go, place by place. Checked before anything here is changed.
         moved = gpu_devices.retarget_spec_devices(record["spec"])
-        pairs = None
-        if "gpus" in rt:  # (an image of an older collection: its GPUs were not recorded)
-            new = gpu_devices.spec_gpus(record["spec"])
-            if rt["gpus"] or new:
-                pairs = gpu_devices.placement_pairs(rt["gpus"], new, "containerd container %s" % self.container)
+        pairs = self.placement(manifest, record["spec"])
         api = self.client()
         created = snapshot = False
         try:

@@ -199,13 +199,7 @@ class RuncBackend(ContainerBackend):
                                     e.get("path"), e.get("major"), e.get("minor"), ma, mi) for e, ma, mi in stale[:3]),
                                 stage="preflight", hint="make the target's bundle on the target (nvidia-ctk cdi "
                                                         "generate and your runtime's spec), or pass bundle")
-        rt = manifest.get("runtime") or {}
-        pairs = None
-        if "gpus" in rt:  # (an image of an older collection: its GPUs were not recorded)
-            new = gpu_devices.spec_gpus(spec)
-            if rt["gpus"] or new:
-                pairs = gpu_devices.placement_pairs(rt["gpus"], new, "runc container %s" % self.container)
-        return spec, pairs
+        return spec, self.placement(manifest, spec)
 
     def restore(self, image_dir, work_dir, manifest):
         bundle = self.restore_bundle(manifest)
