@@ -157,6 +157,8 @@ def placement_pairs(old, new, what):
         raise InvalidTarget("%s held %d GPU(s) when it was checkpointed and is given %d here; the driver restores "
                             "each GPU of a checkpoint onto exactly one GPU" % (what, len(old), len(new)),
                             stage="cuda-restore", hint="give the new container as many GPUs as the old one had")
+    if any(not g.get("uuid") for g in old) and [g.get("minor") for g in old] == [g.get("minor") for g in new]:
+        return None  # which GPUs it had was not known at the checkpoint: the same places, the driver's own default
     unknown = [g for g in list(old) + list(new) if not g.get("uuid")]
     if unknown:
         raise InvalidTarget("%s: the GPU of device minor %s is not one this node's driver lists (%s/gpus)"

@@ -77,6 +77,12 @@ def test_placement_maps_a_containers_gpus_place_by_place_or_refuses(inv):
     with pytest.raises(InvalidTarget) as exc:
         gpus.placement_pairs(old[:1], [{"uuid": None, "minor": 9}], "c")
     assert "device minor 9" in exc.value.msg
+    # GPUs whose UUIDs the source's driver files did not give: the same places need no map, others are refused
+    unnamed = [{"uuid": None, "minor": 0}]
+    assert gpus.placement_pairs(unnamed, [{"uuid": UUIDS[0], "minor": 0}], "c") is None
+    with pytest.raises(InvalidTarget) as exc:
+        gpus.placement_pairs(unnamed, [{"uuid": UUIDS[1], "minor": 1}], "c")
+    assert "device minor 0" in exc.value.msg
 
 
 def test_a_process_without_gpu_files_holds_no_gpu(inv):
