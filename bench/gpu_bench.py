@@ -22,8 +22,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, hugepages, image  # noqa: E402
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.criu import Criu  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import hugepages  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.criu import Criu  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend  # noqa: E402
 from gpu_helpers import TorchWorkload, raw_driver  # noqa: E402
 

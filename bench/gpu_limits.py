@@ -13,8 +13,10 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import discovery, engine  # noqa: E402
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import processes as gpu_procs  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError  # noqa: E402
 
 PY = os.environ.get("GPUCKPT_WORKLOAD_PYTHON", "python3")
 
@@ -96,11 +98,11 @@ def run_case(name, code):
     if proc.poll() is not None:
         emit(case=name, started=False, output=proc.stdout.read()[-1500:])
         return
-    tree = discovery.process_tree(proc.pid)
+    tree = procfs.process_tree(proc.pid)
     img = tempfile.mkdtemp(prefix="gpuckpt-limit-%s-" % name)
     os.rmdir(img)
     out = {"case": name, "started": True, "pids": tree,
-           "unsupported_features": {str(p): discovery.unsupported_features(p) for p in tree},
+           "unsupported_features": {str(p): gpu_procs.unsupported_features(p) for p in tree},
            "nccl_shm_maps": {str(p): sorted({ln.split()[-1] for ln in open("/proc/%d/maps" % p) if "/dev/shm/" in ln})
                              for p in tree if os.path.exists("/proc/%d/maps" % p)}}
     try:
@@ -110,7 +112,7 @@ def run_case(name, code):
         out.update(checkpoint="failed", stage=exc.stage, error=str(exc)[:600], driver_error=exc.driver_error,
                    rolled_back=exc.rolled_back)
     time.sleep(1)
-    out["alive_after"] = [p for p in tree if discovery.alive(p)]
+    out["alive_after"] = [p for p in tree if procfs.alive(p)]
     out["still_running"] = len(out["alive_after"]) == len(tree) and proc.poll() is None
     emit(**out)
     os.killpg(proc.pid, signal.SIGKILL)

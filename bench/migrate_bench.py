@@ -27,7 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
 from loopback import LoopbackHosts  # noqa: E402
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import FAST_CIPHERS  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.transfer import FAST_CIPHERS  # noqa: E402
 
 PLAYBOOK = os.environ.get("GPUCKPT_ANSIBLE_PLAYBOOK") or os.path.join(REPO, ".venv", "bin", "ansible-playbook")
 PY = os.environ.get("GPUCKPT_WORKLOAD_PYTHON", "python3")
@@ -73,7 +73,8 @@ def plain_chain(hosts, args, base, fast_cipher=False, tag="chain"):
     pid = start(hosts, args, wdir)
     src, dst = os.path.join(base, tag + "-src"), os.path.join(base, tag + "-dst")
     os.makedirs(src)
-    stage1 = ("from ansible_collections.gpuckpt.fleet.plugins.module_utils import driver as d, discovery as q\n"
+    stage1 = ("from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import driver as d\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs as q\n"
               "drv=d.CudaDriver()\nps=[p for p in q.process_tree(%d) if drv.cuda_state(p)]\n"
               "[drv.lock(p) for p in ps]\n[drv.checkpoint(p) for p in ps]\n") % pid
     steps = {}
@@ -91,8 +92,9 @@ def plain_chain(hosts, args, base, fast_cipher=False, tag="chain"):
     hosts.ssh("hostb", "cd %s && setsid criu restore -D %s --shell-job -d -o restore.log --pidfile %s/pid" % (dst, dst, dst))
     steps["restore"] = time.monotonic() - t0 - sum(steps.values())
     if args.torch_gib:
-        remote_py(hosts, "hostb", "from ansible_collections.gpuckpt.fleet.plugins.module_utils import driver as d, "
-                  "discovery as q\ndrv=d.CudaDriver()\nps=[p for p in q.process_tree(%d) if drv.cuda_state(p)]\n"
+        remote_py(hosts, "hostb", "from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import driver as d\n"
+                  "from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs as q\n"
+                  "drv=d.CudaDriver()\nps=[p for p in q.process_tree(%d) if drv.cuda_state(p)]\n"
                   "[drv.restore(p) for p in ps]\n[drv.unlock(p) for p in ps]\n" % pid)
     total = time.monotonic() - t0
     steps["stage1_restore"] = total - sum(steps.values())

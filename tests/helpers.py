@@ -246,7 +246,7 @@ def write_runc_bundle(bundle, args, env=(), rw=(), cgroup=None):
 # none) with argv: containerd address, namespace, container id, JSON list of minors.
 ADD_GPUS = """
 import json, sys
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.containerd_api import Client
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.containerd_api import Client
 api = Client(sys.argv[1], sys.argv[2], timeout=30)
 record = api.container(sys.argv[3])
 spec, minors = record["spec"], json.loads(sys.argv[4])

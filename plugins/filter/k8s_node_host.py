@@ -42,7 +42,7 @@ _value:
 
 from ansible.errors import AnsibleFilterError
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s_pods import inventory_host_for_node
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.pods import inventory_host_for_node
 
 
 def k8s_node_host(node, hostvars, hosts):

@@ -35,7 +35,7 @@ _value:
   type: str
 """
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s_pods import target_pod_name
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.pods import target_pod_name
 
 
 def k8s_target_pod_name(name, migration_id):

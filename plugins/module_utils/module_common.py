@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import shlex
 
-from .errors import GpuCkptError
+from .core.errors import GpuCkptError
 
 TOOL_ARGS = dict(
     criu_path=dict(type="path"),
@@ -82,7 +82,7 @@ def _make_backend(name, params, bundle):
 
 def backend_of_image(image_dir):
     """The backend an image was taken with (its manifest's runtime.backend); process by default."""
-    from . import image
+    from .core import image
     try:
         return (image.load_manifest(image_dir).get("runtime") or {}).get("backend") or "process"
     except Exception:  # noqa: BLE001 - the engine reports a bad image itself, with its reason
@@ -108,7 +108,7 @@ def journal_for(params, role):
     """The migration journal for this host's role, or None outside a migration."""
     if not params.get("migration_id"):
         return None
-    from .journal import Journal
+    from .core.journal import Journal
     return Journal(params["journal_dir"], params["migration_id"], role)
 
 

@@ -336,9 +336,10 @@ import re
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, transfer
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.journal import DEFAULT_JOURNAL_DIR
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
     MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, RUNTIMES, SPEED_ARGS, TOOL_ARGS, check_path_arg, command_argv,
     journal_for, make_backend, run_engine)

@@ -160,9 +160,10 @@ streams:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import image, transfer
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError, TransactionError
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.journal import DEFAULT_JOURNAL_DIR, Journal
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, TransactionError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR, Journal
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import check_path_arg
 
 

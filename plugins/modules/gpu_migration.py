@@ -154,8 +154,9 @@ msg:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import hugepages, migration
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError, InvalidTarget
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import hugepages
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import transaction as migration
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
     RUNTIME_ARGS, backend_of_image, check_path_arg, make_backend)
 

@@ -129,8 +129,8 @@ pod:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import k8s_pods
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s import pods as k8s_pods
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
 
 
 def _brief(pod):

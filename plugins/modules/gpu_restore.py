@@ -199,7 +199,7 @@ bad_files:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
     MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, SPEED_ARGS, TOOL_ARGS, backend_of_image, check_path_arg, command_argv,
     journal_for, make_backend, run_engine)

@@ -57,7 +57,7 @@ def _size(n):
 
 
 def format_progress(data, now=None):
-    """One human line from a progress file's JSON (see module_utils/progress.py), or None."""
+    """One human line from a progress file's JSON (see module_utils/core/progress.py), or None."""
     now = now or data.get("updated") or time.time()
     if data.get("kind") == "bytes":
         done, total = data.get("bytes_done", 0), data.get("bytes_total", 0)

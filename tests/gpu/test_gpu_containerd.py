@@ -37,7 +37,7 @@ def containerd_dir(host):
 
 def _api(address):
     sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils.containerd_api import Client
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.containerd_api import Client
     return Client(address, NAMESPACE)
 
 

@@ -37,7 +37,7 @@ pytestmark = pytest.mark.skipif(not available(), reason="containerd 2.x and grpc
 
 def _api(address):
     sys.path.insert(0, COLLECTIONS)
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils.containerd_api import Client
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.containerd_api import Client
     return Client(address, NAMESPACE)
 
 
@@ -116,7 +116,7 @@ class PodTorch(TorchWorkload):
 
 def gpu_inventory():
     sys.path.insert(0, COLLECTIONS)
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils import gpus
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import devices as gpus
     return gpus.inventory()
 
 
@@ -147,7 +147,7 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
         held = w.counts()
         # the GPU its CUDA process held (its device files) and its container's GPUs (its spec), by the driver's UUID
         sys.path.insert(0, COLLECTIONS)
-        from ansible_collections.gpuckpt.fleet.plugins.module_utils import image as image_mod
+        from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image as image_mod
         manifest = image_mod.load_manifest(image_dir)
         uuids = manifest["host"]["cuda_device_uuids"]
         held_gpus = manifest["target"]["gpus"][str(ck["cuda_pids"][0])]
@@ -177,7 +177,7 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
             "ticket_wait": 120}))
         token, target = uuid.uuid4().hex, "default/gpu-test-pod-b"
         script = ("import json, sys\n"
-                  "from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine\n"
+                  "from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine\n"
                   "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import "
                   "KubernetesPodBackend\n"
                   "b = KubernetesPodBackend(sys.argv[2], runc_root=sys.argv[5], restore_pod=sys.argv[3], "
@@ -223,7 +223,7 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
         dev = "/proc/%d/root/dev" % result["pids"][0]
         assert sorted(n for n in os.listdir(dev) if n.startswith("nvidia") and n[6:].isdigit()) == \
             ["nvidia%d" % m for m in expect_minors]
-        from ansible_collections.gpuckpt.fleet.plugins.module_utils import gpus
+        from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import devices as gpus
         now_on = gpus.process_gpus(new_pid, inv)
         record("gpu_k8s_pod_restored_onto", gpu_pairs=result["gpu_pairs"], process_gpus=now_on)
         assert [g["minor"] for g in now_on] == expect_minors[:1], now_on

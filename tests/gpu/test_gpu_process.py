@@ -103,8 +103,8 @@ def test_real_driver_errors_are_named(torch_workloads):
     """A real driver error, not a stand-in: checkpointing a process that is not locked."""
     import sys
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", ".build", "collections"))
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils import driver as cuda
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import DriverError
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import driver as cuda
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import DriverError
     w = torch_workloads(gib=0.25)
     drv = cuda.CudaDriver()
     try:

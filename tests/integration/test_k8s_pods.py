@@ -167,7 +167,8 @@ def resume_held(cluster, fakecuda, image_dir, journal_only=False):
     manifest, or (``journal_only``) on what the journal alone tells after a checkpoint killed before its
     manifest: the pod's name and the pids it froze (migration._source_manifest)."""
     script = ("import json, sys\n"
-              "from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, image\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image\n"
               "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import KubernetesPodBackend\n"
               "m = image.load_manifest(sys.argv[1])\n"
               "if sys.argv[4] == '1':\n"
@@ -299,7 +300,7 @@ def restore_pod(cluster, fakecuda, image_dir, pod, token, wait=60):
     which writes the restore ticket and waits for the target pod's containers (in the background: the kubelet
     makes them meanwhile)."""
     script = ("import json, sys\n"
-              "from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine\n"
               "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import KubernetesPodBackend\n"
               "b = KubernetesPodBackend(sys.argv[2], restore_pod=sys.argv[4], restore_token=sys.argv[5],\n"
               "                         restore_wait=int(sys.argv[6]))\n"

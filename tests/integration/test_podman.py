@@ -127,8 +127,8 @@ def test_podman_cannot_be_held_stopped_and_says_so_before_freezing(tmp_path, pod
     """Podman checkpoints only running containers, so leave_stopped is refused in preflight."""
     w = podman_workload()
     image_dir = str(tmp_path / "img")
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import InvalidTarget
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
     from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.podman import PodmanBackend
     backend = PodmanBackend(root=w.storage[1], runroot=w.storage[3])
     with pytest.raises(InvalidTarget) as err:

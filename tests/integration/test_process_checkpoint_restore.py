@@ -257,7 +257,7 @@ def test_a_loaded_but_unused_libnccl_is_fine(tmp_path, playbook, fakecuda):
 
 def test_parallel_driver_calls_keep_the_consistent_freeze(tmp_path, workloads, fakecuda):
     """Engine option: checkpoint/restore the CUDA processes on one thread each. Locks stay first."""
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
     w = workloads(fakecuda=fakecuda, children=3)
     image_dir = str(tmp_path / "img")
     res = engine.checkpoint(w.pid, image_dir, parallel=True)

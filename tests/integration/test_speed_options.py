@@ -8,7 +8,7 @@ from __future__ import annotations
 import os
 import time
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import hugepages
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import hugepages
 
 CHECKPOINT = "gpuckpt.fleet.checkpoint"
 RESTORE = "gpuckpt.fleet.restore"

@@ -8,9 +8,10 @@ import time
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import driver as cuda
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine, facts as host_facts
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import DriverError, DriverUnavailable, InvalidTarget
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import driver as cuda
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import facts as host_facts
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import DriverError, DriverUnavailable, InvalidTarget
 
 
 def test_state_machine_is_enforced(fakecuda, cuda_child):

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import gpus
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError, InvalidTarget
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import devices as gpus
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, InvalidTarget
 
 UUIDS = ["GPU-11111111-2222-3333-4444-55555555555%d" % m for m in range(4)]
 

@@ -6,8 +6,8 @@ import os
 import subprocess
 import sys
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import hugepages
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.journal import process_identity
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import hugepages
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import process_identity
 
 
 def _sysfs(tmp_path, mode="madvise"):
@@ -59,7 +59,7 @@ def test_overlapping_operations_share_it_and_the_last_puts_it_back(tmp_path):
 def test_a_killed_holder_is_settled_and_a_reused_pid_is_not_a_holder(tmp_path):
     sysfs, state = _sysfs(tmp_path), str(tmp_path / "thp")
     code = ("import os, sys, time; sys.path[:0] = %r\n"
-            "from ansible_collections.gpuckpt.fleet.plugins.module_utils import hugepages\n"
+            "from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import hugepages\n"
             "h = hugepages.HugePages(True, %r, %r).__enter__()\n"
             "print('held', flush=True); time.sleep(60)\n" % (sys.path, sysfs, state))
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)

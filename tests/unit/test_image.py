@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import ImageError, InvalidTarget
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import ImageError, InvalidTarget
 
 
 def _make(tmp_path, size=3 * 2**20):

@@ -11,10 +11,11 @@ import time
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import fsutil, migration
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError, InvalidTarget, TransactionError
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.journal import (Fenced, Journal, JournalBusy, alive_pids,
-                                                                            identities, same_process)
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import fsutil
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import transaction as migration
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, InvalidTarget, TransactionError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import (Fenced, Journal, JournalBusy, alive_pids,
+                                                                                 identities, same_process)
 
 
 def _journal(tmp_path, role="target", mid="m1"):
@@ -42,7 +43,7 @@ def test_a_held_lock_makes_a_bounded_wait_that_names_its_holder(tmp_path):
     j = _journal(tmp_path)
     holder = subprocess.Popen([sys.executable, "-c", (
         "import sys, time; sys.path[:0] = %r\n"
-        "from ansible_collections.gpuckpt.fleet.plugins.module_utils.journal import Journal\n"
+        "from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import Journal\n"
         "j = Journal(%r, 'm1', 'target'); j.acquire(purpose='the restore of x'); print('held', flush=True); time.sleep(30)"
     ) % (sys.path, j.dir)], stdout=subprocess.PIPE)
     assert holder.stdout.readline().strip() == b"held"

@@ -11,8 +11,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from k8s_apiserver_double import ApiServerDouble  # noqa: E402
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import k8s_pods  # noqa: E402
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import InvalidTarget  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s import pods as k8s_pods  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget  # noqa: E402
 
 IDS = {"trainer": "a1" * 32, "logger": "b2" * 32}
 

@@ -25,10 +25,10 @@ def test_other_failures_keep_the_default():
 def test_the_probe_gives_the_host_side_nsenter_no_loader_variables(monkeypatch):
     """nsenter runs on the host as root: a workload's LD_PRELOAD must not reach its loader; it is set
     again inside, through the container's env; other variables (secrets too) stay out of argv."""
-    from plugins.module_utils import discovery
+    from plugins.module_utils.core import procfs
     from plugins.module_utils.runtimes import base
     seen = {}
-    monkeypatch.setattr(discovery, "environ", lambda pid: {"LD_PRELOAD": "/w/evil.so", "TOKEN": "s3cret", "PATH": "/bin"})
+    monkeypatch.setattr(procfs, "environ", lambda pid: {"LD_PRELOAD": "/w/evil.so", "TOKEN": "s3cret", "PATH": "/bin"})
     monkeypatch.setattr(base, "find_binary", lambda *a, **k: "/usr/bin/nsenter")
     monkeypatch.setattr(base.os.path, "isfile", lambda p: p.endswith("/usr/bin/env"))
     monkeypatch.setattr(base, "run", lambda cmd, **kw: seen.update(cmd=cmd, env=kw["env"]))

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import quiesce
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import InvalidTarget
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import quiesce
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
 
 TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
 

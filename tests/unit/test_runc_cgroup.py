@@ -11,7 +11,7 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from plugins.module_utils.errors import InvalidTarget  # noqa: E402
+from plugins.module_utils.core.errors import InvalidTarget  # noqa: E402
 from plugins.module_utils.runtimes import runc as runc_mod  # noqa: E402
 
 

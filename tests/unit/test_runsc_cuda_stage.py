@@ -10,8 +10,8 @@ import stat
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import engine
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import InvalidTarget
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.runsc import RunscBackend
 
 FAKE_RUNSC = r"""#!/bin/sh

@@ -1,4 +1,4 @@
-"""The one transfer path (module_utils/transfer.py and receiver.py) on this host's own files.
+"""The one transfer path (module_utils/core/transfer.py and receiver.py) on this host's own files.
 
 TEST DOUBLE: ``ssh`` is replaced by a script that runs the remote command here with sh (no second host
 is needed for what these tests check: how pieces are cut, written, resumed, repaired, fenced, and what
@@ -17,9 +17,11 @@ import time
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils import image, migration, transfer
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.errors import GpuCkptError
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.journal import Journal
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import transaction as migration
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import Journal
 
 FAKE_SSH = r'''#!%(py)s
 import os, subprocess, sys
@@ -251,7 +253,7 @@ def test_progress_files_are_replaced_never_written_through(tmp_path):
     """A progress file lives in a world-writable dir (/tmp, so the controller can read it without
     become): a symlink planted at its name, or at any name a writer could predict beside it, is
     replaced by a rename, never written through; stale files of others are left alone."""
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils.progress import StageProgress
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.progress import StageProgress
     victim = tmp_path / "root-only"
     victim.write_text("secret\n")
     os.chmod(victim, 0o600)

@@ -12,12 +12,12 @@ import os
 import shutil
 import signal
 
-from .. import discovery
-from .. import driver as cuda
-from .. import gpus as gpu_devices
-from ..criu import Criu
-from ..errors import GpuCkptError, InvalidTarget
-from ..run import find_binary, run
+from ..core import procfs
+from ..cuda import driver as cuda
+from ..cuda import devices as gpu_devices
+from .criu import Criu
+from ..core.errors import GpuCkptError, InvalidTarget
+from ..core.run import find_binary, run
 
 
 def _state(pid):
@@ -86,7 +86,7 @@ class Backend(object):
         - a datagram unix socket connected to a named peer outside the tree (/dev/log): --ext-unix-sk;
         - one end of a unix stream connection to a process outside the tree: refused (CRIU cannot);
         - established TCP connections: --tcp-established when ``tcp_established``, else refused."""
-        needs = discovery.criu_needs(pids)
+        needs = procfs.criu_needs(pids)
         flags = []
         if needs["ext_unix_stream"]:
             raise InvalidTarget("the workload holds %s; CRIU cannot checkpoint one end of a unix stream connection; "
@@ -195,7 +195,7 @@ class Backend(object):
         through the container's own `env`. The rest travels in the environment, never in argv (which
         every user can read). Returns the command's Result; the caller decides what a failure means."""
         nsenter = find_binary("nsenter", what="install util-linux")
-        env = discovery.environ(root_pid)
+        env = procfs.environ(root_pid)
         loader = ["%s=%s" % (k, env.pop(k)) for k in sorted(env) if k.startswith("LD_") or k in UNSAFE_FOR_ROOT]
         env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
         inner = list(argv)

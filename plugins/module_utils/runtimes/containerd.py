@@ -36,10 +36,10 @@ import signal
 import stat
 import tarfile
 
-from .. import discovery
-from .. import gpus as gpu_devices
-from ..containerd_api import DEFAULT_ADDRESS, RUNC_OPTIONS_URL, Client, ContainerdError, msg, without_fields
-from ..errors import CommandError, GpuCkptError, InvalidTarget
+from ..core import procfs
+from ..cuda import devices as gpu_devices
+from .containerd_api import DEFAULT_ADDRESS, RUNC_OPTIONS_URL, Client, ContainerdError, msg, without_fields
+from ..core.errors import CommandError, GpuCkptError, InvalidTarget
 from .base import ContainerBackend, mount_hint, ns_pid
 from .runc import CGROUP2_ROOT, cgroup2_frozen, cgroup2_path
 
@@ -137,7 +137,7 @@ class ContainerdBackend(ContainerBackend):
         pid = task["pid"]
         self._record = dict(record, snapshot_parent=parent)
         self._cgroup_seen = cgroup2_path(pid)
-        tree = discovery.process_tree(pid)
+        tree = procfs.process_tree(pid)
         self._ns = {str(p): ns_pid(p) for p in tree}
         return pid, tree
 
@@ -246,7 +246,7 @@ class ContainerdBackend(ContainerBackend):
                 raise CommandError("containerd's restore of %s failed: %s" % (self.container, exc.msg),
                                    stage="runtime-restore", stderr=_log_errors(os.path.join(work_dir, "restore.log")),
                                    hint="see restore.log in the work dir")
-            tree = discovery.process_tree(pid)
+            tree = procfs.process_tree(pid)
             self.adopt_devices(pid, tree, spec, pairs, sync=bool(moved))
         except Exception:
             if created:

@@ -21,9 +21,9 @@ import shutil
 import uuid
 import socket
 
-from .. import discovery
-from ..errors import CommandError, InvalidTarget
-from ..run import find_binary, run
+from ..core import procfs
+from ..core.errors import CommandError, InvalidTarget
+from ..core.run import find_binary, run
 from .base import ContainerBackend, ns_pid
 
 CHECKPOINT = "gpuckpt"
@@ -123,7 +123,7 @@ class DockerBackend(ContainerBackend):
         self.container = info["Name"].lstrip("/")
         self._info = info
         pid = int(state["Pid"])
-        tree = discovery.process_tree(pid)
+        tree = procfs.process_tree(pid)
         self._ns = {str(p): ns_pid(p) for p in tree}
         return pid, tree
 
@@ -194,7 +194,7 @@ class DockerBackend(ContainerBackend):
             raise CommandError("docker start --checkpoint exited with rc=%d" % res.rc, stage="runtime-restore",
                                cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:], stderr=res.stderr[-4000:])
         info = self.inspect(cid)
-        return discovery.process_tree(int(info["State"]["Pid"]))
+        return procfs.process_tree(int(info["State"]["Pid"]))
 
     def remove(self):
         run(self._cmd("rm", "--force", self.container), stage="cleanup", check=False)

@@ -36,11 +36,11 @@ import os
 import re
 import time
 
-from .. import discovery
-from .. import gpus as gpu_devices
-from ..containerd_api import Client, ContainerdError
-from ..errors import GpuCkptError, InvalidTarget
-from ..fsutil import atomic_write
+from ..core import procfs
+from ..cuda import devices as gpu_devices
+from .containerd_api import Client, ContainerdError
+from ..core.errors import GpuCkptError, InvalidTarget
+from ..core.fsutil import atomic_write
 from .base import ContainerBackend, criu_preflight
 from .containerd import ContainerdBackend
 
@@ -309,10 +309,10 @@ class KubernetesPodBackend(ContainerBackend):
         instead, behind the kubelet, while the pod still existed would have them started again from their
         entrypoint; so this waits for them to go, and says what to do when they do not."""
         deadline = time.monotonic() + wait
-        started = {p: (discovery.read_stat(p) or {}).get("starttime") for p in pids}  # a reused pid is not ours
+        started = {p: (procfs.read_stat(p) or {}).get("starttime") for p in pids}  # a reused pid is not ours
 
         def ours_alive(p):
-            st = discovery.read_stat(p) or {}
+            st = procfs.read_stat(p) or {}
             return st.get("starttime") == started[p] and st.get("state", "Z") not in ("Z", "X")
         while True:
             left = [p for p in pids if started[p] is not None and ours_alive(p)]

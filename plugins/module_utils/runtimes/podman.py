@@ -20,9 +20,9 @@ import json
 import os
 import re
 
-from .. import discovery
-from ..errors import CommandError, InvalidTarget
-from ..run import find_binary, run
+from ..core import procfs
+from ..core.errors import CommandError, InvalidTarget
+from ..core.run import find_binary, run
 from .base import ContainerBackend, ns_pid
 
 EXPORT = "container.tar"
@@ -87,7 +87,7 @@ class PodmanBackend(ContainerBackend):
         self.container = info.get("Name") or str(target)
         self._id = info.get("Id")
         pid = int(state["Pid"])
-        tree = discovery.process_tree(pid)
+        tree = procfs.process_tree(pid)
         self._ns = {str(p): ns_pid(p) for p in tree}
         return pid, tree
 
@@ -129,7 +129,7 @@ class PodmanBackend(ContainerBackend):
                                cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:],
                                stderr=_with_criu_log(res.stderr)[-6000:])
         info = self.inspect(self.container)
-        return discovery.process_tree(int(info["State"]["Pid"]))
+        return procfs.process_tree(int(info["State"]["Pid"]))
 
     def bind(self, manifest):
         super(PodmanBackend, self).bind(manifest)

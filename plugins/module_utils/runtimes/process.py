@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 import signal
 
-from .. import discovery
-from ..criu import Criu
-from ..errors import InvalidTarget
+from ..core import procfs
+from .criu import Criu
+from ..core.errors import InvalidTarget
 from .base import Backend, criu_preflight
 
 
@@ -25,8 +25,8 @@ class ProcessBackend(Backend):
         return criu_preflight(self.criu, full)
 
     def resolve(self, target):
-        st = discovery.validate_target(int(target))
-        tree = discovery.process_tree(int(target))
+        st = procfs.validate_target(int(target))
+        tree = procfs.process_tree(int(target))
         self._refuse_foreign_session(tree)
         # CRIU dumps a session or process group only when its leader is inside the tree; otherwise
         # (a terminal, or a daemon that is not a session leader) it must treat them as external.
@@ -39,7 +39,7 @@ class ProcessBackend(Backend):
         process started by `docker exec`, `kubectl exec` or a CI runner without setsid). CRIU refuses
         to dump it even as a shell job, so refuse here, before anything is frozen."""
         for pid in tree:
-            st = discovery.read_stat(pid)
+            st = procfs.read_stat(pid)
             if st is not None and (st["session"] == 0 or st["pgrp"] == 0):
                 raise InvalidTarget(
                     "pid %d (%s) has its session or process-group leader outside this pid namespace "
@@ -59,7 +59,7 @@ class ProcessBackend(Backend):
         rt = manifest.get("runtime") or {}
         root, _res = self.criu.restore(image_dir, work_dir, shell_job=rt.get("shell_job", False),
                                        extra=self.criu_flags(manifest), timeout=self.timeout)
-        return discovery.process_tree(root)
+        return procfs.process_tree(root)
 
     def resume(self, pids):
         """Let a tree left stopped by a dump run again."""
@@ -75,4 +75,4 @@ class ProcessBackend(Backend):
                 os.kill(p, signal.SIGKILL)
             except OSError:
                 pass
-        discovery.wait_gone(pids, 10)
+        procfs.wait_gone(pids, 10)

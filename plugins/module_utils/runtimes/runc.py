@@ -27,10 +27,10 @@ import json
 import os
 import subprocess
 
-from .. import discovery
-from .. import gpus as gpu_devices
-from ..errors import CommandError, InvalidTarget
-from ..run import find_binary, run, run_detaching
+from ..core import procfs
+from ..cuda import devices as gpu_devices
+from ..core.errors import CommandError, InvalidTarget
+from ..core.run import find_binary, run, run_detaching
 from .base import ContainerBackend, mount_hint, ns_pid
 
 CGROUP2_ROOT = "/sys/fs/cgroup"  # the unified hierarchy; tests point this elsewhere
@@ -126,7 +126,7 @@ class RuncBackend(ContainerBackend):
         pid = int(st["pid"])
         self._bundle_seen = st.get("bundle")
         self._cgroup_seen = cgroup2_path(pid)
-        tree = discovery.process_tree(pid)
+        tree = procfs.process_tree(pid)
         self._ns = {str(p): ns_pid(p) for p in tree}
         return pid, tree
 
@@ -229,7 +229,7 @@ class RuncBackend(ContainerBackend):
                                cmd=self._cmd(*args), rc=rc, stderr="".join([ln for ln in lines if "Error" in ln][-15:]))
         st = self.state(self.container)
         pid = int(st["pid"])
-        tree = discovery.process_tree(pid)
+        tree = procfs.process_tree(pid)
         try:
             self.adopt_devices(pid, tree, spec, pairs, sync=gpu_devices.lists_nvidia_devices(spec))
         except Exception:

@@ -35,11 +35,10 @@ import json
 import os
 import re
 import time
-
-from .. import discovery
-from .. import driver as cuda
-from ..errors import CommandError, DriverError, DriverUnavailable, GpuCkptError, InvalidTarget
-from ..run import find_binary, run, run_detaching
+from ..cuda import processes as gpu_procs
+from ..cuda import driver as cuda
+from ..core.errors import CommandError, DriverError, DriverUnavailable, GpuCkptError, InvalidTarget
+from ..core.run import find_binary, run, run_detaching
 from .base import ContainerBackend
 
 DEFAULT_TOOL = "/usr/local/bin/cuda-checkpoint"  # where the seeds' runsc integration mounts it
@@ -213,7 +212,7 @@ class RunscBackend(ContainerBackend):
             return True
         if any(f.startswith("--nvproxy") and not f.endswith("=false") for f in self.runsc_flags):
             return True
-        return bool(self.sandbox_host_pid and discovery.nvidia_fds(self.sandbox_host_pid))
+        return bool(self.sandbox_host_pid and gpu_procs.nvidia_fds(self.sandbox_host_pid))
 
     def plan_tree(self, pids):
         """runsc saves its own kernel's state (files, sockets, TCP included): there are no CRIU flags."""

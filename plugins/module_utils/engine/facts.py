@@ -9,10 +9,12 @@ from __future__ import annotations
 import os
 import socket
 
-from . import discovery
-from . import driver as cuda
-from .errors import GpuCkptError
-from .runtimes.base import ns_pid
+from ..core import procfs
+from ..cuda import usage as gpu_usage
+from ..cuda import processes as gpu_procs
+from ..cuda import driver as cuda
+from ..core.errors import GpuCkptError
+from ..runtimes.base import ns_pid
 
 
 def _read(path):
@@ -81,7 +83,7 @@ def gpu_containers(backends, procs, libcuda_path=None):
             errors[backend.name] = "%s: %s" % (type(exc).__name__, exc)
             continue
         for c in listed:
-            tree = discovery.process_tree(int(c["pid"]))
+            tree = procfs.process_tree(int(c["pid"]))
             cuda = [p for p in tree if p in by_pid]
             if not cuda:
                 continue
@@ -102,31 +104,31 @@ def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=N
     out = {"host": {"hostname": socket.gethostname(), "kernel": os.uname().release,
                     "boot_id": _read("/proc/sys/kernel/random/boot_id"),
                     "pid_namespace": os.readlink("/proc/self/ns/pid"),
-                    "net_namespace": discovery.net_namespace()}}
+                    "net_namespace": procfs.net_namespace()}}
     if paths:
         out["disk"] = {p: {"free_bytes": _free_bytes(p)} for p in paths}
     if tree_of:
-        st = discovery.read_stat(int(tree_of))
+        st = procfs.read_stat(int(tree_of))
         if st is None:
             out["tree"] = {"root": int(tree_of), "exists": False, "pids": []}
         else:
-            tpids = [int(p) for p in tree_pids] if tree_pids else discovery.process_tree(int(tree_of))
-            gpu_mem = discovery.gpu_memory_by_pid()
+            tpids = [int(p) for p in tree_pids] if tree_pids else procfs.process_tree(int(tree_of))
+            gpu_mem = gpu_usage.gpu_memory_by_pid()
             cuda_pids = [p for p in tpids if drv.state_or_error(p) is not None] if drv else []
             out["tree"] = {"root": int(tree_of), "exists": True, "pids": tpids, "cuda_pids": cuda_pids,
                            "cuda_states": {str(p): drv.state_or_error(p) for p in cuda_pids} if drv else {},
                            "rss_bytes": sum(_rss_bytes(p) for p in tpids),
-                           "net_namespace": discovery.net_namespace(int(tree_of)),
-                           "bound_sockets": discovery.bound_sockets(tpids),
+                           "net_namespace": procfs.net_namespace(int(tree_of)),
+                           "bound_sockets": procfs.bound_sockets(tpids),
                            "gpu_bytes": sum(gpu_mem.get(p, 0) for p in tpids)}
     if check_pids:
-        out["pids_in_use"] = [int(p) for p in check_pids if discovery.read_stat(int(p)) is not None]
-    drv_info = {"available": drv is not None, "driver_version": discovery.driver_version()}
+        out["pids_in_use"] = [int(p) for p in check_pids if procfs.read_stat(int(p)) is not None]
+    drv_info = {"available": drv is not None, "driver_version": gpu_usage.driver_version()}
     if drv:
         drv_info.update(drv.info())
     else:
         drv_info.update(checkpoint_api=False, reason=problem.msg)
-    gpus, source = discovery.gpus()
+    gpus, source = gpu_usage.gpus()
     if gpus and not drv_info["driver_version"]:
         drv_info["driver_version"] = gpus[0].get("driver_version")
     out["driver"] = drv_info
@@ -136,22 +138,22 @@ def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=N
     if pids:
         candidates = [int(p) for p in pids]
     else:
-        candidates = [p for p in discovery.all_pids() if discovery.nvidia_fds(p)]
+        candidates = [p for p in procfs.all_pids() if gpu_procs.nvidia_fds(p)]
         if drv:  # checkpointed processes hold no /dev/nvidia fd: ask the driver about the rest
-            candidates = sorted(set(candidates) | {p for p in discovery.all_pids()
+            candidates = sorted(set(candidates) | {p for p in procfs.all_pids()
                                                    if p != os.getpid() and drv.state_or_error(p) is not None})
     procs = []
     for p in candidates:
-        if discovery.read_stat(p) is None:
+        if procfs.read_stat(p) is None:
             procs.append({"pid": p, "exists": False})
             continue
-        info = discovery.process_info(p, drv)
+        info = gpu_procs.process_info(p, drv)
         info["exists"] = True
         procs.append(info)
     out["cuda_processes"] = procs
     criu = {"installed": False}
     try:
-        from .criu import Criu
+        from ..runtimes.criu import Criu
         c = Criu(criu_path)
         criu.update(installed=True, path=c.path, version=c.version())
         criu["supported"] = tuple(int(x) for x in criu["version"].split(".")[:2]) >= (4, 0)

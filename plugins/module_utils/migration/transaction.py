@@ -34,10 +34,11 @@ from __future__ import annotations
 import os
 import uuid
 
-from . import engine, image
-from .errors import InvalidTarget, TransactionError
-from .fsutil import UnsafePath, create_private_dir, remove_tree, same_dir
-from .journal import DEFAULT_JOURNAL_DIR, Journal, alive_pids, check_id, process_identity, same_process  # noqa: F401
+from ..engine import engine
+from ..core import image
+from ..core.errors import InvalidTarget, TransactionError
+from ..core.fsutil import UnsafePath, create_private_dir, remove_tree, same_dir
+from ..core.journal import (DEFAULT_JOURNAL_DIR, Journal, alive_pids, check_id, process_identity, same_process)  # noqa: F401
 
 RESTORE_WAIT = 1800.0  # how long a settlement waits for a restore that is still running
 
@@ -108,7 +109,7 @@ def settle_target(journal, backend=None, mode="settle", remove_image=True, wait=
     ``mode``: settle (either way), commit (refuse, changing nothing, when it cannot commit), or rollback
     (refuse, changing nothing, when the workload runs here). ``abandon_pod_restore``: the caller saw
     through the API server that the migration's target pod does not exist (see abandon_pod_restore)."""
-    from .runtimes.process import ProcessBackend
+    from ..runtimes.process import ProcessBackend
     backend = backend or ProcessBackend()
     if abandon_pod_restore:
         abandon_pod_restore_wait(journal)
@@ -155,7 +156,7 @@ def abandon_pod_restore_wait(journal):
     (and rolls back), and the runtime handler refuses any later create. Never more than a rollback: a container
     already restored is left alone, and the engine unlocks nothing it has not restored. Returns the names
     marked."""
-    from .runtimes import k8s_pod
+    from ..runtimes import k8s_pod
     doc = journal.read() or {}
     image_dir = doc.get("image_dir") or ""
     ours = same_dir(image_dir, doc.get("image_dir_identity"))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import copy
 import os
 
-from .errors import GpuCkptError, InvalidTarget
+from ..core.errors import GpuCkptError, InvalidTarget
 
 # The connection options, shared by every module that reaches the API server (kubernetes.core's
 # AUTH_ARG_SPEC, and its K8S_AUTH_* environment variables, are the model).

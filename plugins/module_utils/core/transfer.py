@@ -37,7 +37,11 @@ import time
 
 # The receiver program's modules, imported here (not by name at run time) so that Ansible packs them
 # with every module that sends an image.
-from . import errors, fsutil, image, journal, receiver
+from . import errors
+from . import fsutil
+from . import image
+from . import journal
+from . import receiver
 from .errors import GpuCkptError, InvalidTarget, TransactionError
 from .progress import BytesProgress
 

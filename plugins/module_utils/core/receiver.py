@@ -34,7 +34,7 @@ import sys
 
 try:  # a package import; the receiver program defines these names before this code
     from . import image
-    from .fsutil import UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json
+    from .fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json)
     from .journal import Journal, process_identity
 except ImportError:  # pragma: no cover - only in the receiver program, where they are globals
     image = None

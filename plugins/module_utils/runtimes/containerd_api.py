@@ -20,7 +20,7 @@ import json
 import sys
 import time
 
-from .errors import GpuCkptError, InvalidTarget
+from ..core.errors import GpuCkptError, InvalidTarget
 
 DEFAULT_ADDRESS = "/run/containerd/containerd.sock"
 RUNC_OPTIONS_URL = "containerd.runc.v1.Options"

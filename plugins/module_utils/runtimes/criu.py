@@ -7,8 +7,8 @@ from __future__ import annotations
 import os
 import re
 
-from .errors import CommandError, GpuCkptError
-from .run import find_binary, run
+from ..core.errors import CommandError, GpuCkptError
+from ..core.run import find_binary, run
 
 MIN_VERSION = (4, 0)
 

@@ -30,9 +30,9 @@ import signal
 import stat
 import time
 
-from .errors import GpuCkptError, InvalidTarget
-from .fsutil import UnsafePath, open_beneath
-from .runtimes.base import ns_pid
+from ..core.errors import GpuCkptError, InvalidTarget
+from ..core.fsutil import UnsafePath, open_beneath
+from ..runtimes.base import ns_pid
 
 ACK = "tmp/gpuckpt-quiesced.%d"
 # Signals a workload cannot catch, or that would stop or continue it instead of asking it.

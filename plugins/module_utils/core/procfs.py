@@ -1,11 +1,8 @@
 # -*- coding: utf-8 -*-
 # Copyright: gpuckpt.fleet contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Processes on this host: validation of targets, process trees, CUDA processes, GPUs.
-
-A process is a CUDA process when the driver reports a checkpoint state for it. Open /dev/nvidia*
-fds are only a hint: a checkpointed process holds none, and the driver is the authority.
-"""
+"""This host's /proc, read in one place: process trees and states, namespaces, sockets, file
+locks, environments and mappings. Standard library only (the receiver and the engine share it)."""
 from __future__ import annotations
 
 import os
@@ -13,7 +10,6 @@ import re
 import time
 
 from .errors import InvalidTarget
-from .run import find_binary, run
 
 PF_KTHREAD = 0x00200000
 
@@ -164,22 +160,6 @@ def validate_target(pid):
     return st
 
 
-def nvidia_fds(pid):
-    """Device files under /dev/nvidia* that pid holds open."""
-    out = set()
-    try:
-        for fd in os.listdir("/proc/%d/fd" % pid):
-            try:
-                target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
-            except OSError:
-                continue
-            if target.startswith("/dev/nvidia"):
-                out.add(target)
-    except OSError:
-        pass
-    return sorted(out)
-
-
 def _thread_names(pid):
     names = []
     try:
@@ -217,32 +197,6 @@ def _shm_maps(pid):
         return []
 
 
-def unsupported_features(pid):
-    """What the driver's checkpoint API cannot undo, detectable before freezing (driver 580.159.04,
-    measured on the GPU machine, docs/benchmarks):
-    - NCCL: the ranks checkpoint, but their restore fails (CUDA_ERROR_NOT_SUPPORTED) and they stay
-      frozen. Every PyTorch process maps libnccl, so that alone says nothing; live communicators show
-      as NCCL's shared memory (/dev/shm/nccl-*) or NCCL-named threads, and launchers (torchrun,
-      DeepSpeed, accelerate) start each rank with WORLD_SIZE > 1 in its environment. A 2-rank NVLink
-      job started without a launcher showed none of these: that case is not caught here.
-    - CUDA IPC memory: producer and consumer map CUDA's /dev/shm/cuda.shm.* segment (no other CUDA
-      process did); the consumer's restore fails (CUDA_ERROR_INVALID_VALUE) and it stays frozen."""
-    found = []
-    shm = _shm_maps(pid)
-    env = environ(pid)
-    nccl_loaded = any("libnccl" in os.path.basename(p) for p in _mapped_files(pid))
-    try:
-        world = int(env.get("WORLD_SIZE", "1") or 1)
-    except ValueError:
-        world = 1
-    if any("/dev/shm/nccl-" in m for m in shm) or any(n.startswith("NCCL") for n in _thread_names(pid)) or (
-            nccl_loaded and world > 1):
-        found.append("NCCL (a distributed job's communicators)")
-    if any(os.path.basename(m).startswith("cuda.shm.") for m in shm):
-        found.append("CUDA IPC memory")
-    return found
-
-
 def _mapped_files(pid):
     try:
         with open("/proc/%d/maps" % pid) as fh:
@@ -269,83 +223,6 @@ def wait_gone(pids, timeout=10.0):
         time.sleep(0.05)
         left = [p for p in left if os.path.exists("/proc/%d" % p)]
     return left
-
-
-def process_info(pid, driver=None):
-    st = read_stat(pid) or {}
-    info = {"pid": pid, "comm": st.get("comm"), "cmdline": cmdline(pid), "ppid": st.get("ppid"),
-            "nvidia_devices": nvidia_fds(pid), "container_id": container_id(pid)}
-    if driver is not None:
-        info["cuda_state"] = driver.state_or_error(pid)
-    return info
-
-
-def gpus():
-    """GPUs of this host through NVML (nvidia-ml-py) when installed, else nvidia-smi, else []."""
-    try:
-        import pynvml  # noqa: WPS433 - optional dependency
-        pynvml.nvmlInit()
-        try:
-            out = []
-            drv = pynvml.nvmlSystemGetDriverVersion()
-            drv = drv.decode() if isinstance(drv, bytes) else drv
-            for i in range(pynvml.nvmlDeviceGetCount()):
-                h = pynvml.nvmlDeviceGetHandleByIndex(i)
-                mem = pynvml.nvmlDeviceGetMemoryInfo(h)
-                name = pynvml.nvmlDeviceGetName(h)
-                uuid = pynvml.nvmlDeviceGetUUID(h)
-                out.append({"index": i, "name": name.decode() if isinstance(name, bytes) else name,
-                            "uuid": uuid.decode() if isinstance(uuid, bytes) else uuid,
-                            "memory_total_mib": mem.total // 2**20, "memory_used_mib": mem.used // 2**20,
-                            "memory_free_mib": mem.free // 2**20, "driver_version": drv})
-            return out, "nvml"
-        finally:
-            pynvml.nvmlShutdown()
-    except Exception:  # noqa: BLE001 - NVML absent or broken: fall back to nvidia-smi
-        pass
-    smi = find_binary("nvidia-smi", required=False)
-    if not smi:
-        return [], None
-    res = run([smi, "--query-gpu=index,name,uuid,memory.total,memory.used,memory.free,driver_version",
-               "--format=csv,noheader,nounits"], timeout=30, check=False)
-    out = []
-    if res.rc == 0:
-        for line in res.stdout.splitlines():
-            f = [x.strip() for x in line.split(",")]
-            if len(f) == 7:
-                out.append({"index": int(f[0]), "name": f[1], "uuid": f[2], "memory_total_mib": int(f[3]),
-                            "memory_used_mib": int(f[4]), "memory_free_mib": int(f[5]), "driver_version": f[6]})
-    return out, "nvidia-smi"
-
-
-def gpu_memory_by_pid():
-    """{pid: bytes of GPU memory} through NVML, {} when NVML is not installed."""
-    try:
-        import pynvml
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001
-        return {}
-    out = {}
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                out[proc.pid] = out.get(proc.pid, 0) + (proc.usedGpuMemory or 0)
-    except Exception:  # noqa: BLE001
-        pass
-    finally:
-        pynvml.nvmlShutdown()
-    return out
-
-
-def driver_version():
-    """The kernel driver's version string (e.g. 580.159.04), or None."""
-    try:
-        with open("/proc/driver/nvidia/version") as fh:
-            m = re.search(r"Kernel Module(?: for \S+)?\s+([0-9.]+)", fh.read())
-            return m.group(1) if m else None
-    except OSError:
-        return None
 
 
 def file_locks(pids):

@@ -31,7 +31,7 @@ import os
 import re
 import stat
 
-from .errors import GpuCkptError, InvalidTarget
+from ..core.errors import GpuCkptError, InvalidTarget
 
 NVIDIA_MAJOR = 195
 # minors 254 (nvidia-modeset) and 255 (nvidiactl) are the driver's control nodes, not GPUs

@@ -33,14 +33,19 @@ import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
-from . import discovery, hugepages, image, quiesce
-from . import gpus as gpu_devices
-from . import driver as cuda
-from .errors import DriverUnavailable, GpuCkptError, ImageError, InvalidTarget, TransactionError
-from .journal import Fenced, identities, process_identity, same_process
-from .progress import StageProgress
-from .runtimes.base import network_lock_problem
-from .runtimes.process import ProcessBackend
+from ..core import procfs
+from ..cuda import usage as gpu_usage
+from ..cuda import processes as gpu_procs
+from ..core import hugepages
+from ..core import image
+from . import quiesce
+from ..cuda import devices as gpu_devices
+from ..cuda import driver as cuda
+from ..core.errors import DriverUnavailable, GpuCkptError, ImageError, InvalidTarget, TransactionError
+from ..core.journal import Fenced, identities, process_identity, same_process
+from ..core.progress import StageProgress
+from ..runtimes.base import network_lock_problem
+from ..runtimes.process import ProcessBackend
 
 COLLECTION_VERSION = "0.1.0"
 CHECKPOINT_STAGES = ("cuda_lock", "cuda_checkpoint", "runtime_dump", "checksum", "manifest", "push")
@@ -85,9 +90,9 @@ def _driver_seconds(drv, since):
 
 
 def host_facts(drv=None):
-    gpus, source = discovery.gpus()
+    gpus, source = gpu_usage.gpus()
     return {"hostname": socket.gethostname(), "kernel": os.uname().release, "arch": os.uname().machine,
-            "driver_version": discovery.driver_version() or (gpus[0]["driver_version"] if gpus else None),
+            "driver_version": gpu_usage.driver_version() or (gpus[0]["driver_version"] if gpus else None),
             "cuda_api_version": cuda.api_version_string(drv.api_version) if drv else None,
             "gpus": gpus, "gpu_source": source,
             "cuda_device_uuids": drv.device_uuids() if drv else []}
@@ -105,7 +110,7 @@ def _find_cuda_pids(drv, pids, driver_problem, host_pids=True):
     """CUDA pids among ``pids`` with their driver state; refuse when a GPU user can't be handled.
     ``host_pids`` False: the pids are a sandbox's, whose device files the host's /proc cannot show."""
     if drv is None:
-        holders = [p for p in pids if host_pids and discovery.nvidia_fds(p)]
+        holders = [p for p in pids if host_pids and gpu_procs.nvidia_fds(p)]
         if holders:
             raise DriverUnavailable("pid %s uses the GPU but the driver's checkpoint API is unavailable: %s"
                                     % (holders[0], driver_problem), stage="preflight", pid=holders[0],
@@ -118,12 +123,12 @@ def _find_cuda_pids(drv, pids, driver_problem, host_pids=True):
             states[p] = s
     # A GPU device user the driver does not know (an NVML tool, a non-CUDA GPU API) cannot be moved
     # off the GPU, and CRIU would fail on its device files: say so before freezing anything.
-    strays = [p for p in pids if host_pids and p not in states and discovery.nvidia_fds(p)]
+    strays = [p for p in pids if host_pids and p not in states and gpu_procs.nvidia_fds(p)]
     if strays:
         p = strays[0]
         raise InvalidTarget("pid %d (%s) holds %s but the driver does not report it as a CUDA process; its GPU state "
-                            "cannot be checkpointed" % (p, (discovery.read_stat(p) or {}).get("comm"),
-                                                        ", ".join(discovery.nvidia_fds(p))),
+                            "cannot be checkpointed" % (p, (procfs.read_stat(p) or {}).get("comm"),
+                                                        ", ".join(gpu_procs.nvidia_fds(p))),
                             stage="preflight", pid=p, hint="stop that process or leave it out of the tree")
     return [p for p in pids if p in states], states
 
@@ -302,7 +307,7 @@ def plan_checkpoint(target, image_dir, opts, backend):
     cuda_pids, states = _find_cuda_pids(drv, backend.cuda_candidates(root, pids), driver_problem,
                                         host_pids=not sandboxed)
     for p in ([] if sandboxed else cuda_pids):  # (a sandbox's pids are not the host's: /proc cannot tell)
-        features = discovery.unsupported_features(p)
+        features = gpu_procs.unsupported_features(p)
         if features:
             raise InvalidTarget("pid %d uses %s, which the driver's checkpoint API does not support (it checkpoints "
                                 "such a process but cannot restore it, so the job would stay frozen); nothing was "
@@ -328,7 +333,7 @@ def plan_checkpoint(target, image_dir, opts, backend):
                             hint="use quiesce_command, which runs inside the sandbox")
     if opts.quiesce_signal:
         quiesce.check_caught(cuda_pids or [root], *opts.quiesce_signal)
-    proc_states = {str(p): (discovery.read_stat(p) or {}).get("state") for p in pids}
+    proc_states = {str(p): (procfs.read_stat(p) or {}).get("state") for p in pids}
     # The GPUs each CUDA process holds (its open device files), read while it runs: the checkpoint
     # closes them. What a restore onto other GPUs maps from (see gpus.py).
     inv = gpu_devices.inventory() if cuda_pids and not sandboxed else []
@@ -411,7 +416,7 @@ def _checkpoint_steps(ctx, clock, sender):
             backend.resume([p for p in c.pids if c.states.get(str(p)) not in STOPPED])
         elif c.after == "exit":
             if backend.name == "process":
-                discovery.wait_gone(c.pids, 10)  # PID 1 may take a second to reap the dumped tree
+                procfs.wait_gone(c.pids, 10)  # PID 1 may take a second to reap the dumped tree
             try:
                 new_pids, _cuda = _restore_from(c.image_dir, {"target": {"pids": c.pids, "cuda_pids": [],
                                                                          "states": c.states},
@@ -438,7 +443,7 @@ def _checkpoint_steps(ctx, clock, sender):
              "target": {"workload": str(c.target), "root_pid": c.root, "pids": c.pids, "cuda_pids": c.cuda_pids,
                         "identities": c.identities, "states": c.states, "after": c.after,
                         "gpus": c.cuda_gpus,
-                        "processes": [discovery.process_info(p) for p in c.pids] if c.after == "running" else
+                        "processes": [gpu_procs.process_info(p) for p in c.pids] if c.after == "running" else
                         [{"pid": p} for p in c.pids]},
              "gpu_stage": c.gpu_stage, "leave_running": c.after == "running", "leave_stopped": c.after == "stopped",
              "frozen_at": c.frozen_at,
@@ -629,7 +634,7 @@ def _validate(manifest, new_pids, cuda_pids, drv):
     for o in old:
         n = mapping.get(o, o)
         was = states.get(str(o))
-        now = (discovery.read_stat(n) or {}).get("state")
+        now = (procfs.read_stat(n) or {}).get("state")
         if now is None or now in DEAD:
             if was in DEAD:
                 continue
@@ -793,7 +798,7 @@ def _journal_gate(journal, image_dir, manifest, opts):
     if os.path.abspath(doc.get("image_dir") or "") != image_dir:
         raise InvalidTarget("migration %s received its image in %s, not %s" % (journal.id, doc.get("image_dir"), image_dir),
                             stage="preflight")
-    from .fsutil import same_dir
+    from ..core.fsutil import same_dir
     if not same_dir(image_dir, doc.get("image_dir_identity")):
         raise InvalidTarget("%s is no longer the directory migration %s created here; nothing was restored"
                             % (image_dir, journal.id), stage="preflight")
@@ -820,7 +825,7 @@ def _restore(image_dir, opts, backend, journal, progress):
     else:
         mark = image.read_restored_mark(image_dir)
         if mark and mark.get("manifest_id") == manifest.get("id"):
-            if all(discovery.alive(p) for p in mark["pids"]):
+            if all(procfs.alive(p) for p in mark["pids"]):
                 result.update(pids=mark["pids"], cuda_pids=mark.get("cuda_pids", []),
                               msg="already restored at %s and running (pids %s); nothing to do"
                               % (mark.get("restored"), mark["pids"]))
@@ -833,12 +838,12 @@ def _restore(image_dir, opts, backend, journal, progress):
     clock = _Clock(progress)
     clock.start()
     # zombies of a just-dumped tree (CRIU restores the same pids; a runtime without CRIU needs none free)
-    left = discovery.wait_gone(_host_pids_restored(manifest), opts.pid_wait) if backend.uses_criu else []
+    left = procfs.wait_gone(_host_pids_restored(manifest), opts.pid_wait) if backend.uses_criu else []
     if left and backend.name == "process":
         p = left[0]
         raise InvalidTarget("pid %d, which the image needs, is in use by %s (%s): the original workload may still "
                             "run (leave_running?); refusing to start a second copy"
-                            % (p, (discovery.read_stat(p) or {}).get("comm"), discovery.cmdline(p)[:80]),
+                            % (p, (procfs.read_stat(p) or {}).get("comm"), procfs.cmdline(p)[:80]),
                             stage="preflight", pid=p, hint="stop that process, or restore on another host")
     clock.stop("wait_pids_free")
     # The runtime's checks and the driver's load (cuInit: about 0.4 s on an H200) run beside the
@@ -974,7 +979,7 @@ def release_stopped(manifest, backend=None):
     mine = _mine(target)
     states = target.get("states") or {}
     running = [] if backend.is_held(mine) else \
-        [p for p in mine if (discovery.read_stat(p) or {}).get("state") not in STOPPED + DEAD
+        [p for p in mine if (procfs.read_stat(p) or {}).get("state") not in STOPPED + DEAD
          and states.get(str(p)) not in STOPPED] or []
     if running:
         raise TransactionError("source pid %d runs again (it is not stopped): refusing to kill it; the migration "

@@ -18,7 +18,7 @@ import ctypes
 import os
 import time
 
-from .errors import DriverError, DriverUnavailable
+from ..core.errors import DriverError, DriverUnavailable
 
 STATE_NAMES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed", 4: "checkpointing", 5: "restoring"}
 RUNNING, LOCKED, CHECKPOINTED, FAILED = 0, 1, 2, 3

@@ -1,0 +1,61 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""A process's use of the GPU as /proc shows it: its open NVIDIA device files, and what the driver
+cannot checkpoint (NCCL, CUDA IPC)."""
+from __future__ import annotations
+
+import os
+
+from ..core.procfs import _mapped_files, _shm_maps, _thread_names, cmdline, container_id, environ, read_stat
+
+
+def nvidia_fds(pid):
+    """Device files under /dev/nvidia* that pid holds open."""
+    out = set()
+    try:
+        for fd in os.listdir("/proc/%d/fd" % pid):
+            try:
+                target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
+            except OSError:
+                continue
+            if target.startswith("/dev/nvidia"):
+                out.add(target)
+    except OSError:
+        pass
+    return sorted(out)
+
+
+def unsupported_features(pid):
+    """What the driver's checkpoint API cannot undo, detectable before freezing (driver 580.159.04,
+    measured on the GPU machine, docs/benchmarks):
+    - NCCL: the ranks checkpoint, but their restore fails (CUDA_ERROR_NOT_SUPPORTED) and they stay
+      frozen. Every PyTorch process maps libnccl, so that alone says nothing; live communicators show
+      as NCCL's shared memory (/dev/shm/nccl-*) or NCCL-named threads, and launchers (torchrun,
+      DeepSpeed, accelerate) start each rank with WORLD_SIZE > 1 in its environment. A 2-rank NVLink
+      job started without a launcher showed none of these: that case is not caught here.
+    - CUDA IPC memory: producer and consumer map CUDA's /dev/shm/cuda.shm.* segment (no other CUDA
+      process did); the consumer's restore fails (CUDA_ERROR_INVALID_VALUE) and it stays frozen."""
+    found = []
+    shm = _shm_maps(pid)
+    env = environ(pid)
+    nccl_loaded = any("libnccl" in os.path.basename(p) for p in _mapped_files(pid))
+    try:
+        world = int(env.get("WORLD_SIZE", "1") or 1)
+    except ValueError:
+        world = 1
+    if any("/dev/shm/nccl-" in m for m in shm) or any(n.startswith("NCCL") for n in _thread_names(pid)) or (
+            nccl_loaded and world > 1):
+        found.append("NCCL (a distributed job's communicators)")
+    if any(os.path.basename(m).startswith("cuda.shm.") for m in shm):
+        found.append("CUDA IPC memory")
+    return found
+
+
+def process_info(pid, driver=None):
+    st = read_stat(pid) or {}
+    info = {"pid": pid, "comm": st.get("comm"), "cmdline": cmdline(pid), "ppid": st.get("ppid"),
+            "nvidia_devices": nvidia_fds(pid), "container_id": container_id(pid)}
+    if driver is not None:
+        info["cuda_state"] = driver.state_or_error(pid)
+    return info
