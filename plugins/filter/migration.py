@@ -9,7 +9,17 @@ name: migration_preflight
 short_description: Compare a migration's source and target facts (cuda_process_facts) and list what differs
 version_added: "0.1.0"
 description:
-  - Returns C(ok), C(rows) (check, source, target, ok) and C(table), a text table for people.
+  - A thin wrapper over the collection's migration planner (C(module_utils/migration/planner.py)), the one that
+    a drain uses too.
+  - Returns C(ok), C(rows) (check, source, target, ok, and C(status) V(ok), V(fails) or V(unknown) with its
+    C(name) and C(reason)), C(table), a text table for people, C(failed) (the checks that refuse the move),
+    C(unknown) (the names of the checks whose facts are missing), C(allowed_unknown) (those of them accepted
+    by O(allow_unknown)) and C(image_estimate_bytes) (host RSS + GPU memory, +10%; null when unknown).
+  - Unknown is never counted as zero. A check whose facts are missing (the workload's GPU memory where
+    neither NVML nor nvidia-smi answered, a GPU that reports no free memory) is V(unknown), and C(ok) is
+    false unless O(allow_unknown) names it. The table prints it as C(UNKNOWN), with its reason and what to do.
+  - GPU memory is compared per GPU, the workload's memory on each of its GPUs against the free memory of the
+    target GPU it lands on (the one at the same index, or the one O(gpu_map) names), not against the target's sum.
 options:
   _input:
     description:
@@ -45,74 +55,100 @@ options:
     description: The workload is a container, which keeps its pids in its own pid namespace, so no pid check applies.
     type: bool
     default: false
+  margin:
+    description: The image estimate's factor over the workload's host RSS and GPU memory.
+    type: float
+    default: 1.10
+  allow_unknown:
+    description:
+      - The checks whose unknown status does not refuse the migration, by name (a comma-separated string, with or
+        without brackets, is read as a list, as C(-e name=[a,b]) gives it).
+      - V(gpu_memory) accepts a workload whose GPU memory could not be read; V(disk) and V(host_ram) an image
+        of unknown size, or a host that did not report its free room.
+    type: list
+    elements: str
+    default: []
+    choices: [workload, checkpoint_api, driver_version, cuda_api_version, cuda_running, gpu_model, gpu_count,
+              gpu_memory, criu, disk, host_ram, pids]
+  gpu_map:
+    description: Source GPU UUID to target GPU UUID, where the restore puts each GPU's memory (by default, the same index).
+    type: dict
 """
 
+EXAMPLES = r"""
+- name: Compare the two hosts, accepting a GPU memory that could not be read
+  ansible.builtin.set_fact:
+    preflight: >-
+      {{ src_facts | gpuckpt.fleet.migration_preflight(dst_facts, '/var/lib/gpuckpt/images',
+                                                       '/var/lib/gpuckpt/images', allow_unknown=['gpu_memory']) }}
+"""
 
-def _gib(n):
-    return "%.1f GiB" % (n / 2.0**30) if n is not None else "-"
+RETURN = r"""
+_value:
+  description: C(ok), C(rows), C(table), C(failed), C(unknown), C(allowed_unknown) and C(image_estimate_bytes).
+  type: dict
+"""
+
+from ansible.errors import AnsibleFilterError
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import planner
 
 
-def _row(check, src, tgt, ok):
-    return {"check": check, "source": str(src), "target": str(tgt), "ok": bool(ok)}
+def _status_text(row):
+    if row["status"] == planner.UNKNOWN:
+        return "UNKNOWN (allowed)" if row["ok"] else "UNKNOWN"
+    return "ok" if row["ok"] else "DIFFERS"
 
 
-def migration_preflight(src, tgt, source_path, target_path, allow_driver_mismatch=False, check_gpus=True,
-                        same_pid_space=False, margin=1.10, container=False):
-    rows = []
-    tree = src.get("tree") or {}
-    rows.append(_row("workload pid %s on source" % tree.get("root"), "%d process(es)" % len(tree.get("pids") or []),
-                     "-", tree.get("exists")))
-    need = int(((tree.get("rss_bytes") or 0) + (tree.get("gpu_bytes") or 0)) * margin)
-    on_gpu = bool(tree.get("cuda_pids"))
-    sd, td = src.get("driver") or {}, tgt.get("driver") or {}
-    if on_gpu:
-        rows.append(_row("driver checkpoint API (570+)", sd.get("checkpoint_api"), td.get("checkpoint_api"),
-                         sd.get("checkpoint_api") and td.get("checkpoint_api")))
-        same = sd.get("driver_version") == td.get("driver_version")
-        rows.append(_row("driver version" + (" (mismatch allowed)" if allow_driver_mismatch else ""),
-                         sd.get("driver_version"), td.get("driver_version"), same or allow_driver_mismatch))
-        rows.append(_row("CUDA API version", sd.get("api_version"), td.get("api_version"),
-                         sd.get("api_version") == td.get("api_version") or allow_driver_mismatch))
-        busy = [s for s in (tree.get("cuda_states") or {}).values() if s != "running"]
-        rows.append(_row("CUDA processes running (not locked)", ",".join(sorted(set((tree.get("cuda_states") or {})
-                                                                                    .values()))), "-", not busy))
-        if check_gpus:
-            sg, tg = src.get("gpus") or [], tgt.get("gpus") or []
-            rows.append(_row("GPU model", ",".join(sorted({g["name"] for g in sg})) or "-",
-                             ",".join(sorted({g["name"] for g in tg})) or "-",
-                             {g["name"] for g in sg} <= {g["name"] for g in tg}))
-            rows.append(_row("GPU count", len(sg), len(tg), len(tg) >= len(sg)))
-            free = sum(g.get("memory_free_mib", 0) for g in tg) * 2**20
-            rows.append(_row("free GPU memory on target", _gib(tree.get("gpu_bytes")), _gib(free),
-                             free >= (tree.get("gpu_bytes") or 0)))
-    for name, facts in (("source", src), ("target", tgt)):
-        c = facts.get("criu") or {}
-        ok = c.get("supported") and c.get("check_ok", True)
-        rows.append(_row("CRIU 4.x and criu check on %s" % name, c.get("version", "missing") if name == "source" else "",
-                         c.get("version", "missing") if name == "target" else "", ok))
-    sfree = ((src.get("disk") or {}).get(source_path) or {}).get("free_bytes")
-    tfree = ((tgt.get("disk") or {}).get(target_path) or {}).get("free_bytes")
-    rows.append(_row("free disk for the image (~%s)" % _gib(need), _gib(sfree), _gib(tfree),
-                     sfree is not None and tfree is not None and sfree >= need and tfree >= need))
-    taken = tgt.get("pids_in_use") or []
-    if container:
-        rows.append(_row("workload pids free on target", "in its own pid namespace", "not needed", True))
-    elif same_pid_space:
-        # One pid space (one kernel seen as two hosts): the pids in use are the workload's own, and the
-        # checkpoint frees them. Anything else holding them would be a real conflict.
-        others = [p for p in taken if p not in (tree.get("pids") or [])]
-        rows.append(_row("workload pids free on target (same pid space)", ",".join(map(str, tree.get("pids") or [])),
-                         "in use: " + ",".join(map(str, others)) if others else "freed by the checkpoint", not others))
-    else:
-        rows.append(_row("workload pids free on target", ",".join(map(str, tree.get("pids") or [])),
-                         "in use: " + ",".join(map(str, taken)) if taken else "free", not taken))
+def _advice(check, allowed):
+    """What a person reads under a row that is not ok: why, and for an unknown one how to get past it."""
+    if check.status == planner.UNKNOWN and not allowed:
+        return "%s; or -e gpuckpt_allow_unknown=[%s]" % (check.reason, check.name)
+    return check.reason
+
+
+def _row(check, allowed):
+    ok = check.status == planner.OK or (check.status == planner.UNKNOWN and allowed)
+    return {"check": check.label, "source": check.source, "target": check.target, "ok": ok,
+            "status": check.status, "name": check.name, "reason": _advice(check, allowed)}
+
+
+def _table(rows):
     width = max(len(r["check"]) for r in rows)
     lines = ["%-*s  %-22s  %-22s  %s" % (width, "check", "source", "target", "")]
     for r in rows:
         lines.append("%-*s  %-22s  %-22s  %s"
-                     % (width, r["check"], r["source"][:22], r["target"][:22], "ok" if r["ok"] else "DIFFERS"))
-    return {"ok": all(r["ok"] for r in rows), "rows": rows, "table": "\n".join(lines),
-            "failed": [r["check"] for r in rows if not r["ok"]], "image_estimate_bytes": need}
+                     % (width, r["check"], r["source"][:22], r["target"][:22], _status_text(r)))
+        if r["reason"]:
+            lines.append("%-*s  -> %s" % (width, "", r["reason"]))
+    refused = [r["name"] for r in rows if r["status"] == planner.UNKNOWN and not r["ok"]]
+    if len(refused) > 1:
+        lines.append("to accept every unknown check: -e gpuckpt_allow_unknown=[%s]" % ",".join(refused))
+    return "\n".join(lines)
+
+
+def _check_names(given):
+    """allow_unknown as a list of names; ``-e gpuckpt_allow_unknown=[gpu_memory,disk]`` arrives as a string."""
+    if isinstance(given, str):
+        given = [n.strip(" '\"") for n in given.strip().strip("[]").split(",")]
+    return [n for n in given or () if n]
+
+
+def migration_preflight(src, tgt, source_path, target_path, allow_driver_mismatch=False, check_gpus=True,
+                        same_pid_space=False, margin=planner.IMAGE_MARGIN, container=False, allow_unknown=None,
+                        gpu_map=None):
+    """The planner's verdict on moving the source's tree to the target, as rows and a table for people."""
+    try:
+        opts = planner.options(source_path=source_path, target_path=target_path, allow_unknown=_check_names(allow_unknown),
+                               allow_driver_mismatch=bool(allow_driver_mismatch), check_gpus=bool(check_gpus),
+                               same_pid_space=bool(same_pid_space), container=bool(container), margin=float(margin),
+                               gpu_map=gpu_map or None)
+    except ValueError as exc:
+        raise AnsibleFilterError("migration_preflight: %s" % exc)
+    plan = planner.plan_move(src.get("tree"), src, tgt, opts)
+    rows = [_row(c, c.name in plan.allowed) for c in plan.checks]
+    return {"ok": plan.ok, "rows": rows, "table": _table(rows), "failed": [r["check"] for r in rows if not r["ok"]],
+            "unknown": plan.unknown, "allowed_unknown": plan.allowed, "image_estimate_bytes": plan.image_estimate_bytes}
 
 
 class FilterModule(object):

@@ -96,52 +96,104 @@ def gpu_containers(backends, procs, libcuda_path=None):
     return found, errors
 
 
-def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=None, tree_of=None,
-          check_pids=None, tree_pids=None):
-    """What the host offers and, with ``tree_of``, the process tree of that root pid (``tree_pids``: the
-    workload's pids as its runtime found them, when they are more than one tree: a pod's containers)."""
-    drv, problem = cuda.load(libcuda_path)
-    out = {"host": {"hostname": socket.gethostname(), "kernel": os.uname().release,
-                    "boot_id": _read("/proc/sys/kernel/random/boot_id"),
-                    "pid_namespace": os.readlink("/proc/self/ns/pid"),
-                    "net_namespace": procfs.net_namespace()}}
-    if paths:
-        out["disk"] = {p: {"free_bytes": _free_bytes(p)} for p in paths}
-    if tree_of:
-        st = procfs.read_stat(int(tree_of))
-        if st is None:
-            out["tree"] = {"root": int(tree_of), "exists": False, "pids": []}
-        else:
-            tpids = [int(p) for p in tree_pids] if tree_pids else procfs.process_tree(int(tree_of))
-            gpu_mem = gpu_usage.gpu_memory_by_pid()
-            cuda_pids = [p for p in tpids if drv.state_or_error(p) is not None] if drv else []
-            out["tree"] = {"root": int(tree_of), "exists": True, "pids": tpids, "cuda_pids": cuda_pids,
-                           "cuda_states": {str(p): drv.state_or_error(p) for p in cuda_pids} if drv else {},
-                           "rss_bytes": sum(_rss_bytes(p) for p in tpids),
-                           "net_namespace": procfs.net_namespace(int(tree_of)),
-                           "bound_sockets": procfs.bound_sockets(tpids),
-                           "gpu_bytes": sum(gpu_mem.get(p, 0) for p in tpids)}
-    if check_pids:
-        out["pids_in_use"] = [int(p) for p in check_pids if procfs.read_stat(int(p)) is not None]
-    drv_info = {"available": drv is not None, "driver_version": gpu_usage.driver_version()}
+def _meminfo():
+    """This host's memory from /proc/meminfo: total and available (MemAvailable: what a restore can take
+    without swapping) in bytes, None each where unread."""
+    fields = {}
+    for line in (_read("/proc/meminfo") or "").splitlines():
+        key, sep, value = line.partition(":")
+        parts = value.split()
+        if sep and parts and parts[0].isdigit():
+            fields[key.strip()] = int(parts[0]) * 1024
+    return {"total_bytes": fields.get("MemTotal"), "available_bytes": fields.get("MemAvailable")}
+
+
+def _host():
+    return {"hostname": socket.gethostname(), "kernel": os.uname().release,
+            "boot_id": _read("/proc/sys/kernel/random/boot_id"),
+            "pid_namespace": os.readlink("/proc/self/ns/pid"),
+            "net_namespace": procfs.net_namespace()}
+
+
+def _unknown_gpu_memory(source, reason):
+    return {"gpu_bytes": None, "gpu_bytes_by_gpu": None, "gpu_memory_source": source,
+            "gpu_memory_unknown_reason": reason}
+
+
+def _unread_pids(apps, tpids, must_read):
+    """The pids whose GPU memory the readings leave unknown: CUDA pids they do not list, and pids of the
+    tree they list without a figure."""
+    listed = {a["pid"] for a in apps}
+    return sorted({p for p in must_read if p not in listed}
+                  | {a["pid"] for a in apps if a["pid"] in tpids and a["bytes"] is None})
+
+
+def tree_gpu_memory(tpids, cuda_states):
+    """The GPU memory the tree's processes ``tpids`` hold (``cuda_states``: {pid: state} of its CUDA pids):
+    ``gpu_bytes`` (None: unknown), ``gpu_bytes_by_gpu`` ({GPU UUID: bytes}), ``gpu_memory_source`` (nvml,
+    nvidia-smi, or none: no process of the tree holds a GPU) and ``gpu_memory_unknown_reason``. Unknown is never counted as 0: it once sized a 25.6 GB image
+    at 1.3 GiB. A checkpointed CUDA process holds its GPU memory in host RAM (its RSS), none on a GPU."""
+    cuda_pids = {p for p, state in cuda_states.items() if state != "checkpointed"}
+    holders = cuda_pids | {p for p in tpids if p not in cuda_states and gpu_procs.nvidia_fds(p)}
+    if not holders:
+        return {"gpu_bytes": 0, "gpu_bytes_by_gpu": {}, "gpu_memory_source": "none",
+                "gpu_memory_unknown_reason": None}
+    apps, source = gpu_usage.compute_apps()
+    if apps is None:
+        return _unknown_gpu_memory(None, "neither NVML (the Python module pynvml, package nvidia-ml-py) nor "
+                                         "nvidia-smi could be asked on %s" % socket.gethostname())
+    unread = _unread_pids(apps, set(tpids), cuda_pids)
+    if unread:
+        return _unknown_gpu_memory(source, "%s reports no GPU memory for CUDA pid(s) %s"
+                                   % (source, ",".join(map(str, unread))))
+    by_gpu = {}
+    for app in apps:
+        if app["pid"] in tpids:
+            by_gpu[app["gpu_uuid"]] = by_gpu.get(app["gpu_uuid"], 0) + app["bytes"]
+    return {"gpu_bytes": sum(by_gpu.values()), "gpu_bytes_by_gpu": by_gpu, "gpu_memory_source": source,
+            "gpu_memory_unknown_reason": None}
+
+
+def _tree(drv, tree_of, tree_pids):
+    """The workload's tree rooted at ``tree_of`` (see facts)."""
+    if procfs.read_stat(int(tree_of)) is None:
+        return {"root": int(tree_of), "exists": False, "pids": []}
+    tpids = [int(p) for p in tree_pids] if tree_pids else procfs.process_tree(int(tree_of))
+    states = {p: drv.state_or_error(p) for p in tpids} if drv else {}
+    cuda_states = {p: state for p, state in states.items() if state is not None}
+    out = {"root": int(tree_of), "exists": True, "pids": tpids, "cuda_pids": [p for p in tpids if p in cuda_states],
+           "cuda_states": {str(p): state for p, state in cuda_states.items()},
+           "rss_bytes": sum(_rss_bytes(p) for p in tpids),
+           "net_namespace": procfs.net_namespace(int(tree_of)),
+           "bound_sockets": procfs.bound_sockets(tpids)}
+    out.update(tree_gpu_memory(tpids, cuda_states))
+    return out
+
+
+def _driver(drv, problem, gpus):
+    info = {"available": drv is not None, "driver_version": gpu_usage.driver_version()}
     if drv:
-        drv_info.update(drv.info())
+        info.update(drv.info())
     else:
-        drv_info.update(checkpoint_api=False, reason=problem.msg)
-    gpus, source = gpu_usage.gpus()
-    if gpus and not drv_info["driver_version"]:
-        drv_info["driver_version"] = gpus[0].get("driver_version")
-    out["driver"] = drv_info
-    out["gpus"] = gpus
-    out["gpu_source"] = source
-    out["cuda_device_uuids"] = drv.device_uuids() if drv else []
+        info.update(checkpoint_api=False, reason=problem.msg)
+    if gpus and not info["driver_version"]:
+        info["driver_version"] = gpus[0].get("driver_version")
+    return info
+
+
+def _candidates(pids, drv):
+    """The pids to report: those asked for, else those holding a /dev/nvidia* file, and with a driver, every
+    process it knows as a CUDA process (checkpointed processes hold no /dev/nvidia fd)."""
     if pids:
-        candidates = [int(p) for p in pids]
-    else:
-        candidates = [p for p in procfs.all_pids() if gpu_procs.nvidia_fds(p)]
-        if drv:  # checkpointed processes hold no /dev/nvidia fd: ask the driver about the rest
-            candidates = sorted(set(candidates) | {p for p in procfs.all_pids()
-                                                   if p != os.getpid() and drv.state_or_error(p) is not None})
+        return [int(p) for p in pids]
+    found = [p for p in procfs.all_pids() if gpu_procs.nvidia_fds(p)]
+    if drv:
+        found = sorted(set(found) | {p for p in procfs.all_pids()
+                                     if p != os.getpid() and drv.state_or_error(p) is not None})
+    return found
+
+
+def _processes(candidates, drv):
     procs = []
     for p in candidates:
         if procfs.read_stat(p) is None:
@@ -150,7 +202,10 @@ def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=N
         info = gpu_procs.process_info(p, drv)
         info["exists"] = True
         procs.append(info)
-    out["cuda_processes"] = procs
+    return procs
+
+
+def _criu(criu_path, check_criu):
     criu = {"installed": False}
     try:
         from ..runtimes.criu import Criu
@@ -162,6 +217,29 @@ def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=N
             criu.update(check_ok=ok, check_output=text)
     except GpuCkptError as exc:
         criu["error"] = exc.msg
+    return criu
+
+
+def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=None, tree_of=None,
+          check_pids=None, tree_pids=None):
+    """What the host offers and, with ``tree_of``, the process tree of that root pid (``tree_pids``: the
+    workload's pids as its runtime found them, when they are more than one tree: a pod's containers).
+    ``gpu_source`` None: neither NVML nor nvidia-smi answered, and ``gpus`` [] then means "not known"."""
+    drv, problem = cuda.load(libcuda_path)
+    out = {"host": _host(), "memory": _meminfo()}
+    if paths:
+        out["disk"] = {p: {"free_bytes": _free_bytes(p)} for p in paths}
+    if tree_of:
+        out["tree"] = _tree(drv, tree_of, tree_pids)
+    if check_pids:
+        out["pids_in_use"] = [int(p) for p in check_pids if procfs.read_stat(int(p)) is not None]
+    gpus, source = gpu_usage.gpus()
+    out["driver"] = _driver(drv, problem, gpus)
+    out["gpus"] = gpus
+    out["gpu_source"] = source
+    out["cuda_device_uuids"] = drv.device_uuids() if drv else []
+    out["cuda_processes"] = _processes(_candidates(pids, drv), drv)
+    criu = _criu(criu_path, check_criu)
     out["criu"] = criu
     out["ready"] = bool(criu.get("supported") and criu.get("check_ok", True) and
                         (drv is not None or not gpus))
