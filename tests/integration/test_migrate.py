@@ -209,6 +209,63 @@ def test_target_disk_full_is_refused_before_freezing(playbook, hosts, remote_wor
     assert w.one_copy_runs_intact()
 
 
+class NvidiaSmiAnswers(object):
+    """What the nvidia-smi TEST DOUBLE of a loopback host answers, changed for one test and put back."""
+
+    def __init__(self, hosts, host):
+        self.path = hosts.host_vars[host]["gpuckpt_environment"]["GPUCKPT_FAKE_NVIDIA_SMI"]
+        with open(self.path) as fh:
+            self.saved = json.load(fh)
+
+    def __enter__(self):
+        return self
+
+    def set(self, **changes):
+        doc = dict(self.saved, **changes)
+        with open(self.path, "w") as fh:
+            json.dump(doc, fh)
+
+    def __exit__(self, *exc):
+        with open(self.path, "w") as fh:
+            json.dump(self.saved, fh)
+
+
+def test_an_image_larger_than_the_targets_disk_is_refused_without_nvml(playbook, hosts, remote_workload):
+    """The regression measured on an H200: a node's Python without pynvml counted the job's GPU memory as 0,
+    sized a 25.6 GB image at 1.3 GiB, and CRIU hit ENOSPC mid-dump. With no pynvml (the venv has none) the
+    GPU memory now comes from nvidia-smi (its TEST DOUBLE: 64 TiB per CUDA process here), and an image that
+    cannot fit on the target's disk is refused before anything is frozen."""
+    w = remote_workload()
+    with NvidiaSmiAnswers(hosts, "hosta") as smi:
+        smi.set(apps_mapping=dict(smi.saved["apps_mapping"], used_memory=64 * 2**20))
+        run = migrate(playbook, hosts, w, "t-bigimage")
+    assert run.rc != 0
+    text = "\n".join(run.task("Stop here if the hosts do not fit")["msg"])
+    assert "free disk for the image (~1441" in text and "DIFFERS" in text, text
+    assert not os.path.exists(hosts.path("hosta", "journal", "t-bigimage.source.json")), "nothing may be frozen"
+    assert w.one_copy_runs_intact()
+
+
+def test_gpu_memory_that_cannot_be_read_is_refused_unless_allowed_by_name(playbook, hosts, remote_workload):
+    """Where nothing reports the workload's GPU memory, the image size is unknown, and so are the checks that
+    need it (disk, host RAM): the preflight says so and how to make it readable, and refuses before any
+    freeze; the user may accept each by name, and the workload then moves."""
+    w = remote_workload()
+    with NvidiaSmiAnswers(hosts, "hosta") as smi:
+        smi.set(apps_mapping=None)  # nvidia-smi answers, but lists no compute app
+        run = migrate(playbook, hosts, w, "t-unknown")
+        assert run.rc != 0
+        text = "\n".join(run.task("Stop here if the hosts do not fit")["msg"])
+        assert "UNKNOWN" in text and "install nvidia-ml-py (NVML) or nvidia-smi on" in text, text
+        assert "gpuckpt_allow_unknown=[gpu_memory,disk,host_ram]" in text, text
+        assert not os.path.exists(hosts.path("hosta", "journal", "t-unknown.source.json")), "nothing may be frozen"
+        assert w.one_copy_runs_intact()
+        run = migrate(playbook, hosts, w, "t-unknown2", gpuckpt_allow_unknown=["gpu_memory", "disk", "host_ram"])
+    assert run.rc == 0, run.stdout
+    assert "UNKNOWN (allowed)" in "\n".join(run.task("Show the preflight")["msg"])
+    assert w.one_copy_runs_intact()
+
+
 def test_different_driver_on_target_is_refused_with_a_table(playbook, hosts, remote_workload):
     w = remote_workload()
     api = hosts.path("hostb", "fakecuda", "api_version")
