@@ -22,7 +22,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
 sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import hugepages  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.criu import Criu  # noqa: E402
@@ -74,10 +75,10 @@ print(json.dumps({"pinned_d2h_GBps": d2h / 1e9, "pinned_h2d_GBps": h2d / 1e9, "f
 
 def cycle(w, image_dir, label, parallel=False, criu_path=None, **options):
     backend = ProcessBackend(criu_path) if criu_path else None
-    ck = engine.checkpoint(w.pid, image_dir, parallel=parallel, backend=backend, **options)
+    ck = checkpoint(w.pid, image_dir, parallel=parallel, backend=backend, **options)
     stopped = w.counts()
-    rs = engine.restore(image_dir, parallel=parallel, host_huge_pages=options.get("host_huge_pages", False),
-                        backend=ProcessBackend(criu_path) if criu_path else None)
+    rs = restore(image_dir, parallel=parallel, host_huge_pages=options.get("host_huge_pages", False),
+                 backend=ProcessBackend(criu_path) if criu_path else None)
     w.wait_counting(beyond=stopped)
     ok = w.verified_after(stopped)
     shutil.rmtree(image_dir)

@@ -15,7 +15,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import processes as gpu_procs  # noqa: E402
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError  # noqa: E402
 
 PY = os.environ.get("GPUCKPT_WORKLOAD_PYTHON", "python3")
@@ -106,7 +106,7 @@ def run_case(name, code):
            "nccl_shm_maps": {str(p): sorted({ln.split()[-1] for ln in open("/proc/%d/maps" % p) if "/dev/shm/" in ln})
                              for p in tree if os.path.exists("/proc/%d/maps" % p)}}
     try:
-        res = engine.checkpoint(proc.pid, img, leave_running=True, lock_timeout=20)
+        res = checkpoint(proc.pid, img, leave_running=True, lock_timeout=20)
         out.update(checkpoint="ok", cuda_pids=res["cuda_pids"], timings=res["timings"])
     except GpuCkptError as exc:
         out.update(checkpoint="failed", stage=exc.stage, error=str(exc)[:600], driver_error=exc.driver_error,

@@ -7,6 +7,7 @@ from __future__ import annotations
 import shlex
 
 from .core.errors import GpuCkptError
+from .runtimes import registry
 
 TOOL_ARGS = dict(
     criu_path=dict(type="path"),
@@ -32,61 +33,21 @@ RUNTIME_ARGS = dict(
     cuda_checkpoint_path=dict(type="path"),
     runsc_cuda_stage=dict(type="str", choices=["engine", "runsc"], default="engine"),
 )
-RUNTIMES = ["process", "runc", "podman", "docker", "containerd", "runsc", "k8s_pod"]
-
-
-def _timeout(params):
-    """runtime_timeout: seconds, or None (0, the default) for no limit."""
-    return params.get("runtime_timeout") or None
+RUNTIMES = list(registry.RUNTIMES)
 
 
 def make_backend(name, params, bundle=None):
-    """The runtime backend ``name`` built from a module's parameters."""
-    backend = _make_backend(name, params, bundle)
-    backend.tcp_established = bool(params.get("tcp_established"))
-    return backend
-
-
-def _make_backend(name, params, bundle):
-    if name == "docker":
-        from .runtimes.docker import DockerBackend
-        return DockerBackend(params.get("docker_path"), params.get("docker_host"), params.get("criu_path"),
-                             params.get("criu_options"), timeout=_timeout(params))
-    if name == "podman":
-        from .runtimes.podman import PodmanBackend
-        return PodmanBackend(params.get("podman_path"), params.get("podman_root"), params.get("podman_runroot"),
-                             params.get("criu_path"), params.get("criu_options"), timeout=_timeout(params))
-    if name == "containerd":
-        from .runtimes.containerd import ContainerdBackend
-        return ContainerdBackend(params.get("containerd_address"), params.get("containerd_namespace"),
-                                 params.get("runc_root"), params.get("criu_path"), params.get("criu_options"),
-                                 timeout=_timeout(params))
-    if name == "k8s_pod":
-        from .runtimes.k8s_pod import KubernetesPodBackend
-        return KubernetesPodBackend(params.get("containerd_address"), params.get("runc_root"), params.get("criu_path"),
-                                    params.get("criu_options"), timeout=_timeout(params), pod_uid=params.get("pod_uid"),
-                                    containers=params.get("pod_containers"), restore_pod=params.get("restore_pod"),
-                                    restore_token=params.get("restore_token"), restore_wait=params.get("restore_wait"))
-    if name == "runsc":
-        from .runtimes.runsc import RunscBackend
-        return RunscBackend(params.get("runsc_path"), params.get("runsc_root"), bundle, params.get("runsc_flags"),
-                            params.get("cuda_checkpoint_path"), timeout=_timeout(params),
-                            cuda_stage=params.get("runsc_cuda_stage") or "engine")
-    if name == "runc":
-        from .runtimes.runc import RuncBackend
-        return RuncBackend(params.get("runc_path"), params.get("runc_root"), bundle, params.get("criu_path"),
-                           params.get("criu_options"), timeout=_timeout(params))
-    from .runtimes.process import ProcessBackend
-    return ProcessBackend(params.get("criu_path"), params.get("criu_options"), timeout=_timeout(params))
+    """The runtime backend ``name`` built from a module's parameters (see runtimes/registry.py)."""
+    return registry.build(name, params, bundle)
 
 
 def backend_of_image(image_dir):
     """The backend an image was taken with (its manifest's runtime.backend); process by default."""
     from .core import image
     try:
-        return (image.load_manifest(image_dir).get("runtime") or {}).get("backend") or "process"
+        return (image.load_manifest(image_dir).get("runtime") or {}).get("backend") or registry.DEFAULT
     except Exception:  # noqa: BLE001 - the engine reports a bad image itself, with its reason
-        return "process"
+        return registry.DEFAULT
 
 
 PROGRESS_ARGS = dict(

@@ -129,8 +129,10 @@ pod:
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s import pods as k8s_pods
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.api import api_client, auth_args, find_pod
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.waits import wait_pod_gone, wait_pod_running
 
 
 def _brief(pod):
@@ -144,25 +146,25 @@ def _brief(pod):
 def present(api, p):
     for need in ("from_pod", "target_node", "image_dir", "restore_token"):
         if not p[need]:
-            raise k8s_pods.InvalidTarget("state=present needs %s" % need, stage="preflight")
+            raise InvalidTarget("state=present needs %s" % need, stage="preflight")
     source = p["from_pod"]
     if p["namespace"] != source.get("namespace"):
-        raise k8s_pods.InvalidTarget("the target pod is created in the source pod's namespace %s, not %s"
-                                     % (source.get("namespace"), p["namespace"]), stage="preflight")
+        raise InvalidTarget("the target pod is created in the source pod's namespace %s, not %s"
+                            % (source.get("namespace"), p["namespace"]), stage="preflight")
     if p["name"] == source.get("name"):
-        raise k8s_pods.InvalidTarget("the target pod needs a name other than the source's (%s): the source is held "
-                                     "under it until the target runs" % p["name"], stage="preflight")
+        raise InvalidTarget("the target pod needs a name other than the source's (%s): the source is held "
+                            "under it until the target runs" % p["name"], stage="preflight")
     pod = k8s_pods.target_pod(source, p["target_node"], p["name"], p["image_dir"], p["restore_token"],
                               p["runtime_class"], migration_id=p["migration_id"])
     changed, made = k8s_pods.create_pod(api, pod)
     if p["wait"]:
-        made = k8s_pods.wait_pod_running(api, p["namespace"], p["name"], p["wait_timeout"])
+        made = wait_pod_running(api, p["namespace"], p["name"], p["wait_timeout"])
     return changed, made
 
 
 def absent(api, p):
     if p["uid"]:
-        there = k8s_pods.find_pod(api, p["namespace"], p["name"])
+        there = find_pod(api, p["namespace"], p["name"])
         changed = k8s_pods.delete_pod(api, p["namespace"], p["name"], p["uid"], p["grace_period"]) \
             if there is not None and (there.get("metadata") or {}).get("uid") == p["uid"] else False
         uid = p["uid"]
@@ -170,11 +172,11 @@ def absent(api, p):
         changed, uid = k8s_pods.delete_migration_pod(api, p["namespace"], p["name"], p["migration_id"],
                                                      p["grace_period"])
     else:
-        raise k8s_pods.InvalidTarget("state=absent needs uid or migration_id: only that very pod is deleted",
-                                     stage="preflight")
+        raise InvalidTarget("state=absent needs uid or migration_id: only that very pod is deleted",
+                            stage="preflight")
     if p["wait"] and uid:
-        k8s_pods.wait_pod_gone(api, p["namespace"], p["name"], uid, p["wait_timeout"])
-    there = k8s_pods.find_pod(api, p["namespace"], p["name"])
+        wait_pod_gone(api, p["namespace"], p["name"], uid, p["wait_timeout"])
+    there = find_pod(api, p["namespace"], p["name"])
     return changed, there if there is not None and (there.get("metadata") or {}).get("uid") == uid else None
 
 
@@ -193,11 +195,11 @@ def main():
         grace_period=dict(type="int"),
         wait=dict(type="bool", default=False),
         wait_timeout=dict(type="float", default=600.0),
-        **k8s_pods.auth_args()
+        **auth_args()
     ), supports_check_mode=False)
     p = module.params
     try:
-        api = k8s_pods.api_client(p)
+        api = api_client(p)
         changed, pod = (present if p["state"] == "present" else absent)(api, p)
     except GpuCkptError as exc:
         module.fail_json(**exc.to_dict())

@@ -133,8 +133,9 @@ target:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s import pods as k8s_pods
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s import pods as k8s_pods
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.api import api_client, auth_args, find_pod, read_pod
 
 
 def main():
@@ -148,15 +149,15 @@ def main():
         migration_id=dict(type="str"),
         target_pod_name=dict(type="str"),
         missing_ok=dict(type="bool", default=False),
-        **k8s_pods.auth_args()
+        **auth_args()
     ), supports_check_mode=True)
     p = module.params
     if p["gpu_count"] is not None and p["gpu_count"] < 1:
         module.fail_json(msg="gpu_count must be at least 1, got %d; nothing was frozen" % p["gpu_count"],
                          stage="preflight")
     try:
-        api = k8s_pods.api_client(p)
-        found = k8s_pods.find_pod(api, p["namespace"], p["name"])
+        api = api_client(p)
+        found = find_pod(api, p["namespace"], p["name"])
         if found is None and p["migration_id"]:
             made = k8s_pods.migration_pod(api, p["namespace"], p["target_pod_name"] or k8s_pods.target_pod_name(
                 p["name"], p["migration_id"]), p["migration_id"])
@@ -166,7 +167,7 @@ def main():
                                      % (p["namespace"], p["name"], p["migration_id"], made["name"], made["node"]))
         if found is None and p["missing_ok"]:
             module.exit_json(changed=False, pod=None, msg="there is no pod %s/%s" % (p["namespace"], p["name"]))
-        described = k8s_pods.describe_pod(found or k8s_pods.read_pod(api, p["namespace"], p["name"]),
+        described = k8s_pods.describe_pod(found or read_pod(api, p["namespace"], p["name"]),
                                           p["gpu_resources"], p["allow_owned"])
         k8s_pods.check_gpu_count(described, p["gpu_count"])
         result = {"changed": False, "pod": described}

@@ -169,20 +169,22 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
 
         hdir = tmp_path / "handler"
         hdir.mkdir()
-        for name in ("gpuckpt-restore-runtime", "gpuckpt_restore_runtime.py"):
-            shutil.copy(os.path.join(HANDLER_FILES, name), str(hdir / name))
+        from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.restore_handler import handler_program
+        shutil.copy(os.path.join(HANDLER_FILES, "gpuckpt-restore-runtime"), str(hdir / "gpuckpt-restore-runtime"))
+        with open(os.path.join(HANDLER_FILES, "gpuckpt_restore_runtime.py")) as fh:  # assembled, as the role installs it
+            (hdir / "gpuckpt_restore_runtime.py").write_text(handler_program(fh.read()))
         os.chmod(str(hdir / "gpuckpt-restore-runtime"), 0o755)
         (hdir / "restore-runtime.json").write_text(json.dumps({
             "runc": shutil.which("runc"), "image_roots": [image_root], "state_dir": str(hdir / "state"),
             "ticket_wait": 120}))
         token, target = uuid.uuid4().hex, "default/gpu-test-pod-b"
         script = ("import json, sys\n"
-                  "from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine\n"
+                  "from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore\n"
                   "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import "
                   "KubernetesPodBackend\n"
                   "b = KubernetesPodBackend(sys.argv[2], runc_root=sys.argv[5], restore_pod=sys.argv[3], "
                   "restore_token=sys.argv[4], restore_wait=300)\n"
-                  "r = engine.restore(sys.argv[1], backend=b)\n"
+                  "r = restore(sys.argv[1], backend=b)\n"
                   "print(json.dumps({'pids': r['pids'], 'cuda_pids': r['cuda_pids'], 'timings': r['timings'], "
                   "'resumed_at': r['resumed_at'], 'gpu_pairs': r['gpu_pairs']}))\n")
         env = dict(os.environ, PYTHONPATH=COLLECTIONS + ":" + os.environ.get("PYTHONPATH", ""))

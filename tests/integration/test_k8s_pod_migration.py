@@ -26,6 +26,7 @@ from loopback_workloads import MIGRATE, changed_tasks
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from k8s_apiserver_double import ApiServerDouble  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.restore_handler import handler_program  # noqa: E402
 
 RECOVER = "gpuckpt.fleet.recover"
 HANDLER_FILES = os.path.join(REPO, "roles", "nvidia_container_runtime", "files")
@@ -235,8 +236,10 @@ def cluster(hosts, node_containerds, tmp_path):
     for host in NODES:
         hdir = os.path.join(str(tmp_path), "handler-" + host)
         os.makedirs(hdir)
-        for name in ("gpuckpt-restore-runtime", "gpuckpt_restore_runtime.py"):
-            shutil.copy(os.path.join(HANDLER_FILES, name), os.path.join(hdir, name))
+        shutil.copy(os.path.join(HANDLER_FILES, "gpuckpt-restore-runtime"), os.path.join(hdir, "gpuckpt-restore-runtime"))
+        with open(os.path.join(HANDLER_FILES, "gpuckpt_restore_runtime.py")) as src, \
+                open(os.path.join(hdir, "gpuckpt_restore_runtime.py"), "w") as dst:  # assembled, as the role installs it
+            dst.write(handler_program(src.read()))
         os.chmod(os.path.join(hdir, "gpuckpt-restore-runtime"), 0o755)
         with open(os.path.join(hdir, "restore-runtime.json"), "w") as fh:
             json.dump({"runc": shutil.which("runc"), "image_roots": [hosts.host_dir(host, "images")],

@@ -20,6 +20,7 @@ from test_containerd import ContainerdWorkload
 
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from k8s_apiserver_double import ApiServerDouble  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.restore_handler import handler_program
 
 POD_INFO = os.path.join(REPO, "tests", "integration", "playbooks", "pod_info.yml")
 CHECKPOINT, RESTORE = "gpuckpt.fleet.checkpoint", "gpuckpt.fleet.restore"
@@ -167,13 +168,13 @@ def resume_held(cluster, fakecuda, image_dir, journal_only=False):
     manifest, or (``journal_only``) on what the journal alone tells after a checkpoint killed before its
     manifest: the pod's name and the pids it froze (migration._source_manifest)."""
     script = ("import json, sys\n"
-              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.held import resume_stopped\n"
               "from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image\n"
               "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import KubernetesPodBackend\n"
               "m = image.load_manifest(sys.argv[1])\n"
               "if sys.argv[4] == '1':\n"
               "    m = {'target': m['target'], 'runtime': {'backend': 'k8s_pod', 'container': m['runtime']['container']}}\n"
-              "changed, pids = engine.resume_stopped(m, KubernetesPodBackend(sys.argv[2]), libcuda_path=sys.argv[3])\n"
+              "changed, pids = resume_stopped(m, KubernetesPodBackend(sys.argv[2]), libcuda_path=sys.argv[3])\n"
               "print(json.dumps({'changed': changed, 'pids': pids}))\n")
     env = dict(os.environ, PYTHONPATH=COLLECTIONS, **fakecuda.env)
     out = subprocess.run([MANAGED_PYTHON, "-c", script, image_dir, cluster["address"], fakecuda.lib,
@@ -259,8 +260,9 @@ def install_handler(tmp_path, image_root):
     """The runtime handler as roles/nvidia_container_runtime installs it, with its settings beside it."""
     d = tmp_path / "handler"
     d.mkdir()
-    for name in ("gpuckpt-restore-runtime", "gpuckpt_restore_runtime.py"):
-        shutil.copy(os.path.join(HANDLER_FILES, name), str(d / name))
+    shutil.copy(os.path.join(HANDLER_FILES, "gpuckpt-restore-runtime"), str(d / "gpuckpt-restore-runtime"))
+    with open(os.path.join(HANDLER_FILES, "gpuckpt_restore_runtime.py")) as fh:  # assembled, as the role installs it
+        (d / "gpuckpt_restore_runtime.py").write_text(handler_program(fh.read()))
     path = str(d / "gpuckpt-restore-runtime")
     os.chmod(path, 0o755)
     with open(str(d / "restore-runtime.json"), "w") as fh:
@@ -300,12 +302,12 @@ def restore_pod(cluster, fakecuda, image_dir, pod, token, wait=60):
     which writes the restore ticket and waits for the target pod's containers (in the background: the kubelet
     makes them meanwhile)."""
     script = ("import json, sys\n"
-              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore\n"
               "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import KubernetesPodBackend\n"
               "b = KubernetesPodBackend(sys.argv[2], restore_pod=sys.argv[4], restore_token=sys.argv[5],\n"
               "                         restore_wait=int(sys.argv[6]))\n"
               "try:\n"
-              "    r = engine.restore(sys.argv[1], backend=b, libcuda_path=sys.argv[3])\n"
+              "    r = restore(sys.argv[1], backend=b, libcuda_path=sys.argv[3])\n"
               "    print(json.dumps({'ok': True, 'pids': r['pids'], 'cuda_pids': r['cuda_pids'], 'timings': r['timings']}))\n"
               "except Exception as exc:\n"
               "    print(json.dumps({'ok': False, 'error': str(exc)}))\n")

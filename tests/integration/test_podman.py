@@ -127,12 +127,12 @@ def test_podman_cannot_be_held_stopped_and_says_so_before_freezing(tmp_path, pod
     """Podman checkpoints only running containers, so leave_stopped is refused in preflight."""
     w = podman_workload()
     image_dir = str(tmp_path / "img")
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
     from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
     from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.podman import PodmanBackend
     backend = PodmanBackend(root=w.storage[1], runroot=w.storage[3])
     with pytest.raises(InvalidTarget) as err:
-        engine.checkpoint(w.name, image_dir, leave_stopped=True, backend=backend)
+        checkpoint(w.name, image_dir, leave_stopped=True, backend=backend)
     assert err.value.stage == "preflight" and "cannot hold a workload stopped" in err.value.msg
     assert not [c for c, p in fakecuda.calls() if c == "lock"] and not os.path.exists(image_dir)
     assert w.is_counting()

@@ -257,14 +257,15 @@ def test_a_loaded_but_unused_libnccl_is_fine(tmp_path, playbook, fakecuda):
 
 def test_parallel_driver_calls_keep_the_consistent_freeze(tmp_path, workloads, fakecuda):
     """Engine option: checkpoint/restore the CUDA processes on one thread each. Locks stay first."""
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
     w = workloads(fakecuda=fakecuda, children=3)
     image_dir = str(tmp_path / "img")
-    res = engine.checkpoint(w.pid, image_dir, parallel=True)
+    res = checkpoint(w.pid, image_dir, parallel=True)
     assert sorted(res["cuda_pids"]) == sorted(w.pids)
     calls = [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")]
     assert calls == ["lock"] * 4 + ["checkpoint"] * 4
     stopped = w.counts()
-    engine.restore(image_dir, parallel=True)
+    restore(image_dir, parallel=True)
     w.wait_counting(beyond=stopped)
     assert w.intact()

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import driver as cuda
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import gpu_pairs_for
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import facts as host_facts
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import DriverError, DriverUnavailable, InvalidTarget
 
@@ -76,10 +76,10 @@ def test_uuid_round_trip_and_pairs():
     b = "GPU-9f3d2e44-1111-2222-3333-444455556666"
     assert cuda.format_uuid(cuda.parse_uuid(a)) == a
     # Moving GPU a onto b on a two-GPU host: the driver wants both GPUs named, so b goes to a.
-    assert engine.gpu_pairs_for({a: b}, [a, b]) == [(a, b), (b, a)]
+    assert gpu_pairs_for({a: b}, [a, b]) == [(a, b), (b, a)]
     with pytest.raises(InvalidTarget):
-        engine.gpu_pairs_for({a: "GPU-" + "7" * 32}, [a, b])
-    assert engine.gpu_pairs_for(None, [a, b]) is None
+        gpu_pairs_for({a: "GPU-" + "7" * 32}, [a, b])
+    assert gpu_pairs_for(None, [a, b]) is None
 
 
 def test_lock_timeout_is_passed_in_milliseconds(fakecuda, cuda_child):

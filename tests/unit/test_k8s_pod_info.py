@@ -11,8 +11,10 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from k8s_apiserver_double import ApiServerDouble  # noqa: E402
 
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, InvalidTarget  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s import api as k8s_api  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s import pods as k8s_pods  # noqa: E402
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s import waits as k8s_waits  # noqa: E402
 
 IDS = {"trainer": "a1" * 32, "logger": "b2" * 32}
 
@@ -48,12 +50,12 @@ def api(tmp_path):
 
 def client(api, tmp_path, **params):
     params.setdefault("kubeconfig", str(tmp_path / "kubeconfig"))
-    return k8s_pods.api_client(params)
+    return k8s_api.api_client(params)
 
 
 def test_a_running_pod_is_described_with_its_containerd_ids_and_gpus(api, tmp_path):
     api.add_pod(gpu_pod())
-    d = k8s_pods.describe_pod(k8s_pods.read_pod(client(api, tmp_path), "default", "gpu-test-pod"))
+    d = k8s_pods.describe_pod(k8s_api.read_pod(client(api, tmp_path), "default", "gpu-test-pod"))
     assert d["node"] == "node-a" and d["gpu_count"] == 2 and d["gpus_by_resource"] == {"nvidia.com/gpu": 2}
     assert [(c["name"], c["id"], c["gpus"]) for c in d["containers"]] == [("trainer", IDS["trainer"], 2),
                                                                           ("logger", IDS["logger"], 0)]
@@ -65,25 +67,25 @@ def test_a_running_pod_is_described_with_its_containerd_ids_and_gpus(api, tmp_pa
 
 def test_the_connection_by_host_and_token_and_a_wrong_token(api, tmp_path):
     api.add_pod(gpu_pod())
-    good = k8s_pods.api_client({"host": api.url, "api_key": api.token})
-    assert k8s_pods.read_pod(good, "default", "gpu-test-pod")["metadata"]["name"] == "gpu-test-pod"
-    bad = k8s_pods.api_client({"host": api.url, "api_key": "not-it"})
-    with pytest.raises(k8s_pods.KubernetesError, match="401"):
-        k8s_pods.read_pod(bad, "default", "gpu-test-pod")
+    good = k8s_api.api_client({"host": api.url, "api_key": api.token})
+    assert k8s_api.read_pod(good, "default", "gpu-test-pod")["metadata"]["name"] == "gpu-test-pod"
+    bad = k8s_api.api_client({"host": api.url, "api_key": "not-it"})
+    with pytest.raises(k8s_api.KubernetesError, match="401"):
+        k8s_api.read_pod(bad, "default", "gpu-test-pod")
 
 
 def test_the_environment_gives_the_connection_as_kubernetes_core_reads_it(api, tmp_path, monkeypatch):
     api.add_pod(gpu_pod())
     monkeypatch.setenv("K8S_AUTH_HOST", api.url)
     monkeypatch.setenv("K8S_AUTH_API_KEY", api.token)
-    assert k8s_pods.read_pod(k8s_pods.api_client({}), "default", "gpu-test-pod")["spec"]["nodeName"] == "node-a"
+    assert k8s_api.read_pod(k8s_api.api_client({}), "default", "gpu-test-pod")["spec"]["nodeName"] == "node-a"
 
 
 def test_an_unreachable_api_server_is_a_clear_error(tmp_path):
-    api = k8s_pods.api_client({"host": "http://127.0.0.1:9"})
+    api = k8s_api.api_client({"host": "http://127.0.0.1:9"})
     api.configuration.retries = 0
-    with pytest.raises(k8s_pods.KubernetesError, match="could not be reached"):
-        k8s_pods.read_pod(api, "default", "x")
+    with pytest.raises(k8s_api.KubernetesError, match="could not be reached"):
+        k8s_api.read_pod(api, "default", "x")
 
 
 @pytest.mark.parametrize("pod, says", [
@@ -97,13 +99,13 @@ def test_what_cannot_move_is_refused_with_its_reason(api, tmp_path, pod, says):
     if pod:
         api.add_pod(pod)
     with pytest.raises(InvalidTarget, match=says) as exc:
-        k8s_pods.describe_pod(k8s_pods.read_pod(client(api, tmp_path), "default", "gpu-test-pod"))
+        k8s_pods.describe_pod(k8s_api.read_pod(client(api, tmp_path), "default", "gpu-test-pod"))
     assert "nothing was frozen" in exc.value.msg
 
 
 def test_an_owned_pod_passes_when_allowed_and_names_its_owner(api, tmp_path):
     api.add_pod(gpu_pod(owner="Job"))
-    d = k8s_pods.describe_pod(k8s_pods.read_pod(client(api, tmp_path), "default", "gpu-test-pod"), allow_owned=True)
+    d = k8s_pods.describe_pod(k8s_api.read_pod(client(api, tmp_path), "default", "gpu-test-pod"), allow_owned=True)
     assert d["owner"]["kind"] == "Job"
 
 
@@ -126,7 +128,7 @@ def test_another_gpu_count_is_refused_and_the_same_count_passes():
 def test_a_target_node_that_cannot_take_the_pod_is_refused(api, tmp_path, node, says):
     api.add_pod(gpu_pod())
     c = client(api, tmp_path)
-    d = k8s_pods.describe_pod(k8s_pods.read_pod(c, "default", "gpu-test-pod"))
+    d = k8s_pods.describe_pod(k8s_api.read_pod(c, "default", "gpu-test-pod"))
     with pytest.raises(InvalidTarget, match=says):
         k8s_pods.check_target_gpus(d, k8s_pods.check_target_node(c, node, d["node"]))
     t = k8s_pods.check_target_node(c, "node-b", d["node"])
@@ -150,17 +152,17 @@ def test_a_kubeconfig_given_as_a_dict_and_its_context(api, tmp_path):
     api.add_pod(gpu_pod())
     with open(str(tmp_path / "kubeconfig")) as fh:
         doc = json.load(fh)
-    c = k8s_pods.api_client({"kubeconfig": doc, "context": "gpuckpt-test"})
-    assert k8s_pods.read_pod(c, "default", "gpu-test-pod")["spec"]["nodeName"] == "node-a"
-    with pytest.raises(k8s_pods.KubernetesError, match="no usable connection"):
-        k8s_pods.api_client({"kubeconfig": doc, "context": "no-such-context"})
+    c = k8s_api.api_client({"kubeconfig": doc, "context": "gpuckpt-test"})
+    assert k8s_api.read_pod(c, "default", "gpu-test-pod")["spec"]["nodeName"] == "node-a"
+    with pytest.raises(k8s_api.KubernetesError, match="no usable connection"):
+        k8s_api.api_client({"kubeconfig": doc, "context": "no-such-context"})
 
 
 # ---- the target pod of a restore, and the source pod's end ------------------------------------------------
 def test_the_target_pod_is_the_source_spec_pinned_to_its_node_with_the_restore_request(api, tmp_path):
     api.add_pod(gpu_pod())
     k = client(api, tmp_path)
-    d = k8s_pods.describe_pod(k8s_pods.read_pod(k, "default", "gpu-test-pod"))
+    d = k8s_pods.describe_pod(k8s_api.read_pod(k, "default", "gpu-test-pod"))
     pod = k8s_pods.target_pod(d, "node-b", "gpu-test-pod-b", "/var/lib/gpuckpt/images/m1", "t0k")
     assert pod["spec"]["nodeName"] == "node-b" and pod["spec"]["runtimeClassName"] == "gpuckpt-restore"
     assert pod["spec"]["containers"] == d["spec"]["spec"]["containers"]  # the same containers, GPUs asked the same
@@ -193,7 +195,7 @@ def test_the_source_pod_is_deleted_only_while_it_is_the_same_pod(api, tmp_path):
 def test_waiting_for_the_target_pod_names_what_it_waits_in(api, tmp_path):
     api.add_pod(gpu_pod())
     k = client(api, tmp_path)
-    assert k8s_pods.wait_pod_running(k, "default", "gpu-test-pod", 5)["status"]["phase"] == "Running"
+    assert k8s_waits.wait_pod_running(k, "default", "gpu-test-pod", 5)["status"]["phase"] == "Running"
     api.add_pod(gpu_pod(name="stuck", phase="Pending", running=False))
-    with pytest.raises(k8s_pods.GpuCkptError, match="is not running after 0s"):
-        k8s_pods.wait_pod_running(k, "default", "stuck", 0)
+    with pytest.raises(GpuCkptError, match="is not running after 0s"):
+        k8s_waits.wait_pod_running(k, "default", "stuck", 0)

@@ -1,20 +1,26 @@
 """The runtime handler's own rules, without containerd (tests/integration/test_k8s_pods.py runs it under
-containerd's runc shim): runc's command line read right, a checkpoint refused unless it is root's under an
-image root and its ticket names the pod and matches the token, one restore per container."""
+containerd's runc shim), on the program the role installs (the handler's code assembled with the restore
+protocol): runc's command line read right, a checkpoint refused unless it is root's under an image root and
+its ticket names the pod and matches the token, one restore per container."""
 from __future__ import annotations
 
 import hashlib
 import importlib.util
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 
-PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "roles",
-                    "nvidia_container_runtime", "files", "gpuckpt_restore_runtime.py")
-spec = importlib.util.spec_from_file_location("gpuckpt_restore_runtime", PATH)
-handler = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(handler)
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.restore_handler import handler_program
+
+SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "roles",
+                      "nvidia_container_runtime", "files", "gpuckpt_restore_runtime.py")
+with open(SOURCE) as fh:
+    PROGRAM = handler_program(fh.read())
+handler = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpuckpt_restore_runtime", loader=None))
+exec(compile(PROGRAM, "gpuckpt_restore_runtime.py", "exec"), handler.__dict__)
 
 
 @pytest.mark.parametrize("argv, expected", [
@@ -82,10 +88,43 @@ def test_a_create_waits_for_the_ticket_the_node_writes_and_then_checks_it(tmp_pa
 def test_each_container_is_restored_once(tmp_path):
     unused, image = ticket(tmp_path)
     cdir = os.path.join(image, "containers", "c")
-    assert handler.claim(cdir) == (True, None)
-    assert handler.claim(cdir) == (False, "restoring")  # a second create while the first restores
+    assert handler.take_claim(cdir) == (True, None)
+    assert handler.take_claim(cdir) == (False, "restoring")  # a second create while the first restores
     handler.set_claim(cdir, "restored")
-    assert handler.claim(cdir) == (False, "restored")
+    assert handler.take_claim(cdir) == (False, "restored")
+
+
+def test_the_installed_program_needs_only_the_standard_library_and_is_runc_but_for_a_restore(tmp_path):
+    """As the node runs it (no Ansible, no collection on the path): a command that is no restore goes to runc as
+    given; a create whose restore request is refused fails with the reason in runc's log, for the kubelet's
+    events, and runc is not run."""
+    d = tmp_path / "handler"
+    d.mkdir()
+    (d / "gpuckpt_restore_runtime.py").write_text(PROGRAM)
+    runc = d / "runc"
+    runc.write_text("#!/bin/sh\necho \"$@\" >> %s\n" % (tmp_path / "runc-calls"))
+    runc.chmod(0o755)
+    (d / "restore-runtime.json").write_text(json.dumps({"runc": str(runc), "image_roots": [str(tmp_path / "images")],
+                                                        "state_dir": str(tmp_path / "state")}))
+
+    def run(*argv):
+        return subprocess.run([sys.executable, "-I", "-S", str(d / "gpuckpt_restore_runtime.py")] + list(argv),
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True,
+                              env={"PATH": os.environ["PATH"]}, check=False)
+    started = run("--root", "/run/r", "start", "abc")
+    assert started.returncode == 0, started.stderr
+    assert (tmp_path / "runc-calls").read_text() == "--root /run/r start abc\n"
+
+    bundle = tmp_path / "bundle"
+    bundle.mkdir()
+    (bundle / "config.json").write_text(json.dumps({"annotations": {
+        handler.RESTORE_ANNOTATION: json.dumps({"image": "/etc", "token": "t0k"}),
+        handler.SANDBOX_NS: "default", handler.SANDBOX_NAME: "p", handler.CONTAINER_NAME: "c"}}))
+    log = tmp_path / "log.json"
+    refused = run("--log", str(log), "create", "--bundle", str(bundle), "def")
+    assert refused.returncode == 1, refused.stderr
+    assert "checkpoint /etc is not under the image roots" in json.loads(log.read_text())["msg"]
+    assert (tmp_path / "runc-calls").read_text() == "--root /run/r start abc\n"  # runc was not run
 
 
 def diff_tar(path, members):

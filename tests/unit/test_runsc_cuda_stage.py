@@ -10,7 +10,8 @@ import stat
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.runsc import RunscBackend
 
@@ -48,7 +49,7 @@ def fake_runsc(tmp_path):
 def test_runsc_runs_the_cuda_stage_and_the_engine_only_checks_it(fake_runsc, fakecuda):
     d = fake_runsc
     backend = RunscBackend(str(d / "runsc"), str(d / "root"), cuda_stage="runsc", tool="/opt/cc")
-    res = engine.checkpoint("sbx", str(d / "img"), backend=backend)
+    res = checkpoint("sbx", str(d / "img"), backend=backend)
     assert res["cuda_pids"] == [1] and res["gpu_stage"] == "done by the runsc runtime itself", res
     log = (d / "log").read_text()
     assert "checkpoint -image-path %s --cuda-checkpoint-path=/opt/cc sbx" % (d / "img") in log, log
@@ -56,7 +57,7 @@ def test_runsc_runs_the_cuda_stage_and_the_engine_only_checks_it(fake_runsc, fak
     manifest = json.loads((d / "img" / "manifest.json").read_text())
     assert manifest["runtime"]["cuda_stage"] == "runsc"
 
-    res = engine.restore(str(d / "img"), backend=RunscBackend(str(d / "runsc"), str(d / "root"), bundle=str(d)))
+    res = restore(str(d / "img"), backend=RunscBackend(str(d / "runsc"), str(d / "root"), bundle=str(d)))
     assert res["cuda_pids"] == [1], res
     log = (d / "log").read_text()
     assert "--action" not in log and "--get-state --pid 1" in log, "the restore checked the state, did nothing else"
@@ -67,7 +68,7 @@ def test_runsc_without_the_flag_is_refused_before_anything_is_frozen(fake_runsc)
     (d / "runsc").write_text((d / "runsc").read_text().replace("-cuda-checkpoint-path string", "-compression value"))
     backend = RunscBackend(str(d / "runsc"), str(d / "root"), cuda_stage="runsc")
     with pytest.raises(InvalidTarget) as exc:
-        engine.checkpoint("sbx", str(d / "img"), backend=backend)
+        checkpoint("sbx", str(d / "img"), backend=backend)
     assert "no --cuda-checkpoint-path" in exc.value.msg
     assert "checkpoint -image-path" not in (d / "log").read_text()
 
@@ -80,7 +81,7 @@ def test_the_image_decides_who_restores_its_cuda_processes(tmp_path):
     runsc_image = {"runtime": {"backend": "runsc", "cuda_stage": "runsc"}}
     b = RunscBackend(str(tmp_path / "runsc"), str(tmp_path / "root"), cuda_stage="runsc")
     b.bind(engine_image)
-    assert b.owns_cuda_stage is False
+    assert b.capabilities.owns_cuda_stage is False
     b = RunscBackend(str(tmp_path / "runsc"), str(tmp_path / "root"))
     b.bind(runsc_image)
-    assert b.owns_cuda_stage is True
+    assert b.capabilities.owns_cuda_stage is True

@@ -33,6 +33,7 @@ import time
 try:  # a package import; the transfer's receiver program defines these names before this code
     from .errors import InvalidTarget, TransactionError
     from .fsutil import Reserve, atomic_write, check_private_ancestors, make_dirs_private, read_json
+    from .wait import wait_for
 except ImportError:  # pragma: no cover - only in the receiver program
     pass
 
@@ -181,27 +182,27 @@ class Journal(object):
             return self
         self._ensure_dir()
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        deadline = None if wait is None else time.monotonic() + wait
-        pause = 0.02
-        while True:
+
+        def taken():
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                return True
             except OSError as exc:
                 if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     os.close(fd)
                     raise
-                if deadline is not None and time.monotonic() >= deadline:
-                    os.close(fd)
-                    h = self.holder()
-                    raise JournalBusy(
-                        "migration %s: the %s's journal is held by %s (pid %s) since %s s ago; waited %s s for it"
-                        % (self.id, self.role, h.get("purpose") or "another step", h.get("pid", "?"),
-                           int(time.time() - h.get("since", time.time())), wait),
-                        stage="journal", hint="that step is still running (a controller that died leaves it running); "
-                                              "run the same command again once it has ended")
-                time.sleep(pause)
-                pause = min(0.2, pause * 1.5)
+                return False
+
+        if not wait_for(taken, wait, "the %s's journal lock of migration %s" % (self.role, self.id), interval=0.02,
+                        backoff=1.5, max_interval=0.2, on_timeout="return"):
+            os.close(fd)
+            h = self.holder()
+            raise JournalBusy(
+                "migration %s: the %s's journal is held by %s (pid %s) since %s s ago; waited %s s for it"
+                % (self.id, self.role, h.get("purpose") or "another step", h.get("pid", "?"),
+                   int(time.time() - h.get("since", time.time())), wait),
+                stage="journal", hint="that step is still running (a controller that died leaves it running); "
+                                      "run the same command again once it has ended")
         self._lock_fd = fd
         try:  # who holds it, for a waiter's message; informational (a full disk must not stop us)
             info = json.dumps({"pid": os.getpid(), "purpose": purpose, "since": time.time()}).encode()

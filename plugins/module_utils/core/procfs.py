@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import os
 import re
-import time
 
 from .errors import InvalidTarget
+from .wait import wait_for
 
 PF_KTHREAD = 0x00200000
 
@@ -216,12 +216,15 @@ def container_id(pid):
 
 
 def wait_gone(pids, timeout=10.0):
-    """Wait until no pid in pids exists (PID 1 of some VMs reaps orphans slowly). Returns those left."""
-    deadline = time.monotonic() + timeout
-    left = [p for p in pids if os.path.exists("/proc/%d" % p)]
-    while left and time.monotonic() < deadline:
-        time.sleep(0.05)
-        left = [p for p in left if os.path.exists("/proc/%d" % p)]
+    """Wait until no pid in pids exists (PID 1 of some VMs reaps orphans slowly). Returns those left
+    (never raises: the caller decides what a pid still there means)."""
+    left = list(pids)
+
+    def gone():
+        left[:] = [p for p in left if os.path.exists("/proc/%d" % p)]
+        return not left
+
+    wait_for(gone, timeout, "pids %s to be gone" % left, interval=0.05, on_timeout="return")
     return left
 
 

@@ -42,6 +42,7 @@ from . import fsutil
 from . import image
 from . import journal
 from . import receiver
+from . import wait
 from .errors import GpuCkptError, InvalidTarget, TransactionError
 from .progress import BytesProgress
 
@@ -49,7 +50,7 @@ CHUNK = image.CHUNK
 FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
 GROWING = image.GROWING
 # The receiver program: these modules' sources, in this order (each needs only those before it).
-RECEIVER_MODULES = (errors, fsutil, journal, image, receiver)
+RECEIVER_MODULES = (errors, fsutil, wait, journal, image, receiver)
 HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\[\]-]+$")
 USER_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")

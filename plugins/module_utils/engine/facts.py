@@ -65,7 +65,7 @@ def gpu_containers(backends, procs, libcuda_path=None):
     by_pid = {p["pid"]: p for p in procs if p.get("exists")}
     found, errors = [], {}
     for backend in backends:
-        if backend.cuda_in_sandbox:
+        if backend.capabilities.cuda_in_sandbox:
             try:
                 for c in backend.running_containers():
                     inside = _sandbox_cuda(backend, c, libcuda_path)

@@ -32,6 +32,7 @@ import time
 
 from ..core.errors import GpuCkptError, InvalidTarget
 from ..core.fsutil import UnsafePath, open_beneath
+from ..core.wait import wait_for
 from ..runtimes.base import ns_pid
 
 ACK = "tmp/gpuckpt-quiesced.%d"
@@ -115,15 +116,19 @@ def by_signal(pids, signum, name, timeout, poll=0.02):
             raise GpuCkptError("process %d went away before it could be asked to quiesce; nothing was frozen" % p,
                                stage="quiesce", pid=p)
     acked = {}
-    while True:
+
+    def all_acknowledged():
         for p in pids:
             if p not in acked:
                 ack = read_ack(p)
                 if ack is not None and ack != before[p]:
                     acked[p] = ack
-        if len(acked) == len(pids) or time.monotonic() - started >= timeout:
-            break
-        time.sleep(poll)
+        return len(acked) == len(pids)
+
+    # (the deadline counts from before the signals went, as the timeout says)
+    wait_for(all_acknowledged, max(0.0, timeout - (time.monotonic() - started)),
+             "the acknowledgement of %s by %s" % (name, ", ".join(map(str, pids))), interval=poll,
+             on_timeout="return")
     report = {"signal": name, "pids": list(pids), "seconds": round(time.monotonic() - started, 3),
               "acknowledged": {str(p): acked[p] for p in acked}}
     missing = [p for p in pids if p not in acked]

@@ -34,11 +34,13 @@ from __future__ import annotations
 import os
 import uuid
 
-from ..engine import engine
 from ..core import image
 from ..core.errors import InvalidTarget, TransactionError
 from ..core.fsutil import UnsafePath, create_private_dir, remove_tree, same_dir
-from ..core.journal import (DEFAULT_JOURNAL_DIR, Journal, alive_pids, check_id, process_identity, same_process)  # noqa: F401
+from ..core.journal import (DEFAULT_JOURNAL_DIR, Journal, alive_pids, check_id, identities, process_identity,  # noqa: F401
+                            same_process)
+from ..engine.held import release_stopped, resume_stopped
+from ..engine.restore import restore
 
 RESTORE_WAIT = 1800.0  # how long a settlement waits for a restore that is still running
 
@@ -186,7 +188,7 @@ def _clean(journal, doc, backend):
         except OSError:
             pass
     restored = alive_pids(doc.get("identities"))
-    if doc.get("container") and doc.get("phase") in ("restoring", "restored") and hasattr(backend, "container"):
+    if doc.get("container") and doc.get("phase") in ("restoring", "restored"):
         backend.container = doc["container"]
     if restored or (doc.get("container") and doc.get("phase") in ("restoring", "restored")):
         backend.kill_restored(doc.get("image_dir") or "", restored)
@@ -225,7 +227,7 @@ def commit_source(journal, backend=None, target_phase=None, remove_image=False, 
                                    stage="commit-source")
         killed = []
         if doc.get("after") == "stopped":
-            _changed, killed = engine.release_stopped(_source_manifest(doc), backend)
+            _changed, killed = release_stopped(_source_manifest(doc), backend)
         elif backend is not None:
             backend.release_exited(_source_manifest(doc))
         removed = False
@@ -264,26 +266,21 @@ def rollback_source(journal, backend=None, target_phase=None, target_lost=False,
         target = manifest["target"]
         alive = alive_pids(target.get("identities"))
         if alive:
-            changed, pids = engine.resume_stopped(manifest, backend, libcuda_path=libcuda_path)
+            changed, pids = resume_stopped(manifest, backend, libcuda_path=libcuda_path)
             how = "source resumed (pids %s)" % pids
         elif doc.get("image_dir") and image.has_manifest(doc["image_dir"]) and \
                 same_dir(doc["image_dir"], doc.get("image_dir_identity")):
-            res = engine.restore(doc["image_dir"], backend=backend, libcuda_path=libcuda_path, force=True)
+            res = restore(doc["image_dir"], backend=backend, libcuda_path=libcuda_path, force=True)
             changed, pids = True, res.get("pids")
             how = "source restored from its image %s (pids %s)" % (doc["image_dir"], pids)
         else:
             raise TransactionError("the source's processes are gone and no complete image of this migration is in %s: "
                                    "cannot roll back" % doc.get("image_dir"), stage="rollback-source")
         try:
-            journal.transition("resumed", resumed_pids=pids, resumed_identities=engine.identities(pids or []))
+            journal.transition("resumed", resumed_pids=pids, resumed_identities=identities(pids or []))
         except (OSError, TransactionError) as exc:  # it runs; a full disk must not undo that
             how += " (its journal could not be written: %s)" % exc
     return changed, how
-
-
-def owner_alive(doc):
-    """True when the module that last moved the journal on still runs."""
-    return bool(same_process((doc or {}).get("owner")))
 
 
 __all__ = ["Journal", "begin_target", "settle_target", "commit_source", "rollback_source", "status", "check_id",

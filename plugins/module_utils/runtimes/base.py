@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+from collections import namedtuple
 
 from ..core import procfs
 from ..cuda import driver as cuda
@@ -56,20 +57,43 @@ def map_by_ns_pid(manifest, new_pids):
     return out
 
 
+# What a runtime can do, as the engine and a migration ask it; each backend class declares its own record
+# (``capabilities = Backend.capabilities._replace(...)``), read as ``backend.capabilities.<field>``.
+# - uses_criu: CRIU dumps and restores it; False: the runtime saves its own state (gVisor), and CRIU's
+#   checks (its network lock, the pids a restore needs free) do not apply
+# - can_hold_stopped: it can leave a workload stopped after its dump (leave_stopped: a migration's held
+#   source), and later resume or kill it
+# - cuda_in_sandbox: the workload's processes live on a sandbox's own kernel (gVisor), out of the host's
+#   sight; its CUDA pids are the sandbox's, reached only through load_cuda()'s driver, never the host's /proc
+# - owns_cuda_stage: the runtime's own dump and restore run the CUDA stage (runsc --cuda-checkpoint-path);
+#   the engine then only finds the CUDA pids, checks them after a restore, and settles a held source
+# - restores_host_pids: its restore brings the dumped pids back under the same numbers in the host's own pid
+#   namespace (a bare process tree): they must be free, so a pid still in use there refuses the restore (the
+#   original may still run), and a rollback waits for its dumped tree to be reaped first
+Capabilities = namedtuple("Capabilities", "uses_criu can_hold_stopped cuda_in_sandbox owns_cuda_stage restores_host_pids")
+
+
 class Backend(object):
     name = "base"
+    capabilities = Capabilities(uses_criu=True, can_hold_stopped=True, cuda_in_sandbox=False, owns_cuda_stage=False,
+                                restores_host_pids=False)
     extra = ()           # the user's CRIU options
     auto_flags = ()      # CRIU options the tree needs, found by plan_tree
     tcp_established = False
     # CRIU options this runtime can pass on (None: any); the others make plan_tree refuse the tree
     passes_criu_flags = None
-    uses_criu = True         # False: the runtime saves its own state (gVisor); CRIU's checks do not apply
-    # True: the workload's processes live on a sandbox's own kernel (gVisor), out of the host's sight; its
-    # CUDA pids are the sandbox's, reached only through load_cuda()'s driver, never through the host's /proc
-    cuda_in_sandbox = False
-    # True: the runtime's own dump and restore run the CUDA stage (runsc --cuda-checkpoint-path); the
-    # engine then only finds the CUDA pids, checks them after a restore, and settles a held source
-    owns_cuda_stage = False
+    # What the journal records of the workload, when its runtime has it (set by resolve, bind or restore)
+    container = None     # the container's name or id
+    pod = None           # a Kubernetes pod's {namespace, name, uid}
+    restore_pod = None   # the pod a Kubernetes restore brings the workload up in ("namespace/name")
+
+    def __init_subclass__(cls, **kwargs):
+        """TEMPORARY, until every backend declares its record: a backend class that still sets a capability as
+        a class attribute of its own (``can_hold_stopped = True``) gets it folded into its record."""
+        super().__init_subclass__(**kwargs)
+        legacy = {f: cls.__dict__[f] for f in Capabilities._fields if f in cls.__dict__}
+        if legacy and "capabilities" not in cls.__dict__:
+            cls.capabilities = cls.capabilities._replace(**legacy)
 
     def load_cuda(self, libcuda_path):
         """(driver, None) that reaches the workload's CUDA processes, or (None, the reason it cannot)."""
@@ -297,7 +321,7 @@ class ContainerBackend(Backend):
     when restoring or rolling back), CUDA pids matched by their pid inside the container, and
     removing the container to kill it. By default a container cannot be held stopped."""
 
-    can_hold_stopped = False
+    capabilities = Backend.capabilities._replace(can_hold_stopped=False)
 
     def __init__(self, criu_path=None, criu_options=(), timeout=None):
         self._criu_path, self._criu = criu_path, None

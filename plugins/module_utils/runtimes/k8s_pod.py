@@ -30,24 +30,22 @@ device plugin accounts for, so ``restore`` refuses it (docs/kubernetes.md).
 """
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 import re
-import time
 
 from ..core import procfs
-from ..cuda import devices as gpu_devices
-from .containerd_api import Client, ContainerdError
 from ..core.errors import GpuCkptError, InvalidTarget
-from ..core.fsutil import atomic_write
+from ..core.wait import wait_for
+from ..cuda import devices as gpu_devices
+from ..k8s.restore_protocol import (CONTAINERS_SUBDIR, FAILED, RESTORED, container_path, read_claim,
+                                    read_restore_ticket, set_claim, write_restore_ticket)
 from .base import ContainerBackend, criu_preflight
 from .containerd import ContainerdBackend
+from .containerd_api import Client, ContainerdError
 
 K8S_NAMESPACE = "k8s.io"
 POD_NAMESPACE, POD_NAME, POD_UID = "io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.pod.uid"
 CONTAINER_NAME, KIND = "io.kubernetes.container.name", "io.cri-containerd.kind"
-CONTAINERS_SUBDIR = "containers"
 STOP_WAIT = 120  # seconds a committed source waits for the kubelet to stop its deleted pod's containers
 # Kubernetes names: namespaces and container names are DNS labels, pod names DNS subdomains
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
@@ -71,12 +69,29 @@ def container_dir(image_dir, name):
     (the name comes from a manifest on restore, or from labels on the node)."""
     if not DNS_LABEL.match(str(name or "")):
         raise InvalidTarget("container name %r is not a Kubernetes container name" % (name,), stage="preflight")
-    return os.path.join(image_dir, CONTAINERS_SUBDIR, name)
+    return container_path(image_dir, name)
+
+
+def restore_claim(image_dir, name):
+    """The state of container ``name``'s restore claim in a pod image (restore_protocol), None when unclaimed."""
+    return read_claim(container_dir(image_dir, name))
+
+
+def set_restore_claim(image_dir, name, state):
+    """Under the claim's lock, which the runtime handler takes before it marks a finished restore: a restore
+    that finishes after this sees "failed" and removes its copy."""
+    set_claim(container_dir(image_dir, name), state)
+
+
+def _is_pod_container(labels, namespace, name):
+    """A workload container of pod ``namespace/name`` by the kubelet's labels (not the sandbox's pause container)."""
+    return labels.get(POD_NAMESPACE) == namespace and labels.get(POD_NAME) == name and \
+        labels.get(KIND, "container") == "container"
 
 
 class KubernetesPodBackend(ContainerBackend):
     name = "k8s_pod"
-    can_hold_stopped = True
+    capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True)
     passes_criu_flags = ContainerdBackend.passes_criu_flags
 
     def __init__(self, address=None, runc_root=None, criu_path=None, criu_options=(), timeout=None, pod_uid=None,
@@ -113,35 +128,46 @@ class KubernetesPodBackend(ContainerBackend):
         return facts
 
     # -- finding the pod ---------------------------------------------------------------------------------
+    def _pod_containers(self, api, namespace, name):
+        """The containers of pod ``namespace/name`` (of ``pod_uid`` when given) in containerd's k8s.io namespace,
+        and the pod's uid; refused when this is no Kubernetes node, or when two pods of that name are here."""
+        if K8S_NAMESPACE not in api.namespaces():
+            raise InvalidTarget("containerd at %s has no namespace %s: this host is not a Kubernetes node that "
+                                "runs containerd (or containerd_address names another containerd); nothing was "
+                                "frozen" % (api.address, K8S_NAMESPACE), stage="preflight")
+        ours = [c for c in api.containers() if _is_pod_container(c["labels"], namespace, name)
+                and (self.pod_uid is None or c["labels"].get(POD_UID) == self.pod_uid)]
+        uids = sorted({c["labels"].get(POD_UID) or "" for c in ours})
+        if len(uids) > 1:
+            raise InvalidTarget("containers of %d pods named %s/%s are on this node (uids %s); nothing was frozen"
+                                % (len(uids), namespace, name, ", ".join(uids)), stage="preflight",
+                                hint="give pod_uid (gpu_pod_info returns it)")
+        return ours, (uids[0] if uids else None)
+
+    @staticmethod
+    def _running_by_name(api, containers, namespace, name):
+        """{container name: id} of those of ``containers`` whose task runs (the kubelet keeps a restarted
+        container's exited attempts beside the running one); refused when a name runs twice."""
+        running = {}
+        for c in containers:
+            task = api.task(c["id"])
+            if task is None or task["status"] != "running":
+                continue
+            cname = c["labels"].get(CONTAINER_NAME)
+            if cname in running:
+                raise InvalidTarget("container %s of pod %s/%s runs twice on this node (%s and %s); nothing was "
+                                    "frozen" % (cname, namespace, name, running[cname], c["id"]),
+                                    stage="preflight")
+            container_dir("/", cname)  # a name Kubernetes would give, or refused
+            running[cname] = c["id"]
+        return running
+
     def _running_containers(self, namespace, name):
-        """{container name: container id} of the pod's running containers on this node."""
+        """({container name: container id} of the pod's running containers on this node, the pod's uid)."""
         api = self.client()
         try:
-            if K8S_NAMESPACE not in api.namespaces():
-                raise InvalidTarget("containerd at %s has no namespace %s: this host is not a Kubernetes node that "
-                                    "runs containerd (or containerd_address names another containerd); nothing was "
-                                    "frozen" % (api.address, K8S_NAMESPACE), stage="preflight")
-            ours = [c for c in api.containers()
-                    if c["labels"].get(POD_NAMESPACE) == namespace and c["labels"].get(POD_NAME) == name
-                    and c["labels"].get(KIND, "container") == "container"
-                    and (self.pod_uid is None or c["labels"].get(POD_UID) == self.pod_uid)]
-            uids = sorted({c["labels"].get(POD_UID) or "" for c in ours})
-            if len(uids) > 1:
-                raise InvalidTarget("containers of %d pods named %s/%s are on this node (uids %s); nothing was frozen"
-                                    % (len(uids), namespace, name, ", ".join(uids)), stage="preflight",
-                                    hint="give pod_uid (gpu_pod_info returns it)")
-            running = {}
-            for c in ours:  # the kubelet keeps a restarted container's exited attempts beside the running one
-                task = api.task(c["id"])
-                if task is None or task["status"] != "running":
-                    continue
-                cname = c["labels"].get(CONTAINER_NAME)
-                if cname in running:
-                    raise InvalidTarget("container %s of pod %s/%s runs twice on this node (%s and %s); nothing was "
-                                        "frozen" % (cname, namespace, name, running[cname], c["id"]),
-                                        stage="preflight")
-                container_dir("/", cname)  # a name Kubernetes would give, or refused
-                running[cname] = c["id"]
+            ours, uid = self._pod_containers(api, namespace, name)
+            running = self._running_by_name(api, ours, namespace, name)
         finally:
             api.close()
         if not running:
@@ -155,7 +181,7 @@ class KubernetesPodBackend(ContainerBackend):
             raise InvalidTarget("container %s of pod %s/%s does not run on this node; nothing was frozen"
                                 % (missing[0], namespace, name), stage="preflight",
                                 hint="a pod is checkpointed with all of its containers running")
-        return running, (uids[0] if uids else None)
+        return running, uid
 
     def resolve(self, target):
         namespace, name = parse_pod(target)
@@ -256,8 +282,7 @@ class KubernetesPodBackend(ContainerBackend):
             out = []
             for c in api.containers():
                 labels = c["labels"]
-                if labels.get(POD_NAMESPACE) != namespace or labels.get(POD_NAME) != name or \
-                        labels.get(KIND, "container") != "container":
+                if not _is_pod_container(labels, namespace, name):
                     continue
                 task = api.task(c["id"], stage="resume-source")
                 if task is not None and task["pid"] in pids:
@@ -308,25 +333,25 @@ class KubernetesPodBackend(ContainerBackend):
         the kubelet stops its containers (a paused container dies at the kubelet's SIGKILL). Killing them here
         instead, behind the kubelet, while the pod still existed would have them started again from their
         entrypoint; so this waits for them to go, and says what to do when they do not."""
-        deadline = time.monotonic() + wait
         started = {p: (procfs.read_stat(p) or {}).get("starttime") for p in pids}  # a reused pid is not ours
+        left = list(pids)
 
         def ours_alive(p):
             st = procfs.read_stat(p) or {}
             return st.get("starttime") == started[p] and st.get("state", "Z") not in ("Z", "X")
-        while True:
+
+        def all_stopped():
+            nonlocal left
             left = [p for p in pids if started[p] is not None and ours_alive(p)]
-            if not left:
-                return
-            if time.monotonic() > deadline:
-                raise GpuCkptError("the held containers of pod %s/%s still run (pids %s) %ds after the release: a "
-                                   "pod's containers are stopped by deleting the pod, not from its node"
-                                   % ((self.pod or {}).get("namespace"), (self.pod or {}).get("name"),
-                                      left, wait), stage="release-source",
-                                   hint="delete the pod (kubectl delete pod %s -n %s, with its uid as precondition), "
-                                        "then run recover.yml" % ((self.pod or {}).get("name"),
-                                                                  (self.pod or {}).get("namespace")))
-            time.sleep(0.2)
+            return not left
+        pod = self.pod or {}
+        if not wait_for(all_stopped, wait, "the kubelet to stop the containers of pod %s/%s"
+                        % (pod.get("namespace"), pod.get("name")), interval=0.2, on_timeout="return"):
+            raise GpuCkptError("the held containers of pod %s/%s still run (pids %s) %ds after the release: a "
+                               "pod's containers are stopped by deleting the pod, not from its node"
+                               % (pod.get("namespace"), pod.get("name"), left, wait), stage="release-source",
+                               hint="delete the pod (kubectl delete pod %s -n %s, with its uid as precondition), "
+                                    "then run recover.yml" % (pod.get("name"), pod.get("namespace")))
 
     def _kill_source(self):
         """The held source of a committed migration: its pod is deleted through the API server (the kubelet
@@ -356,65 +381,82 @@ class KubernetesPodBackend(ContainerBackend):
             container_dir(image_dir, rec.get("name"))
         write_restore_ticket(image_dir, "%s/%s" % (namespace, name), self.restore_token, records)
         self._restoring = []
-        deadline = time.monotonic() + (self.restore_wait or 600)
-        found = {}
         api = self.client()
         try:
-            while True:
-                for rec in records:
-                    if rec["name"] in found:
-                        continue
-                    state = restore_claim(image_dir, rec["name"])
-                    if state == "failed":
-                        raise GpuCkptError("the runtime handler's restore of container %s of pod %s/%s failed on "
-                                           "this node" % (rec["name"], namespace, name), stage="runtime-restore",
-                                           hint="the kubelet's events for the pod, and restore.log under the "
-                                                "handler's state_dir")
-                    if state != "restored":
-                        continue
-                    cid = self._restored_container(api, namespace, name, rec["name"])
-                    if cid:
-                        found[rec["name"]] = cid
-                if len(found) == len(records):
-                    break
-                if time.monotonic() > deadline:
-                    waiting = [r["name"] for r in records if r["name"] not in found]
-                    raise GpuCkptError("container(s) %s of pod %s/%s were not restored on this node within %ds"
-                                       % (", ".join(waiting), namespace, name, self.restore_wait or 600),
-                                       stage="runtime-restore",
-                                       hint="the pod must be scheduled here with the restore runtime class")
-                time.sleep(0.2)
+            found = self._wait_restored(api, image_dir, namespace, name, records)
             self._restoring, self._restored_image = records, image_dir
-            pids, self._pairs_by_pid, inv = [], {}, None
-            for rec in records:
-                pid, tree = self._member().resolve(found[rec["name"]])
-                pids += [p for p in tree if p not in pids]
-                if "gpus" not in rec:  # an image of an older collection: its GPUs were not recorded
-                    continue
-                old = rec.get("gpus") or []
-                new_spec = (api.container(found[rec["name"]], stage="runtime-restore") or {}).get("spec") or {}
-                inv = gpu_devices.inventory() if inv is None else inv
-                new = gpu_devices.spec_gpus(new_spec, inv)
-                if not old and not new:
-                    continue
-                # the GPUs the device plugin gave the new container: its processes go onto them, place by place
-                what = "container %s of pod %s/%s" % (rec["name"], namespace, name)
-                pairs = gpu_devices.placement_pairs(old, new, what)
-                gpu_devices.sync_device_nodes(pid, new_spec)
-                for p in tree:
-                    self._pairs_by_pid[p] = pairs
-            return pids
+            return self._restored_trees(api, namespace, name, records, found)
         except Exception:
             self._fail_claims(image_dir, records)
             raise
         finally:
             api.close()
 
+    def _wait_restored(self, api, image_dir, namespace, name, records):
+        """{container name: containerd id} once the handler has restored every container of ``records`` into
+        the target pod and its task runs; refused as soon as the handler's restore of one failed, or after
+        ``restore_wait`` seconds (600 by default)."""
+        found = {}
+
+        def all_restored():
+            for rec in records:
+                if rec["name"] not in found:
+                    cid = self._restored_by_handler(api, image_dir, namespace, name, rec["name"])
+                    if cid:
+                        found[rec["name"]] = cid
+            return len(found) == len(records)
+        wait = self.restore_wait or 600
+        if not wait_for(all_restored, wait, "the containers of pod %s/%s to be restored" % (namespace, name),
+                        interval=0.2, on_timeout="return"):
+            waiting = [r["name"] for r in records if r["name"] not in found]
+            raise GpuCkptError("container(s) %s of pod %s/%s were not restored on this node within %ds"
+                               % (", ".join(waiting), namespace, name, wait), stage="runtime-restore",
+                               hint="the pod must be scheduled here with the restore runtime class")
+        return found
+
+    def _restored_by_handler(self, api, image_dir, namespace, name, cname):
+        """The id of container ``cname`` once the handler's claim says restored and its task runs; None until then."""
+        state = restore_claim(image_dir, cname)
+        if state == FAILED:
+            raise GpuCkptError("the runtime handler's restore of container %s of pod %s/%s failed on this node"
+                               % (cname, namespace, name), stage="runtime-restore",
+                               hint="the kubelet's events for the pod, and restore.log under the handler's state_dir")
+        if state != RESTORED:
+            return None
+        return self._restored_container(api, namespace, name, cname)
+
+    def _restored_trees(self, api, namespace, name, records, found):
+        """The restored containers' process trees, in the checkpoint's order, each process given the GPU pairs
+        of its container (onto the GPUs the device plugin gave the new container, place by place)."""
+        pids, self._pairs_by_pid, inv = [], {}, None
+        for rec in records:
+            pid, tree = self._member().resolve(found[rec["name"]])
+            pids += [p for p in tree if p not in pids]
+            if "gpus" not in rec:  # an image of an older collection: its GPUs were not recorded
+                continue
+            new_spec = (api.container(found[rec["name"]], stage="runtime-restore") or {}).get("spec") or {}
+            inv = gpu_devices.inventory() if inv is None else inv
+            pairs = self._onto_new_gpus(rec.get("gpus") or [], new_spec, inv, pid,
+                                        "container %s of pod %s/%s" % (rec["name"], namespace, name))
+            for p in tree:
+                self._pairs_by_pid[p] = pairs
+        return pids
+
+    @staticmethod
+    def _onto_new_gpus(old, new_spec, inv, pid, what):
+        """The pairs that map a container's checkpointed GPUs ``old`` onto those of its new spec (None: the same
+        places), its /dev made to hold the new ones; None when it had and has no GPU."""
+        new = gpu_devices.spec_gpus(new_spec, inv)
+        if not old and not new:
+            return None
+        pairs = gpu_devices.placement_pairs(old, new, what)
+        gpu_devices.sync_device_nodes(pid, new_spec)
+        return pairs
+
     def _restored_container(self, api, namespace, name, cname):
         for c in api.containers():
             labels = c["labels"]
-            if labels.get(POD_NAMESPACE) == namespace and labels.get(POD_NAME) == name and \
-                    labels.get(CONTAINER_NAME) == cname and labels.get(KIND, "container") == "container":
+            if _is_pod_container(labels, namespace, name) and labels.get(CONTAINER_NAME) == cname:
                 task = api.task(c["id"])
                 if task is not None and task["status"] == "running":
                     return c["id"]
@@ -426,7 +468,7 @@ class KubernetesPodBackend(ContainerBackend):
         that the handler had already restored into the target pod is killed (the kubelet's restart is then
         refused too; the pod migration deletes the target pod)."""
         for rec in records:
-            set_restore_claim(image_dir, rec["name"], "failed")
+            set_restore_claim(image_dir, rec["name"], FAILED)
         namespace, name = parse_pod(self.restore_pod)
         api = self.client()
         try:
@@ -442,46 +484,3 @@ class KubernetesPodBackend(ContainerBackend):
 
     def remove(self):
         self._kill_source()
-
-
-RESTORE_TICKET, RESTORE_CLAIM, RESTORE_CLAIM_LOCK = "restore-ticket.json", ".restore-claim", ".restore-claim.lock"
-
-
-def write_restore_ticket(image_dir, pod, token, records):
-    """What the runtime handler on this node checks before it restores a container of ``pod`` from this image:
-    the pod's name, the SHA-256 of its token (the token itself is only in the pod's annotation) and the
-    containers. Root's, 0600, written atomically."""
-    body = {"pod": pod, "token_sha256": hashlib.sha256(str(token).encode()).hexdigest(),
-            "containers": [{"name": r["name"], "auto_flags": list(r.get("auto_flags") or []),
-                            "criu_options": list(r.get("criu_options") or [])} for r in records]}
-    atomic_write(os.path.join(image_dir, RESTORE_TICKET), json.dumps(body, indent=1).encode(), mode=0o600)
-
-
-def read_restore_ticket(image_dir):
-    """The ticket the node's restore wrote into ``image_dir``, or None."""
-    try:
-        with open(os.path.join(image_dir, RESTORE_TICKET)) as fh:
-            return json.load(fh)
-    except (OSError, ValueError):
-        return None
-
-
-def restore_claim(image_dir, name):
-    try:
-        with open(os.path.join(container_dir(image_dir, name), RESTORE_CLAIM)) as fh:
-            return fh.read().strip() or "restoring"
-    except FileNotFoundError:
-        return None
-
-
-def set_restore_claim(image_dir, name, state):
-    """Under the claim's lock, which the runtime handler takes before it marks a finished restore: a restore
-    that finishes after this sees "failed" and removes its copy."""
-    import fcntl
-    cdir = container_dir(image_dir, name)
-    fd = os.open(os.path.join(cdir, RESTORE_CLAIM_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        atomic_write(os.path.join(cdir, RESTORE_CLAIM), state.encode(), mode=0o600)
-    finally:
-        os.close(fd)

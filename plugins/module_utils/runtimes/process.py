@@ -15,11 +15,14 @@ from .base import Backend, criu_preflight
 
 class ProcessBackend(Backend):
     name = "process"
+    # CRIU restores the tree under its own pids, in the host's pid namespace
+    capabilities = Backend.capabilities._replace(restores_host_pids=True)
 
     def __init__(self, criu_path=None, criu_options=(), timeout=None):
         self.criu = Criu(criu_path)
         self.extra = list(criu_options or ())
         self.timeout = timeout
+        self._shell_job = False  # resolve() decides
 
     def preflight(self, full=True):
         return criu_preflight(self.criu, full)
@@ -49,7 +52,7 @@ class ProcessBackend(Backend):
                          "or run the checkpoint from the pid namespace that holds its session leader")
 
     def dump(self, target, image_dir, work_dir, after):
-        shell_job = getattr(self, "_shell_job", False)
+        shell_job = self._shell_job
         res = self.criu.dump(int(target), image_dir, work_dir, after=after,
                              shell_job=shell_job, extra=self.criu_flags(), timeout=self.timeout)
         return {"backend": self.name, "root_pid": int(target), "shell_job": shell_job,

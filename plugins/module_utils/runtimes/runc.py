@@ -70,7 +70,7 @@ def bundle_spec(bundle):
 
 class RuncBackend(ContainerBackend):
     name = "runc"
-    can_hold_stopped = True  # paused (cgroup freezer)
+    capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True)  # paused (cgroup freezer)
 
     def __init__(self, runc_path=None, root=None, bundle=None, criu_path=None, criu_options=(), timeout=None):
         super(RuncBackend, self).__init__(criu_path, criu_options, timeout)

@@ -127,9 +127,9 @@ class SandboxCuda(cuda.StateQueries):
 
 class RunscBackend(ContainerBackend):
     name = "runsc"
-    can_hold_stopped = True  # runsc pause
-    uses_criu = False
-    cuda_in_sandbox = True
+    # held by runsc pause; gVisor saves its own kernel, and its processes are out of the host's sight.
+    # owns_cuda_stage: runsc_cuda_stage, and then the image's own (see bind)
+    capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True, uses_criu=False, cuda_in_sandbox=True)
     passes_criu_flags = ()
 
     def __init__(self, runsc_path=None, root=None, bundle=None, runsc_flags=(), tool=None, timeout=None,
@@ -138,7 +138,7 @@ class RunscBackend(ContainerBackend):
         if cuda_stage not in ("engine", "runsc"):
             raise InvalidTarget("runsc_cuda_stage must be engine or runsc, got %r" % cuda_stage, stage="preflight")
         # runsc: runsc's own checkpoint and restore run the CUDA stage (release-20260608 and later)
-        self.owns_cuda_stage = cuda_stage == "runsc"
+        self.capabilities = self.capabilities._replace(owns_cuda_stage=cuda_stage == "runsc")
         self.runsc_path, self.root, self.bundle = runsc_path, root, bundle
         self.runsc_flags = [str(f) for f in (runsc_flags or ())]
         for flag in self.runsc_flags:
@@ -235,10 +235,10 @@ class RunscBackend(ContainerBackend):
         res = run(self._cmd("--version"), stage="preflight")
         facts = {"runsc_version": res.stdout.splitlines()[0].split()[-1] if res.stdout else None,
                  "runsc_flags": self.runsc_flags}
-        if full or self.owns_cuda_stage:
+        if full or self.capabilities.owns_cuda_stage:
             helptext = run(self._cmd("help", "checkpoint"), stage="preflight", check=False)
             facts["runsc_cuda_checkpoint_flag"] = "cuda-checkpoint-path" in (helptext.stdout + helptext.stderr)
-            if self.owns_cuda_stage and not facts["runsc_cuda_checkpoint_flag"]:
+            if self.capabilities.owns_cuda_stage and not facts["runsc_cuda_checkpoint_flag"]:
                 raise InvalidTarget("runsc_cuda_stage is runsc, but this runsc (%s) has no --cuda-checkpoint-path (gVisor "
                                     "release-20260608 and later have it); nothing was frozen" % facts["runsc_version"],
                                     stage="preflight", hint="upgrade runsc, or leave runsc_cuda_stage at engine")
@@ -262,7 +262,7 @@ class RunscBackend(ContainerBackend):
         if after == "stopped":
             run(self._cmd("pause", self.container), stage="runtime-dump")
         args = ["checkpoint", "-image-path", image_dir]
-        if self.owns_cuda_stage:  # runsc toggles every CUDA process inside the sandbox with the tool there
+        if self.capabilities.owns_cuda_stage:  # runsc toggles every CUDA process inside the sandbox with the tool there
             args.append("--cuda-checkpoint-path=%s" % self.tool)
         if after in ("running", "stopped"):
             args.append("-leave-running")
@@ -277,7 +277,7 @@ class RunscBackend(ContainerBackend):
             run(self._cmd("delete", "-force", self.container), stage="runtime-dump", check=False)
         return {"backend": self.name, "container": self.container, "root_pid": int(target),
                 "bundle": self._bundle_seen, "runsc_root": self.root, "runsc_flags": self.runsc_flags,
-                "cuda_checkpoint_path": self.tool, "cuda_stage": "runsc" if self.owns_cuda_stage else "engine",
+                "cuda_checkpoint_path": self.tool, "cuda_stage": "runsc" if self.capabilities.owns_cuda_stage else "engine",
                 "runsc_seconds": round(res.seconds, 6)}
 
     def restore(self, image_dir, work_dir, manifest):
@@ -328,7 +328,7 @@ class RunscBackend(ContainerBackend):
         if rt.get("cuda_stage"):
             # The image says who restores its CUDA processes, whatever this host's runsc_cuda_stage says: an
             # image whose CUDA stage the engine ran, restored with runsc's stage, would stay checkpointed.
-            self.owns_cuda_stage = rt["cuda_stage"] == "runsc"
+            self.capabilities = self.capabilities._replace(owns_cuda_stage=rt["cuda_stage"] == "runsc")
 
     def is_held(self, pids):
         st = self.state(self.container, required=False) if self.container else None

@@ -21,16 +21,16 @@ Why each check (a pod's annotations are written by whoever may create pods):
   whose restore failed or never finished is refused, so that the kubelet cannot start the job from its
   entrypoint while the migration still holds the source (two copies, or a rewound job).
 
-Only the standard library: it runs on the node, outside Ansible, started by the launcher
-``gpuckpt-restore-runtime`` beside it (the handler's ``BinaryName``). Its settings, ``restore-runtime.json``
-beside it or /etc/gpuckpt/restore-runtime.json: ``runc`` (the runtime it runs), ``image_roots``, ``state_dir``,
-``ticket_wait`` (seconds a create waits for the node to write the restore ticket), ``restore_timeout`` (seconds a
-restore may run before it is killed).
+The ticket, the claims and the restore request are the collection's restore protocol
+(plugins/module_utils/k8s/restore_protocol.py), which the node's restore (runtimes/k8s_pod.py) speaks too. This file
+is the handler's own code; what the role installs is the program assembled from the protocol's source, the core
+modules it uses and this code (k8s/restore_handler.handler_program: the imports of the collection below are
+dropped there, their names defined above them). It runs on the node with the standard library only, outside
+Ansible, started by the launcher ``gpuckpt-restore-runtime`` beside it (the handler's ``BinaryName``). Its settings,
+``restore-runtime.json`` beside it or /etc/gpuckpt/restore-runtime.json: ``runc`` (the runtime it runs),
+``image_roots``, ``state_dir``, ``ticket_wait`` (seconds a create waits for the node to write the restore ticket),
+``restore_timeout`` (seconds a restore may run before it is killed).
 """
-import contextlib
-import fcntl
-import hashlib
-import hmac
 import json
 import os
 import shutil
@@ -40,15 +40,17 @@ import sys
 import tarfile
 import time
 
-ANNOTATION = "gpuckpt.fleet/restore"
-TICKET = "restore-ticket.json"
-CLAIM, CLAIM_LOCK = ".restore-claim", ".restore-claim.lock"
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.fsutil import UnsafePath
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.wait import wait_for
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.restore_protocol import (
+    CLAIM, FAILED, RESTORE_ANNOTATION, RESTORED, RESTORING, TICKET, claim_lock, container_path, load_ticket, read_claim,
+    set_claim, take_claim, token_matches, write_claim)
+
 SANDBOX_NS, SANDBOX_NAME = "io.kubernetes.cri.sandbox-namespace", "io.kubernetes.cri.sandbox-name"
 CONTAINER_NAME, CONTAINER_TYPE = "io.kubernetes.cri.container-name", "io.kubernetes.cri.container-type"
 DEFAULTS = {"runc": "runc", "image_roots": ["/var/lib/gpuckpt/images"], "state_dir": "/run/gpuckpt-restore-runtime",
             "ticket_wait": 60, "restore_timeout": 1800}
 GLOBAL_WITH_VALUE = {"--root", "--log", "--log-format", "--criu", "--rootless"}
-CREATE_WITH_VALUE = {"--bundle", "-b", "--pid-file", "--console-socket", "--pidfd-socket", "--preserve-fds"}
 # CRIU options runc restore takes as its own flags; the others go to CRIU through a configuration file
 RUNC_RESTORE_FLAGS = {"--tcp-established", "--ext-unix-sk", "--file-locks", "--shell-job"}
 
@@ -132,63 +134,29 @@ def wait_for_ticket(config, image):
     seconds later. Waiting here (``ticket_wait`` seconds) saves the kubelet's back-off of a refused create (10 s
     and more of downtime). No claim is taken meanwhile: a create refused for want of a ticket can come again."""
     path = os.path.join(image, TICKET)
-    deadline = time.monotonic() + float(config.get("ticket_wait", 60))
-    while not os.path.lexists(path):
-        if time.monotonic() > deadline or not os.path.isdir(image):
-            raise Refused("no restore ticket in %s (the node's restore has not started, or gave up)" % image)
-        time.sleep(0.2)
+    no_ticket = "no restore ticket in %s (the node's restore has not started, or gave up)" % image
+
+    def written():
+        if os.path.lexists(path):
+            return True
+        if not os.path.isdir(image):
+            raise Refused(no_ticket)
+        return False
+    if not wait_for(written, float(config.get("ticket_wait", 60)), "the restore ticket in %s" % image, interval=0.2,
+                    on_timeout="return"):
+        raise Refused(no_ticket)
     checked_image(config, image)  # the ticket itself: root's, not a symlink
     return image
 
 
 def read_ticket(image, pod, token):
-    with open(os.path.join(image, TICKET)) as fh:
-        ticket = json.load(fh)
+    """The image's ticket, refused unless it is for ``pod`` and ``token`` is the one it was written for."""
+    ticket = load_ticket(image)
     if ticket.get("pod") != pod:
         raise Refused("the checkpoint in %s is for pod %s, not %s" % (image, ticket.get("pod"), pod))
-    want = str(ticket.get("token_sha256") or "")
-    if not want or not hmac.compare_digest(want, hashlib.sha256(str(token or "").encode()).hexdigest()):
+    if not token_matches(ticket, token):
         raise Refused("the restore token of pod %s does not match the checkpoint's ticket in %s" % (pod, image))
     return ticket
-
-
-def claim(cdir):
-    """Take the container's one restore; (True, None) when taken now, else (False, what the claim says)."""
-    path = os.path.join(cdir, CLAIM)
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    except FileExistsError:
-        with open(path) as fh:
-            return False, (fh.read().strip() or "restoring")
-    with os.fdopen(fd, "w") as fh:
-        fh.write("restoring")
-    return True, None
-
-
-@contextlib.contextmanager
-def claim_lock(cdir):
-    """The claim's changes after its creation, one at a time: the node's restore marks a claim failed when it
-    gives up, and a restore finishing at that moment must see it (k8s_pod.set_restore_claim takes it too)."""
-    fd = os.open(os.path.join(cdir, CLAIM_LOCK), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)
-
-
-def read_claim(cdir):
-    with open(os.path.join(cdir, CLAIM)) as fh:
-        return fh.read().strip() or "restoring"
-
-
-def set_claim(cdir, state):
-    tmp = os.path.join(cdir, CLAIM + ".tmp")
-    with open(tmp, "w") as fh:
-        fh.write(state)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, os.path.join(cdir, CLAIM))
 
 
 def _inside(rootfs, path):
@@ -273,24 +241,85 @@ def criu_config(path, record, cgroup=None):
             if o in RUNC_RESTORE_FLAGS]
 
 
-def restore(config, glob, opts, cid, spec, bundle, request):
+def admitted(config, spec, request):
+    """(pod, container name, image, the container's ticket record) of a create that asks for a restore, once the
+    request's image, its ticket, the pod's name and the token have passed every check."""
     ann = spec.get("annotations") or {}
     pod = "%s/%s" % (ann.get(SANDBOX_NS), ann.get(SANDBOX_NAME))
     cname = ann.get(CONTAINER_NAME)
     try:
         req = json.loads(request)
     except ValueError:
-        raise Refused("annotation %s is not JSON" % ANNOTATION)
+        raise Refused("annotation %s is not JSON" % RESTORE_ANNOTATION)
     image = checked_image(config, req.get("image"))
     ticket = read_ticket(wait_for_ticket(config, image), pod, req.get("token"))
     records = {c.get("name"): c for c in ticket.get("containers") or []}
     if cname not in records:
         raise Refused("container %s of pod %s is not in the checkpoint (it has %s)"
                       % (cname, pod, ", ".join(sorted(records)) or "none"))
-    cdir = os.path.join(image, "containers", cname)
-    taken, state = claim(cdir)
+    return pod, cname, image, records[cname]
+
+
+def prepare_bundle(spec, bundle, cdir, work, record):
+    """The new container made ready for its restore: its writable layer applied to the rootfs the kubelet gave it,
+    and its spec pointing runc at a CRIU configuration of the dump's options. Returns runc restore's own flags."""
+    root = (spec.get("root") or {}).get("path") or "rootfs"
+    rootfs = root if os.path.isabs(root) else os.path.join(bundle, root)
+    if os.path.exists(os.path.join(cdir, "rootfs-diff.tar")):
+        apply_rootfs_diff(os.path.join(cdir, "rootfs-diff.tar"), rootfs)
+    flags = criu_config(os.path.join(work, "criu.conf"), record, cgroup_root(spec))
+    spec.setdefault("annotations", {})["org.criu.config"] = os.path.join(work, "criu.conf")
+    with open(os.path.join(bundle, "config.json"), "w") as fh:
+        json.dump(spec, fh)
+    return flags
+
+
+def run_restore(config, glob, opts, cid, cdir, work, flags, what):
+    """``runc restore --detach`` of the container's checkpoint, with the create's bundle, pid file and console."""
+    argv = [config["runc"]] + glob + ["restore", "--detach", "--image-path", os.path.join(cdir, "checkpoint"),
+                                      "--work-path", work] + flags
+    for name in ("--bundle", "--pid-file", "--console-socket"):
+        value = option(opts, name, "-b") if name == "--bundle" else option(opts, name)
+        if value:
+            argv += [name, value]
+    if "--no-pivot" in opts:
+        argv.append("--no-pivot")
+    # With the shim's stdio: runc maps the dumped pipes onto it. In a session of its own, so that a restore
+    # that hangs (CRIU waiting on something that never comes) is killed whole after restore_timeout seconds
+    # instead of holding the kubelet's create for ever.
+    proc = subprocess.Popen(argv + [cid], start_new_session=True)
+    try:
+        rc = proc.wait(timeout=float(config.get("restore_timeout", 1800)))
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        subprocess.call([config["runc"]] + glob + ["delete", "--force", cid])
+        raise Refused("runc restore of %s did not end within %ss and was killed; CRIU's log: %s"
+                      % (what, config.get("restore_timeout", 1800), os.path.join(work, "restore.log")))
+    if rc != 0:
+        raise Refused("runc restore of %s failed (rc %d); CRIU's log: %s" % (what, rc, os.path.join(work, "restore.log")))
+
+
+def mark_restored(cdir, work, pod, cname):
+    """The claim says restored, unless the node's restore gave up meanwhile (it marked the claim failed): then
+    this copy must not run."""
+    with claim_lock(cdir):
+        if read_claim(cdir) != RESTORING:
+            raise Refused("the node's restore of pod %s gave up while container %s was restored; it was removed"
+                          % (pod, cname))
+        with open(os.path.join(work, "restored"), "w") as fh:
+            fh.write(str(int(time.time())))
+        write_claim(cdir, RESTORED)
+
+
+def restore(config, glob, opts, cid, spec, bundle, request):
+    """The container's create as the restore of its checkpoint: True once it runs restored; False when its one
+    restore was done before (the kubelet restarts a restored job that exited: plain runc creates it)."""
+    pod, cname, image, record = admitted(config, spec, request)
+    cdir = container_path(image, cname)
+    taken, state = take_claim(cdir)
     if not taken:
-        if state == "restored":  # the restored job exited and the kubelet restarts it: a pod's own semantics
+        if state == RESTORED:  # the restored job exited and the kubelet restarts it: a pod's own semantics
             return False
         raise Refused("the restore of container %s of pod %s is %s (%s): it is not started from its entrypoint "
                       "while the migration holds its source" % (cname, pod, state, os.path.join(cdir, CLAIM)))
@@ -298,45 +327,10 @@ def restore(config, glob, opts, cid, spec, bundle, request):
     try:
         work = os.path.join(config["state_dir"], os.path.basename(cid))
         os.makedirs(work, 0o700, exist_ok=True)
-        root = (spec.get("root") or {}).get("path") or "rootfs"
-        rootfs = root if os.path.isabs(root) else os.path.join(bundle, root)
-        if os.path.exists(os.path.join(cdir, "rootfs-diff.tar")):
-            apply_rootfs_diff(os.path.join(cdir, "rootfs-diff.tar"), rootfs)
-        flags = criu_config(os.path.join(work, "criu.conf"), records[cname], cgroup_root(spec))
-        spec.setdefault("annotations", {})["org.criu.config"] = os.path.join(work, "criu.conf")
-        with open(os.path.join(bundle, "config.json"), "w") as fh:
-            json.dump(spec, fh)
-        argv = [config["runc"]] + glob + ["restore", "--detach", "--image-path", os.path.join(cdir, "checkpoint"),
-                                          "--work-path", work] + flags
-        for name in ("--bundle", "--pid-file", "--console-socket"):
-            value = option(opts, name, "-b") if name == "--bundle" else option(opts, name)
-            if value:
-                argv += [name, value]
-        if "--no-pivot" in opts:
-            argv.append("--no-pivot")
-        # With the shim's stdio: runc maps the dumped pipes onto it. In a session of its own, so that a restore
-        # that hangs (CRIU waiting on something that never comes) is killed whole after restore_timeout seconds
-        # instead of holding the kubelet's create for ever.
-        proc = subprocess.Popen(argv + [cid], start_new_session=True)
-        try:
-            rc = proc.wait(timeout=float(config.get("restore_timeout", 1800)))
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            subprocess.call([config["runc"]] + glob + ["delete", "--force", cid])
-            raise Refused("runc restore of container %s of pod %s did not end within %ss and was killed; CRIU's log: "
-                          "%s" % (cname, pod, config.get("restore_timeout", 1800), os.path.join(work, "restore.log")))
-        if rc != 0:
-            raise Refused("runc restore of container %s of pod %s failed (rc %d); CRIU's log: %s"
-                          % (cname, pod, rc, os.path.join(work, "restore.log")))
+        flags = prepare_bundle(spec, bundle, cdir, work, record)
+        run_restore(config, glob, opts, cid, cdir, work, flags, "container %s of pod %s" % (cname, pod))
         running = True
-        with claim_lock(cdir):
-            if read_claim(cdir) != "restoring":  # the node's restore gave up meanwhile: this copy must not run
-                raise Refused("the node's restore of pod %s gave up while container %s was restored; it was removed"
-                              % (pod, cname))
-            with open(os.path.join(work, "restored"), "w") as fh:
-                fh.write(str(int(time.time())))
-            set_claim(cdir, "restored")
+        mark_restored(cdir, work, pod, cname)
         return True
     except BaseException:
         # Whatever failed after runc restored the copy (the claim says failed, the image was removed under it by
@@ -344,10 +338,9 @@ def restore(config, glob, opts, cid, spec, bundle, request):
         if running:
             subprocess.call([config["runc"]] + glob + ["delete", "--force", cid])
         try:
-            with claim_lock(cdir):
-                set_claim(cdir, "failed")
-        except OSError:
-            pass  # the image is gone: no create can take this claim again
+            set_claim(cdir, FAILED)
+        except (OSError, UnsafePath):
+            pass  # the image is gone (or not what it was): no create can take this claim again
         raise
 
 
@@ -360,7 +353,7 @@ def main(argv):
             with open(os.path.join(bundle, "config.json")) as fh:
                 spec = json.load(fh)
             ann = spec.get("annotations") or {}
-            request = ann.get(ANNOTATION)
+            request = ann.get(RESTORE_ANNOTATION)
             if request and ann.get(CONTAINER_TYPE, "container") == "container":
                 if restore(config, glob, opts, cid, spec, bundle, request):
                     return 0
@@ -373,7 +366,7 @@ def main(argv):
             if os.path.exists(log) and not os.path.exists(os.path.join(work, "restored")):
                 os.replace(log, work + ".failed-restore.log")  # what the operator reads: kept past the delete
             shutil.rmtree(work, ignore_errors=True)
-    except (Refused, OSError, ValueError) as exc:
+    except (Refused, OSError, ValueError, UnsafePath) as exc:  # UnsafePath: a claim's directory is a symlink
         log_error(glob, str(exc))
         return 1
     runc(config, argv)

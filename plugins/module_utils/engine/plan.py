@@ -1,0 +1,197 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""A checkpoint's plan: everything decided before anything is touched (the preflight).
+
+The tree, its CUDA pids and their states, each process's state and identity, what the runtime and
+CRIU need, the GPUs each CUDA process holds, the host's facts for the manifest. Whatever the workload
+or its runtime cannot go through is refused here with InvalidTarget, before anything is frozen.
+"""
+from __future__ import annotations
+
+import os
+import socket
+
+from ..core import image
+from ..core import procfs
+from ..core.errors import DriverUnavailable, InvalidTarget
+from ..core.journal import identities
+from ..cuda import devices as gpu_devices
+from ..cuda import driver as cuda
+from ..cuda import processes as gpu_procs
+from ..cuda import usage as gpu_usage
+from ..runtimes.base import network_lock_problem
+from . import quiesce
+
+
+class CheckpointOptions(object):
+    """What a checkpoint may be told; every option has a default."""
+
+    def __init__(self, leave_running=False, leave_stopped=False, lock_timeout=30.0, libcuda_path=None,
+                 check_mode=False, sign_key=None, parallel=True, progress_file=None, nonce=None,
+                 journal_wait=30.0, host_huge_pages=False, quiesce_signal=None, quiesce_command=None,
+                 quiesce_timeout=30.0):
+        if leave_running and leave_stopped:
+            raise InvalidTarget("leave_running and leave_stopped exclude each other", stage="preflight")
+        if lock_timeout is None or float(lock_timeout) <= 0:
+            raise InvalidTarget("lock_timeout must be positive, got %s" % lock_timeout, stage="preflight")
+        self.leave_running, self.leave_stopped = bool(leave_running), bool(leave_stopped)
+        self.lock_timeout, self.libcuda_path = float(lock_timeout), libcuda_path
+        self.check_mode, self.sign_key, self.parallel = check_mode, sign_key, parallel
+        self.progress_file, self.nonce, self.journal_wait = progress_file, nonce, journal_wait
+        self.host_huge_pages = bool(host_huge_pages)
+        if quiesce_signal and quiesce_command:
+            raise InvalidTarget("quiesce_signal and quiesce_command exclude each other", stage="preflight")
+        if quiesce_timeout is None or float(quiesce_timeout) <= 0:
+            raise InvalidTarget("quiesce_timeout must be positive, got %s" % quiesce_timeout, stage="preflight")
+        self.quiesce_signal = quiesce.signal_number(quiesce_signal) if quiesce_signal else None
+        self.quiesce_command = list(quiesce_command) if quiesce_command else None
+        self.quiesce_timeout = float(quiesce_timeout)
+
+    @property
+    def after(self):
+        return "running" if self.leave_running else "stopped" if self.leave_stopped else "exit"
+
+
+class CheckpointContext(object):
+    """What the steps share: the plan, and what each step did (for the undos)."""
+
+    def __init__(self, **kw):
+        self.locked, self.checkpointed = [], []
+        self.made = None
+        self.keep_image = False
+        self.runtime_info = None
+        self.hasher = None
+        self.quiesce = None
+        self.manifest = None
+        self.migration_id = None
+        self.pid_map = {}
+        self.calls0 = 0
+        self.journal_data = {}
+        self.__dict__.update(kw)
+
+
+def host_facts(drv=None):
+    """The host's facts for a manifest: its name, kernel, driver, GPUs and the driver's device UUIDs."""
+    gpus, source = gpu_usage.gpus()
+    return {"hostname": socket.gethostname(), "kernel": os.uname().release, "arch": os.uname().machine,
+            "driver_version": gpu_usage.driver_version() or (gpus[0]["driver_version"] if gpus else None),
+            "cuda_api_version": cuda.api_version_string(drv.api_version) if drv else None,
+            "gpus": gpus, "gpu_source": source,
+            "cuda_device_uuids": drv.device_uuids() if drv else []}
+
+
+def find_cuda_pids(drv, pids, driver_problem, host_pids=True):
+    """CUDA pids among ``pids`` with their driver state; refuse when a GPU user can't be handled.
+    ``host_pids`` False: the pids are a sandbox's, whose device files the host's /proc cannot show."""
+    if drv is None:
+        holders = [p for p in pids if host_pids and gpu_procs.nvidia_fds(p)]
+        if holders:
+            raise DriverUnavailable("pid %s uses the GPU but the driver's checkpoint API is unavailable: %s"
+                                    % (holders[0], driver_problem), stage="preflight", pid=holders[0],
+                                    hint=driver_problem.hint if driver_problem is not None else None)
+        return [], {}
+    states = {}
+    for p in pids:
+        s = drv.cuda_state(p)
+        if s is not None:
+            states[p] = s
+    # A GPU device user the driver does not know (an NVML tool, a non-CUDA GPU API) cannot be moved
+    # off the GPU, and CRIU would fail on its device files: say so before freezing anything.
+    strays = [p for p in pids if host_pids and p not in states and gpu_procs.nvidia_fds(p)]
+    if strays:
+        p = strays[0]
+        raise InvalidTarget("pid %d (%s) holds %s but the driver does not report it as a CUDA process; its GPU state "
+                            "cannot be checkpointed" % (p, (procfs.read_stat(p) or {}).get("comm"),
+                                                        ", ".join(gpu_procs.nvidia_fds(p))),
+                            stage="preflight", pid=p, hint="stop that process or leave it out of the tree")
+    return [p for p in pids if p in states], states
+
+
+def _refuse_what_the_runtime_cannot(backend, opts, root):
+    """The runtime's own refusals: how the workload is to be left, and CRIU's network lock."""
+    backend.check_after(opts.after)
+    if opts.leave_stopped and not backend.capabilities.can_hold_stopped:
+        raise InvalidTarget("the %s runtime cannot hold a workload stopped after its checkpoint; nothing was frozen"
+                            % backend.name, stage="preflight",
+                            hint="checkpoint it without leave_stopped; its image is the way back")
+    runtime_facts = backend.preflight()
+    net_problem = network_lock_problem(root, backend.extra) if backend.capabilities.uses_criu else None
+    if net_problem:
+        raise InvalidTarget(net_problem + "; nothing was frozen", stage="preflight", pid=root,
+                            hint="install iptables (the gpuckpt.fleet.criu role does), or run the workload "
+                                 "on the host's network")
+    return runtime_facts
+
+
+def _cuda_processes(backend, opts, root, pids):
+    """The driver, why it is missing (or None), and the tree's CUDA pids, each running and of features
+    the driver's checkpoint API can restore."""
+    drv, driver_problem = backend.load_cuda(opts.libcuda_path)
+    sandboxed = backend.capabilities.cuda_in_sandbox
+    cuda_pids, states = find_cuda_pids(drv, backend.cuda_candidates(root, pids), driver_problem,
+                                       host_pids=not sandboxed)
+    for p in ([] if sandboxed else cuda_pids):  # (a sandbox's pids are not the host's: /proc cannot tell)
+        features = gpu_procs.unsupported_features(p)
+        if features:
+            raise InvalidTarget("pid %d uses %s, which the driver's checkpoint API does not support (it checkpoints "
+                                "such a process but cannot restore it, so the job would stay frozen); nothing was "
+                                "frozen" % (p, " and ".join(features)), stage="preflight", pid=p,
+                                hint="use the framework's own checkpoints for such jobs")
+    busy = {p: s for p, s in states.items() if s != "running"}
+    if busy:
+        p, s = sorted(busy.items())[0]
+        raise InvalidTarget("CUDA pid %d is %s, not running: another checkpoint is in progress or failed"
+                            % (p, s), stage="preflight", pid=p,
+                            hint="restore/unlock it first (gpu_restore on its image) or investigate")
+    return drv, driver_problem, cuda_pids
+
+
+def _gpu_stage(backend, drv, driver_problem, cuda_pids):
+    """What becomes of the GPU stage, as the result and the manifest say it."""
+    if cuda_pids and backend.capabilities.owns_cuda_stage:
+        return "done by the %s runtime itself" % backend.name
+    if cuda_pids:
+        return "done"
+    if drv is None:
+        return "skipped: no CUDA driver on this host (%s); CPU-only workload" % driver_problem.msg
+    return "skipped: no process of the tree is a CUDA process"
+
+
+def _check_quiesce(backend, opts, root, cuda_pids):
+    if opts.quiesce_signal and backend.capabilities.cuda_in_sandbox:
+        raise InvalidTarget("quiesce_signal cannot reach processes inside a %s sandbox (the host does not see them); "
+                            "nothing was frozen" % backend.name, stage="preflight",
+                            hint="use quiesce_command, which runs inside the sandbox")
+    if opts.quiesce_signal:
+        quiesce.check_caught(cuda_pids or [root], *opts.quiesce_signal)
+
+
+def _cuda_gpus(cuda_pids, sandboxed):
+    """The GPUs each CUDA process holds (its open device files), read while it runs: the checkpoint
+    closes them. What a restore onto other GPUs maps from (see cuda/devices.py)."""
+    if sandboxed:
+        return {}
+    inv = gpu_devices.inventory() if cuda_pids else []
+    return {str(p): gpu_devices.process_gpus(p, inv) for p in cuda_pids}
+
+
+def plan_checkpoint(target, image_dir, opts, backend):
+    """Everything decided before anything is touched: the tree, its CUDA pids and their states, each
+    process's state and identity, what the runtime and CRIU need. Raises InvalidTarget to refuse.
+    Returns the CheckpointContext the steps share."""
+    root, pids = backend.resolve(target)
+    runtime_facts = _refuse_what_the_runtime_cannot(backend, opts, root)
+    backend.plan_tree(pids)  # file locks, external unix sockets: the runtime's flags, or a refusal
+    image.check_dir(image_dir)
+    drv, driver_problem, cuda_pids = _cuda_processes(backend, opts, root, pids)
+    gpu_stage = _gpu_stage(backend, drv, driver_problem, cuda_pids)
+    _check_quiesce(backend, opts, root, cuda_pids)
+    proc_states = {str(p): (procfs.read_stat(p) or {}).get("state") for p in pids}
+    cuda_gpus = _cuda_gpus(cuda_pids, backend.capabilities.cuda_in_sandbox)
+    # The host's facts for the manifest are read now: asking NVML or nvidia-smi while the workload is
+    # frozen added 0.05-0.7 s of downtime (more with the push's streams busy on the same cores).
+    return CheckpointContext(target=target, image_dir=image_dir, root=root, pids=pids, cuda_pids=cuda_pids, drv=drv,
+                             host=host_facts(drv), gpu_stage=gpu_stage, runtime_facts=runtime_facts,
+                             identities=identities(pids), states=proc_states, cuda_gpus=cuda_gpus, after=opts.after,
+                             backend=backend, opts=opts)

@@ -1,0 +1,273 @@
+"""The engine's checkpoint steps and their undos, and the restore's clean-up, WITHOUT CRIU and without
+a driver: a TEST DOUBLE backend (a Backend subclass that records what it is asked) and a TEST DOUBLE
+driver (the checkpoint API's state machine, per pid) share one log of calls. The workload's processes
+are real sleeping processes (the plan reads their /proc), which the doubles never touch.
+
+What a user relies on: a checkpoint that fails at any step undoes what it did, newest first, and leaves
+the workload running (its GPU state running again); a restore that fails stops what it brought up."""
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import DriverError, InvalidTarget, \
+    TransactionError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.run import Result
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import plan
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.base import Backend
+
+
+class FakeDriver(object):
+    """TEST DOUBLE of the driver's checkpoint API: running -> locked -> checkpointed -> locked -> running.
+    ``fail``: {(call, pid)} that raise the driver's error instead."""
+
+    def __init__(self, log, cuda_pids, fail=()):
+        self.log, self.fail = log, set(fail)
+        self.states = {p: "running" for p in cuda_pids}
+        self.calls, self.api_version = [], 12080
+
+    def _call(self, call, pid, want, then):
+        self.log.append((call, pid))
+        if (call, pid) in self.fail:
+            raise DriverError("cuCheckpointProcess" + call.title(), 999, "CUDA_ERROR_TEST", pid=pid, stage=call)
+        if self.states[pid] != want:  # as the driver answers a call out of order
+            raise DriverError("cuCheckpointProcess" + call.title(), 401, "CUDA_ERROR_ILLEGAL_STATE", pid=pid, stage=call)
+        self.states[pid] = then
+
+    def cuda_state(self, pid):
+        return self.states.get(pid)
+
+    def device_uuids(self):
+        return []
+
+    def lock(self, pid, timeout_ms):
+        self._call("lock", pid, "running", "locked")
+
+    def checkpoint(self, pid):
+        self._call("checkpoint", pid, "locked", "checkpointed")
+
+    def restore(self, pid, gpu_pairs=None):
+        self._call("restore", pid, "checkpointed", "locked")
+
+    def unlock(self, pid):
+        self._call("unlock", pid, "locked", "running")
+
+
+class RecordingBackend(Backend):
+    """TEST DOUBLE runtime: 'dumps' by writing one file, 'restores' the same pids (as CRIU does), and
+    records every call in the shared log. ``fail``: names of its calls that raise."""
+    name = "double"
+
+    def __init__(self, log, pids, drv, fail=(), probe_rc=0):
+        self.log, self.pids, self.drv, self.fail, self.probe_rc = log, pids, drv, set(fail), probe_rc
+
+    def _record(self, *call):
+        self.log.append(call)
+        if call[0] in self.fail:
+            raise OSError("the %s of the test double failed" % call[0])
+
+    def resolve(self, target):
+        return self.pids[0], list(self.pids)
+
+    def preflight(self, full=True):
+        return {}
+
+    def plan_tree(self, pids):
+        return []
+
+    def load_cuda(self, libcuda_path):
+        return self.drv, None
+
+    def dump(self, root, image_dir, work_dir, after):
+        self._record("dump", after)
+        with open(os.path.join(image_dir, "pages-1.img"), "wb") as fh:
+            fh.write(b"\0" * 4096)
+        return {"backend": self.name}
+
+    def restore(self, image_dir, work_dir, manifest):
+        self._record("runtime_restore")
+        return list(self.pids)
+
+    def resume(self, pids):
+        self._record("resume", sorted(pids))
+
+    def kill(self, pids):
+        self._record("kill", sorted(pids))
+
+    def probe(self, root_pid, argv, timeout, stage="probe"):
+        self._record(stage)
+        return Result(list(argv), self.probe_rc, "", "told to fail" if self.probe_rc else "", 0.0)
+
+
+@pytest.fixture
+def workload():
+    """Three real sleeping processes: the root and two CUDA processes (as the driver double says)."""
+    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    yield [p.pid for p in procs]
+    for p in procs:
+        p.kill()
+        p.wait()
+
+
+@pytest.fixture(autouse=True)
+def no_host_facts(monkeypatch):
+    monkeypatch.setattr(plan, "host_facts", lambda drv=None: {"hostname": "test"})
+
+
+def _doubles(workload, drv_fail=(), backend_fail=(), probe_rc=0):
+    log = []
+    root, b, c = workload
+    drv = FakeDriver(log, [b, c], drv_fail)
+    return log, drv, RecordingBackend(log, workload, drv, backend_fail, probe_rc)
+
+
+def _frozen_and_checkpointed(b, c):
+    return [("lock", b), ("lock", c), ("checkpoint", b), ("checkpoint", c)]
+
+
+def _gpu_given_back(b, c):
+    return [("restore", b), ("restore", c), ("unlock", b), ("unlock", c)]
+
+
+# (step made to fail, how the workload is left, what the doubles are told to fail, the calls expected)
+CASES = {
+    "quiesce": ("exit", {"probe_rc": 1}, lambda a, b, c: [("quiesce",)]),
+    "cuda_lock": ("exit", {"drv_fail": [("lock", "c")]}, lambda a, b, c: [("lock", b), ("lock", c), ("unlock", b)]),
+    "cuda_checkpoint": ("exit", {"drv_fail": [("checkpoint", "c")]},
+                        lambda a, b, c: _frozen_and_checkpointed(b, c) + [("restore", b), ("unlock", b), ("unlock", c)]),
+    "runtime_dump": ("exit", {"backend_fail": ["dump"]},
+                     lambda a, b, c: _frozen_and_checkpointed(b, c) + [("dump", "exit")] + _gpu_given_back(b, c)),
+    "manifest_after_exit": ("exit", {}, lambda a, b, c: _frozen_and_checkpointed(b, c) + [
+        ("dump", "exit"), ("runtime_restore",)] + _gpu_given_back(b, c)),
+    "manifest_after_stopped": ("stopped", {}, lambda a, b, c: _frozen_and_checkpointed(b, c) + [
+        ("dump", "stopped"), ("resume", sorted([a, b, c]))] + _gpu_given_back(b, c)),
+    # leave_running gave the GPU back before the manifest: the undos must not give it back twice
+    "manifest_after_running": ("running", {}, lambda a, b, c: _frozen_and_checkpointed(b, c) + [
+        ("dump", "running")] + _gpu_given_back(b, c)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_a_failed_step_undoes_the_steps_done_newest_first_and_the_workload_runs_on(
+        case, workload, tmp_path, monkeypatch):
+    after, fail, expected = CASES[case]
+    root, b, c = workload
+    named = {"b": b, "c": c}
+    if "drv_fail" in fail:
+        fail = dict(fail, drv_fail=[(call, named[who]) for call, who in fail["drv_fail"]])
+    log, drv, backend = _doubles(workload, **fail)
+    if case.startswith("manifest"):
+        def no_room(*args, **kwargs):
+            raise OSError(28, "No space left on device")
+        monkeypatch.setattr(image, "write_manifest", no_room)
+    image_dir = str(tmp_path / "img")
+    options = {"quiesce_command": ["release-caches"]} if case == "quiesce" else {}
+    with pytest.raises(TransactionError) as err:
+        checkpoint(root, image_dir, backend=backend, parallel=False, leave_running=after == "running",
+                   leave_stopped=after == "stopped", **options)
+    assert log == expected(root, b, c)
+    assert err.value.rolled_back is True
+    assert "the workload was rolled back and runs on; no image was kept" in err.value.msg, err.value.msg
+    assert drv.states == {b: "running", c: "running"}, "every CUDA process runs again"
+    assert not os.path.exists(image_dir), "the partial image was removed"
+
+
+def test_a_failed_undo_is_reported_and_the_other_undos_still_run(workload, tmp_path):
+    """The dump fails, and so does the GPU's restore of a process: the unlocks are still tried, the
+    partial image is still removed, and the error says the rollback is incomplete (the workload may be
+    frozen), naming the undo that failed."""
+    root, b, c = workload
+    log, drv, backend = _doubles(workload, backend_fail=["dump"])
+    drv.fail.add(("restore", b))
+    image_dir = str(tmp_path / "img")
+    with pytest.raises(TransactionError) as err:
+        checkpoint(root, image_dir, backend=backend, parallel=False)
+    undos = log[log.index(("dump", "exit")) + 1:]
+    assert undos[0] == ("restore", b) and ("unlock", b) in undos, "the unlocks ran after the failed restore"
+    assert err.value.rolled_back is False
+    assert "ROLLBACK INCOMPLETE, the workload may be frozen: undo of cuda_checkpoint: " \
+           "cuCheckpointProcessRestore for pid %d failed: CUDA_ERROR_TEST (999); undo of cuda_lock" % b in err.value.msg
+    assert not os.path.exists(image_dir)
+
+
+def test_parallel_driver_calls_undo_exactly_the_pids_done(workload, tmp_path):
+    """One thread per pid: one checkpoint fails, the other is done; the undo restores only the one done."""
+    root, b, c = workload
+    log, drv, backend = _doubles(workload, drv_fail=[("checkpoint", c)])
+    with pytest.raises(TransactionError) as err:
+        checkpoint(root, str(tmp_path / "img"), backend=backend, parallel=True)
+    assert [e for e in log if e[0] == "restore"] == [("restore", b)]
+    assert err.value.stage == "checkpoint" and err.value.pid == c, err.value.msg
+    assert drv.states == {b: "running", c: "running"}
+
+
+def test_a_refusal_in_the_plan_touches_nothing(workload, tmp_path):
+    """leave_stopped on a runtime that cannot hold a workload stopped: refused before anything is done."""
+    root, b, c = workload
+    log, drv, backend = _doubles(workload)
+    backend.capabilities = backend.capabilities._replace(can_hold_stopped=False)
+    with pytest.raises(InvalidTarget) as err:
+        checkpoint(root, str(tmp_path / "img"), backend=backend, leave_stopped=True)
+    assert "cannot hold a workload stopped" in err.value.msg
+    assert log == [] and not os.path.exists(str(tmp_path / "img"))
+
+
+def _image(workload, tmp_path):
+    root, b, c = workload
+    log, drv, backend = _doubles(workload)
+    image_dir = str(tmp_path / "img")
+    res = checkpoint(root, image_dir, backend=backend, parallel=False)
+    assert res["changed"] and res["cuda_pids"] == [b, c]
+    assert drv.states == {b: "checkpointed", c: "checkpointed"}
+    return image_dir, drv
+
+
+def test_a_restore_gives_the_gpu_back_to_every_process_then_unlocks(workload, tmp_path):
+    root, b, c = workload
+    image_dir, drv = _image(workload, tmp_path)
+    log = []
+    backend = RecordingBackend(log, workload, drv)
+    drv.log = log
+    res = restore(image_dir, backend=backend, parallel=False, validate_wait=0, pid_wait=0)
+    assert log == [("runtime_restore",)] + _gpu_given_back(b, c)
+    assert res["pids"] == workload and res["cuda_pids"] == [b, c] and res["validation_notes"] == []
+    assert res["gpu_pairs"] is None and res["probe"] is None and res["resumed_at"] > 0
+    assert set(res["timings"]) >= {"runtime_restore", "cuda_restore", "cuda_unlock", "validate"}
+
+
+@pytest.mark.parametrize("where", ["cuda_restore", "probe"])
+def test_a_failed_restore_kills_what_it_brought_up(workload, tmp_path, where):
+    """The GPU restore of one process fails, or the user's probe does: what the runtime brought up is
+    killed, nothing was unlocked (no restored copy ever ran), and the image is kept to try again."""
+    root, b, c = workload
+    image_dir, drv = _image(workload, tmp_path)
+    log = []
+    backend = RecordingBackend(log, workload, drv, probe_rc=1 if where == "probe" else 0)
+    drv.log = log
+    if where == "cuda_restore":
+        drv.fail.add(("restore", c))
+    with pytest.raises(TransactionError) as err:
+        restore(image_dir, backend=backend, parallel=False, validate_wait=0, pid_wait=0,
+                probe_command=["healthy?"] if where == "probe" else None)
+    assert log[0] == ("runtime_restore",) and log[-1] == ("kill", sorted(workload))
+    assert not [e for e in log if e[0] == "unlock"]
+    assert err.value.rolled_back is True and "what was brought up was stopped, the image is untouched" in err.value.msg
+    assert image.has_manifest(image_dir)
+
+
+def test_a_restore_of_host_pids_refuses_while_the_original_still_runs(workload, tmp_path):
+    """A runtime that restores the dumped pids themselves (a bare process tree) must not start a second
+    copy beside the original (a checkpoint with leave_running): refused before anything is restored."""
+    image_dir, drv = _image(workload, tmp_path)
+    log = []
+    backend = RecordingBackend(log, workload, drv)
+    backend.capabilities = backend.capabilities._replace(restores_host_pids=True)
+    with pytest.raises(InvalidTarget) as err:
+        restore(image_dir, backend=backend, pid_wait=0)
+    assert "refusing to start a second copy" in err.value.msg and err.value.pid == workload[0]
+    assert log == []
