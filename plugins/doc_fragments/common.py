@@ -1,11 +1,38 @@
 # -*- coding: utf-8 -*-
 # Copyright: gpuckpt.fleet contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""Options shared by the modules: finding the tools, and a migration's journal."""
+"""What the modules' documentation shares, so that one option reads the same in every module that has it.
+
+A module names in extends_documentation_fragment (as gpuckpt.fleet.common.<name>): ATTRIBUTES (with
+ansible.builtin.action_common_attributes); ACTIONGROUP_GPU for the modules of the action group gpu, with
+LIBCUDA and RUNTIME, the options that group shares; TOOLS, MIGRATION, PROGRESS and SPEED, which a
+checkpoint and a restore share. Each fragment is a literal (ansible-test's yamllint reads them as such).
+"""
 from __future__ import annotations
 
 
 class ModuleDocFragment(object):
+    # With ansible.builtin.action_common_attributes, which describes them: the modules that act on a managed
+    # host run on Linux and report no diff. Each module gives its check mode's details, and its support
+    # where that is less than full.
+    ATTRIBUTES = r"""
+options: {}
+attributes:
+  check_mode:
+    support: full
+  diff_mode:
+    support: none
+  platform:
+    platforms: linux
+"""
+
+    LIBCUDA = r"""
+options:
+  libcuda_path:
+    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
+    type: path
+"""
+
     TOOLS = r"""
 options:
   criu_path:
@@ -29,9 +56,6 @@ options:
         sockets need nothing.
     type: bool
     default: false
-  libcuda_path:
-    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
-    type: path
   runtime_timeout:
     description:
       - Seconds that the runtime's own dump or restore (CRIU, or runc, Podman or Docker driving it) may take.
@@ -167,4 +191,15 @@ options:
     type: str
     choices: [engine, runsc]
     default: engine
+"""
+
+    # The modules of the action group gpu (meta/runtime.yml): module_defaults for group/gpuckpt.fleet.gpu sets
+    # these options once for all of them.
+    ACTIONGROUP_GPU = r"""
+attributes:
+  action_group:
+    description: Use C(group/gpuckpt.fleet.gpu) in C(module_defaults) to set the options the modules of this group share.
+    support: full
+    membership:
+      - gpuckpt.fleet.gpu
 """

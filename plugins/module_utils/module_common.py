@@ -1,7 +1,9 @@
 # -*- coding: utf-8 -*-
 # Copyright: gpuckpt.fleet contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""What the three modules share: options for finding the tools, and turning engine errors into fail_json."""
+"""What the modules share: the argument specs of the tools, the runtimes, a migration's journal, progress and
+speed; the runtime backend from the options; checked path and command options; and run_engine, which turns
+engine errors into fail_json. Module-specific steps are in _module_helpers.py."""
 from __future__ import annotations
 
 import shlex

@@ -71,24 +71,19 @@ options:
   criu_path:
     description: Path of the criu binary.
     type: path
-  libcuda_path:
-    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
-    type: path
 notes:
   - Changes nothing; supports check mode.
 requirements:
   - "Root to see other users' processes and to ask the driver about them."
 attributes:
   check_mode:
-    support: full
     details: It only reads the host.
-  diff_mode:
-    support: none
-  platform:
-    platforms: linux
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
-  - gpuckpt.fleet.common.RUNTIME
+  - gpuckpt.fleet.common.attributes
+  - gpuckpt.fleet.common.actiongroup_gpu
+  - gpuckpt.fleet.common.libcuda
+  - gpuckpt.fleet.common.runtime
 """
 
 EXAMPLES = r"""
@@ -124,8 +119,9 @@ ansible_facts:
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import facts as host_facts
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS, make_backend
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS
+from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
+    container_backends, container_tree, run_module)
 
 CONTAINER_RUNTIMES = ["runc", "podman", "docker", "containerd", "runsc"]
 
@@ -145,26 +141,20 @@ def main():
         **RUNTIME_ARGS
     ), mutually_exclusive=[("container", "tree_of")], supports_check_mode=True)
     p = module.params
-    try:
-        tree_of, container, tree_pids = p["tree_of"], None, None
-        if p["container"]:
-            root_pid, tree_pids = make_backend(p["runtime"], p).resolve(p["container"])
-            tree_of, container = root_pid, {"id": p["container"], "runtime": p["runtime"], "pid": root_pid}
+
+    def gather():
+        tree_of, container, tree_pids = container_tree(p)
         facts = host_facts.facts(pids=p["pids"], libcuda_path=p["libcuda_path"], criu_path=p["criu_path"],
                                  check_criu=p["check_criu"], paths=p["paths"], tree_of=tree_of,
                                  check_pids=p["check_pids"],
                                  tree_pids=tree_pids if p["runtime"] == "k8s_pod" else None)
         if container:
             facts["container"] = container
-        backends = [make_backend(name, p) for name in
-                    (CONTAINER_RUNTIMES if p["list_containers"] is None else p["list_containers"])]
-        if p["list_containers"] is None:
-            backends = [b for b in backends if b.present()]
         facts["gpu_containers"], facts["container_errors"] = host_facts.gpu_containers(
-            backends, facts["cuda_processes"], p["libcuda_path"])
-    except GpuCkptError as exc:
-        module.fail_json(**exc.to_dict())
-    module.exit_json(changed=False, ansible_facts={"gpuckpt": facts})
+            container_backends(p, CONTAINER_RUNTIMES), facts["cuda_processes"], p["libcuda_path"])
+        return {"changed": False, "ansible_facts": {"gpuckpt": facts}}
+
+    run_module(module, gather)
 
 
 if __name__ == "__main__":

@@ -195,19 +195,17 @@ requirements:
   - "The runtime named by O(runtime) (runc, Podman, Docker with experimental features, containerd 2.x with python3-grpcio, gVisor runsc)."
 attributes:
   check_mode:
-    support: full
     details: It validates the target, CRIU and the image directory, and reports what it would do.
-  diff_mode:
-    support: none
-  platform:
-    platforms: linux
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
+  - gpuckpt.fleet.common.attributes
+  - gpuckpt.fleet.common.actiongroup_gpu
+  - gpuckpt.fleet.common.libcuda
+  - gpuckpt.fleet.common.runtime
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
   - gpuckpt.fleet.common.progress
   - gpuckpt.fleet.common.speed
-  - gpuckpt.fleet.common.runtime
 notes:
   - Needs root (CRIU and the driver's checkpoint API act on other processes).
   - NCCL jobs, CUDA IPC memory, MPS clients and MIG instances are not supported by the driver's checkpoint API.
@@ -336,19 +334,18 @@ import re
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import checkpoint as engine_checkpoint
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, RUNTIMES, SPEED_ARGS, TOOL_ARGS, check_path_arg, command_argv,
-    journal_for, make_backend, run_engine)
+    RUNTIMES, check_path_arg, command_argv, journal_for, make_backend, run_engine)
+from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
+    operation_spec, push_sender, transfer_target_spec)
 
 NONCE_RE = re.compile(r"^[A-Za-z0-9]{8,64}$")
 
 
 def main():
-    spec = dict(
+    spec = operation_spec(
         pid=dict(type="int"),
         runtime=dict(type="str", choices=RUNTIMES, default="process"),
         container=dict(type="str"),
@@ -362,28 +359,12 @@ def main():
         quiesce_signal=dict(type="str"),
         quiesce_command=dict(type="raw"),
         quiesce_timeout=dict(type="float", default=30),
-        sign_key=dict(type="str", no_log=True),
-        parallel=dict(type="bool", default=True),
         nonce=dict(type="str"),
         push=dict(type="dict", required_one_of=[("host", "to")], options=dict(
             to=dict(type="str"),
-            host=dict(type="str"),
-            become=dict(type="bool", default=False),
-            dest=dict(type="path", required=True),
-            user=dict(type="str", default="root"),
-            port=dict(type="int", default=22),
-            ssh_args=dict(type="list", elements="str", default=[]),
-            streams=dict(type="int", default=0),
-            python=dict(type="str", default="python3"),
-            io_timeout=dict(type="int", default=120),
             journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
-        )),
+            **transfer_target_spec(""))),
     )
-    spec.update(TOOL_ARGS)
-    spec.update(PROGRESS_ARGS)
-    spec.update(SPEED_ARGS)
-    spec.update(RUNTIME_ARGS)
-    spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
                            mutually_exclusive=[("leave_running", "leave_stopped"), ("pid", "container", "pod"),
                                                ("quiesce_signal", "quiesce_command")],
@@ -394,28 +375,12 @@ def main():
     check_path_arg(module, "image_dir", p["image_dir"])
     if p["nonce"] is not None and not NONCE_RE.match(p["nonce"]):
         module.fail_json(msg="nonce must be 8-64 letters or digits, got %r; nothing was frozen" % p["nonce"])
-    sender = None
-    if p["push"]:
-        q = p["push"]
-        check_path_arg(module, "push.dest", q["dest"])
-        if not 0 <= q["streams"] <= 64:
-            module.fail_json(msg="push.streams must be 0 (automatic) to 64, got %s; nothing was frozen" % q["streams"])
-        receiver = {"migration_id": p["migration_id"], "journal_dir": q["journal_dir"], "nonce": p["nonce"]} \
-            if p["migration_id"] else {"image_id": None}
-        if not q["host"]:
-            module.fail_json(msg="push.to %r was not resolved: run this module through its action plugin, or give "
-                             "push.host; nothing was frozen" % q["to"])
-        try:
-            target = transfer.Target(q["host"], q["user"], q["port"], q["ssh_args"], q["python"], q["io_timeout"],
-                                     become=q["become"])
-        except GpuCkptError as exc:
-            module.fail_json(**exc.to_dict())
-        sender = transfer.Sender(target, q["dest"], streams=q["streams"], receiver=receiver)
+    sender = push_sender(module, p)
     options = {k: p[k] for k in ("leave_running", "leave_stopped", "lock_timeout", "libcuda_path", "sign_key",
                                  "parallel", "progress_file", "nonce", "host_huge_pages", "quiesce_signal",
                                  "quiesce_timeout")}
     options["quiesce_command"] = command_argv(module, "quiesce_command", p["quiesce_command"])
-    run_engine(module, lambda: engine.checkpoint(
+    run_engine(module, lambda: engine_checkpoint.checkpoint(
         p["pid"] if p["runtime"] == "process" else p["pod"] if p["runtime"] == "k8s_pod" else p["container"],
         p["image_dir"],
         backend=make_backend(p["runtime"], p), journal=journal_for(p, "source"), sender=sender,

@@ -100,14 +100,10 @@ requirements:
   - "ssh from this host to O(dest_host), and python3 there."
 attributes:
   check_mode:
-    support: full
     details: It reads the image and reports how many bytes it would send.
-  diff_mode:
-    support: none
-  platform:
-    platforms: linux
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
+  - gpuckpt.fleet.common.attributes
   - gpuckpt.fleet.common.progress
 notes:
   - This host must reach the target over ssh non-interactively (a key, or agent forwarding).
@@ -160,51 +156,22 @@ streams:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, TransactionError
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR, Journal
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import check_path_arg
-
-
-def _source_journal_hooks(journal):
-    """In a migration: the receivers' checks, and the source journal's 'delivering' (under its lock)
-    right before the manifest goes, refused once the source was rolled back."""
-    doc = journal.read() or {}
-    if doc.get("phase") not in ("checkpointed", "delivering", "delivered"):
-        raise TransactionError("migration %s has no checkpoint to send on this host (journal phase %s); nothing was "
-                               "sent" % (journal.id, doc.get("phase") or "absent"), stage="transfer")
-
-    def before_deliver():
-        with journal.hold(wait=60, purpose="the delivery of migration %s" % journal.id):
-            journal.check_fence("deliver")
-            journal.transition("delivering")
-
-    def fence():
-        journal.check_fence("transfer")
-
-    return doc.get("nonce"), before_deliver, fence
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import PROGRESS_ARGS, check_path_arg
+from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
+    run_module, sync_image, transfer_target_spec)
 
 
 def main():
     module = AnsibleModule(argument_spec=dict(
         src=dict(type="path", required=True),
         dest_inventory_host=dict(type="str"),
-        dest_host=dict(type="str"),
-        dest_become=dict(type="bool", default=False),
-        dest=dict(type="path", required=True),
-        dest_user=dict(type="str", default="root"),
-        dest_port=dict(type="int", default=22),
-        ssh_args=dict(type="list", elements="str", default=[]),
-        python=dict(type="str", default="python3"),
         bwlimit=dict(type="int", default=0),
         retries=dict(type="int", default=3),
-        io_timeout=dict(type="int", default=120),
-        streams=dict(type="int", default=0),
         migration_id=dict(type="str"),
         journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
         dest_journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
-        progress_file=dict(type="path"),
+        **transfer_target_spec("dest_"), **PROGRESS_ARGS
     ), required_one_of=[("dest_host", "dest_inventory_host")], supports_check_mode=True)
     p = module.params
     if not p["dest_host"]:
@@ -216,33 +183,7 @@ def main():
                          stage="transfer")
     if p["bwlimit"] < 0 or p["retries"] < 0:
         module.fail_json(msg="bwlimit and retries must not be negative; nothing was sent", stage="transfer")
-    try:
-        target = transfer.Target(p["dest_host"], p["dest_user"], p["dest_port"], p["ssh_args"], p["python"],
-                                 p["io_timeout"], become=p["dest_become"])
-        manifest = image.load_manifest(p["src"])
-        if module.check_mode:
-            size = image.image_bytes(manifest)
-            module.exit_json(changed=True, bytes_total=size, msg="would send up to %d bytes" % size)
-        before_deliver = fence = None
-        if p["migration_id"]:
-            journal = Journal(p["journal_dir"], p["migration_id"], "source")
-            nonce, before_deliver, fence = _source_journal_hooks(journal)
-            receiver = {"migration_id": p["migration_id"], "journal_dir": p["dest_journal_dir"], "nonce": nonce}
-        else:
-            journal, receiver = None, {"image_id": manifest.get("id")}
-        res = transfer.send_image(p["src"], target, p["dest"], receiver=receiver, streams=p["streams"],
-                                  bwlimit_kbps=p["bwlimit"], retries=p["retries"], progress_file=p["progress_file"],
-                                  before_deliver=before_deliver, fence=fence)
-        if journal is not None:
-            with journal.hold(wait=60, purpose="the delivery of migration %s" % journal.id):
-                journal.transition("delivered")
-    except GpuCkptError as exc:
-        module.fail_json(**exc.to_dict())
-    rate = res["bytes_transferred"] / res["seconds"] if res["seconds"] else 0
-    module.exit_json(changed=res["bytes_transferred"] > 0,
-                     msg="sent %d of %d bytes in %.2fs (%.0f MB/s), %d attempt(s)"
-                     % (res["bytes_transferred"], res["bytes_total"], res["seconds"], rate / 1e6, res["attempts"]),
-                     **res)
+    run_module(module, sync_image, p, module.check_mode)
 
 
 if __name__ == "__main__":

@@ -80,9 +80,6 @@ options:
     description: Seconds to wait for the journal's lock, held by a step still running (a restore, a checkpoint).
     type: float
     default: 1800
-  libcuda_path:
-    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
-    type: path
   runtime_timeout:
     description:
       - Seconds that a source rollback's restore from its own image (a source that exited) may take. When it takes
@@ -95,12 +92,11 @@ attributes:
   check_mode:
     support: partial
     details: It reports the journal as it is (C(status)) for every action, and changes nothing.
-  diff_mode:
-    support: none
-  platform:
-    platforms: linux
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
+  - gpuckpt.fleet.common.attributes
+  - gpuckpt.fleet.common.actiongroup_gpu
+  - gpuckpt.fleet.common.libcuda
   - gpuckpt.fleet.common.runtime
 notes:
   - C(status) supports check mode; the other actions change nothing in check mode and report the journal.
@@ -154,16 +150,10 @@ msg:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import hugepages
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import transaction as migration
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, InvalidTarget
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    RUNTIME_ARGS, backend_of_image, check_path_arg, make_backend)
-
-
-def _backend(journal, params):
-    image_dir = (journal.read() or {}).get("image_dir")
-    return make_backend(backend_of_image(image_dir) if image_dir else "process", params)
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration.transaction import RESTORE_WAIT
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS, check_path_arg
+from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import migration_step, run_module
 
 
 def main():
@@ -171,55 +161,19 @@ def main():
         migration_id=dict(type="str", required=True),
         role=dict(type="str", required=True, choices=["source", "target"]),
         action=dict(type="str", default="status", choices=["status", "begin", "settle", "commit", "rollback"]),
-        journal_dir=dict(type="path", default=migration.DEFAULT_JOURNAL_DIR),
+        journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
         image_dir=dict(type="path"),
         remove_image=dict(type="bool", default=False),
         target_phase=dict(type="str"),
         target_lost=dict(type="bool", default=False),
-        wait=dict(type="float", default=migration.RESTORE_WAIT),
+        wait=dict(type="float", default=RESTORE_WAIT),
         abandon_pod_restore=dict(type="bool", default=False),
         libcuda_path=dict(type="path"),
         runtime_timeout=dict(type="float", default=0),
         **RUNTIME_ARGS
     ), supports_check_mode=True)
-    p = module.params
-    action, role = p["action"], p["role"]
-    check_path_arg(module, "image_dir", p["image_dir"])
-    try:
-        journal = migration.Journal(p["journal_dir"], p["migration_id"], role)
-        if action == "status" or module.check_mode:
-            st = migration.status(journal)
-            module.exit_json(changed=False, journal=st, phase=st.get("phase"), msg="phase %s" % st.get("phase"))
-        if action in ("begin", "settle") and role != "target":
-            raise InvalidTarget("%s is an action of the target's journal" % action, stage="preflight")
-        out = {}
-        if action == "begin":
-            if not p["image_dir"]:
-                raise InvalidTarget("begin needs image_dir", stage="preflight")
-            changed, doc = migration.begin_target(journal, p["image_dir"])
-            msg = "ready to receive migration %s in %s" % (journal.id, doc["image_dir"])
-        elif role == "target":
-            mode = {"settle": "settle", "commit": "commit", "rollback": "rollback"}[action]
-            res = migration.settle_target(journal, _backend(journal, p), mode=mode, remove_image=p["remove_image"],
-                                          wait=p["wait"], abandon_pod_restore=p["abandon_pod_restore"])
-            changed, msg = res["changed"], res["msg"]
-            out = {"decision": res["decision"]}
-        elif action == "commit":
-            changed, msg = migration.commit_source(journal, _backend(journal, p), target_phase=p["target_phase"],
-                                                   remove_image=p["remove_image"], wait=p["wait"])
-        else:
-            changed, msg = migration.rollback_source(journal, _backend(journal, p), target_phase=p["target_phase"],
-                                                     target_lost=p["target_lost"], libcuda_path=p["libcuda_path"],
-                                                     wait=p["wait"])
-        # A module killed while it held the host's huge pages setting (host_huge_pages) left it changed:
-        # a migration's settlement and recover.yml put it back too.
-        note = hugepages.settle()
-        if note:
-            out["huge_pages"] = {"note": note}
-        st = migration.status(journal)
-        module.exit_json(changed=changed, msg=msg, journal=st, phase=st.get("phase"), **out)
-    except GpuCkptError as exc:
-        module.fail_json(**exc.to_dict())
+    check_path_arg(module, "image_dir", module.params["image_dir"])
+    run_module(module, migration_step, module.params, module.check_mode)
 
 
 if __name__ == "__main__":

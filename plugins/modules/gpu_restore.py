@@ -105,19 +105,17 @@ requirements:
   - "The runtime the image was taken with."
 attributes:
   check_mode:
-    support: full
     details: It verifies the image and the host, and reports what it would restore.
-  diff_mode:
-    support: none
-  platform:
-    platforms: linux
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
+  - gpuckpt.fleet.common.attributes
+  - gpuckpt.fleet.common.actiongroup_gpu
+  - gpuckpt.fleet.common.libcuda
+  - gpuckpt.fleet.common.runtime
   - gpuckpt.fleet.common.tools
   - gpuckpt.fleet.common.migration
   - gpuckpt.fleet.common.progress
   - gpuckpt.fleet.common.speed
-  - gpuckpt.fleet.common.runtime
 notes:
   - Needs root. The pids recorded in the image must be free on this host (CRIU restores the same pids).
   - Supports check mode. It verifies the image and the host and reports what it would do.
@@ -199,21 +197,19 @@ bad_files:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import engine
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import restore as engine_restore
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, SPEED_ARGS, TOOL_ARGS, backend_of_image, check_path_arg, command_argv,
-    journal_for, make_backend, run_engine)
+    check_path_arg, command_argv, journal_for, run_engine)
+from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import LazyBackend, operation_spec
 
 
 def main():
-    spec = dict(
+    spec = operation_spec(
         image_dir=dict(type="path", required=True),
         gpu_map=dict(type="dict"),
         force=dict(type="bool", default=False),
         verify=dict(type="bool", default=True),
         validate_wait=dict(type="float", default=0.5),
-        sign_key=dict(type="str", no_log=True),
-        parallel=dict(type="bool", default=True),
         bundle=dict(type="path"),
         wait_for_image=dict(type="float", default=0.0),
         attach=dict(type="str"),
@@ -223,11 +219,6 @@ def main():
         restore_token=dict(type="str", no_log=True),
         restore_wait=dict(type="float", default=600.0),
     )
-    spec.update(TOOL_ARGS)
-    spec.update(PROGRESS_ARGS)
-    spec.update(SPEED_ARGS)
-    spec.update(RUNTIME_ARGS)
-    spec.update(MIGRATION_ARGS)
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
                            required_together=[("restore_pod", "restore_token")])
     p = module.params
@@ -246,24 +237,11 @@ def main():
         journal = journal_for(p, "target")
         options = {k: p[k] for k in ("gpu_map", "force", "verify", "libcuda_path", "sign_key", "validate_wait",
                                      "parallel", "progress_file", "wait_for_image", "host_huge_pages")}
-        return engine.restore(p["image_dir"], backend=LazyBackend(p), journal=journal,
-                              check_mode=module.check_mode, probe_command=probe, probe_timeout=p["probe_timeout"],
-                              **options)
+        return engine_restore.restore(p["image_dir"], backend=LazyBackend(p), journal=journal,
+                                      check_mode=module.check_mode, probe_command=probe,
+                                      probe_timeout=p["probe_timeout"], **options)
 
     run_engine(module, restore)
-
-
-class LazyBackend(object):
-    """The backend of the image's runtime, made once its manifest can be read (see restore())."""
-
-    def __init__(self, params):
-        self._params, self._backend = params, None
-
-    def __getattr__(self, name):
-        if self._backend is None:
-            self._backend = make_backend(backend_of_image(self._params["image_dir"]), self._params,
-                                         bundle=self._params["bundle"])
-        return getattr(self._backend, name)
 
 
 if __name__ == "__main__":

@@ -205,22 +205,24 @@ class ProgressActionBase(ActionBase):
                 next_check = time.monotonic() + 2
                 owner = self._progress_owner(progress_path) or owner
                 if self._job_gone(owner, started):
-                    # The async wrapper writes the result a moment after its module exits: give it that.
-                    deadline = time.monotonic() + RESULT_GRACE
-                    while time.monotonic() < deadline:
-                        data = self._job_result(quoted)
-                        if data is not None and data != "missing" and "started" not in data:
-                            break
-                        time.sleep(0.5)
-                    else:
-                        data = None
-                    if data is not None:
-                        continue
+                    if self._late_result(quoted) is not None:
+                        continue  # read again above, and returned
                     return {"failed": True, "job_lost": True,
                             "msg": "the job %s of this module ended without a result (killed as a whole: the OOM "
                                    "killer, a reboot?)%s" % (jid, " (its module was pid %s)" % owner[0] if owner else "")}
             time.sleep(pause)
             pause = min(1.0, pause * 1.2)  # quick at first (a restore's end is the migration's commit)
+
+    def _late_result(self, quoted_job_file):
+        """The async wrapper writes the result a moment after its module exits: the job's result when it
+        comes within RESULT_GRACE seconds, else None."""
+        deadline = time.monotonic() + RESULT_GRACE
+        while time.monotonic() < deadline:
+            data = self._job_result(quoted_job_file)
+            if data is not None and data != "missing" and "started" not in data:
+                return data
+            time.sleep(0.5)
+        return None
 
     def _job_result(self, quoted_job_file):
         res = self._low_level_execute_command("cat %s 2>/dev/null || echo MISSING" % quoted_job_file)

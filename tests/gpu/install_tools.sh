@@ -28,14 +28,14 @@ fi
 # /usr/bin/python3, and the workload's), checked without the carried wheels' PYTHONPATH, which modules
 # run over ssh do not get. A wheel is a zip: unpacked into the interpreter's site directory, no pip needed.
 for py in /usr/bin/python3 "${GPUCKPT_WORKLOAD_PYTHON:-python3}"; do
-  if ! env -u PYTHONPATH "$py" -c 'import grpc' 2>/dev/null && ls "$repo"/.whl/grpcio-*.whl >/dev/null 2>&1; then
+  if ! env -u PYTHONPATH "$py" -c 'import grpc, google.protobuf' 2>/dev/null && ls "$repo"/.whl/grpcio-*.whl >/dev/null 2>&1; then
     site=$(env -u PYTHONPATH "$py" -c 'import site; print(site.getsitepackages()[0])')
     mkdir -p "$site"
-    for whl in "$repo"/.whl/grpcio-*.whl "$repo"/.whl/typing_extensions-*.whl; do
+    for whl in "$repo"/.whl/grpcio-*.whl "$repo"/.whl/protobuf-*.whl "$repo"/.whl/typing_extensions-*.whl; do
       env -u PYTHONPATH "$py" -m zipfile -e "$whl" "$site"
     done
   fi
-  env -u PYTHONPATH "$py" -c 'import grpc, sys; print(sys.executable, "grpc", grpc.__version__)' || true
+  env -u PYTHONPATH "$py" -c 'import grpc, sys, google.protobuf as pb; print(sys.executable, "grpc", grpc.__version__, "protobuf", pb.__version__)' || true
 done
 id sshd >/dev/null 2>&1 || useradd -r -M -d /run/sshd -s /usr/sbin/nologin sshd 2>/dev/null || \
   echo 'sshd:x:995:65534::/run/sshd:/usr/sbin/nologin' >> /etc/passwd

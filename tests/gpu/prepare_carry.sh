@@ -65,12 +65,13 @@ if command -v runc >/dev/null 2>&1; then
 fi
 
 # containerd 2.1.9 (tests/setup.sh installs Debian sid's build there) for tests/gpu/test_gpu_containerd.py,
-# and grpcio for Python 3.12 (the containerd backend's client).
+# and grpcio and protobuf for Python 3.12 (the containerd backend's client: its stubs and messages are
+# generated code, plugins/module_utils/runtimes/containerd_proto).
 rm -rf .carry/containerd && mkdir -p .carry/containerd
 cp -a /usr/local/lib/gpuckpt-containerd/bin .carry/containerd/
 python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
-  -d .whl grpcio==1.76.0 2>&1 | grep -v '^WARNING: Location' || true
+  -d .whl grpcio==1.76.0 protobuf==6.33.6 2>&1 | grep -v '^WARNING: Location' || true
 
 # The device tool carries at most 64 MiB: everything but the wheels travels as one xz archive, which
 # install_tools.sh unpacks.

@@ -183,15 +183,21 @@ def test_container_runtime_role_rejects_a_bad_argument(playbook, tmp_path):
 
 
 def test_container_runtime_role_uses_containerd_2_section_names(playbook, tmp_path):
-    """containerd 2.x (config schema version 3) names the CRI runtime plugin io.containerd.cri.v1.runtime."""
+    """containerd 2.x (config schema version 3) names the CRI runtime plugin io.containerd.cri.v1.runtime; the
+    runtime goes into a conf.d drop-in (as nvidia-ctk --drop-in writes it), config.toml only gains the imports
+    line it lacked, and a second run changes nothing."""
     import tomllib
     (tmp_path / "config.toml").write_text('version = 3\nroot = "/srv/containerd"\n')
-    run = playbook(ROLE_NCR, _ncr_vars(tmp_path, nvidia_container_runtime_configure=["containerd"]))
+    v = _ncr_vars(tmp_path, nvidia_container_runtime_configure=["containerd"])
+    run = playbook(ROLE_NCR, v)
     assert run.rc == 0, run.stdout
     conf = tomllib.loads((tmp_path / "config.toml").read_text())
-    assert conf["root"] == "/srv/containerd"
-    nvidia = conf["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["nvidia"]
-    assert nvidia["options"]["BinaryName"] == "nvidia-container-runtime"
+    assert conf == {"version": 3, "root": "/srv/containerd", "imports": [str(tmp_path / "conf.d" / "*.toml")]}
+    drop_in = tomllib.loads((tmp_path / "conf.d" / "gpuckpt-nvidia.toml").read_text())
+    nvidia = drop_in["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["nvidia"]
+    assert drop_in["version"] == 3 and nvidia["options"]["BinaryName"] == "nvidia-container-runtime"
+    again = playbook(ROLE_NCR, v)
+    assert again.rc == 0 and _recap_changed(again) == 0
 
 
 def test_roles_in_check_mode_change_nothing(playbook, tmp_path):

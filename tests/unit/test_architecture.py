@@ -31,7 +31,7 @@ MAX_LINES = 600
 
 
 def _sources():
-    for root, _, files in os.walk(MU):
+    for root, unused, files in os.walk(MU):
         for f in sorted(files):
             if f.endswith(".py"):
                 path = os.path.join(root, f)
@@ -64,7 +64,7 @@ def _imports(rel, path):
                 yield "abs", a.name.split(".")[0], node.lineno
 
 
-@pytest.mark.parametrize("rel,path", list(_sources()), ids=[rel for rel, _ in _sources()])
+@pytest.mark.parametrize("rel,path", list(_sources()), ids=[rel for rel, unused in _sources()])
 def test_room_imports_only_rooms_below_it(rel, path):
     room = _room(rel)
     stdlib = set(sys.stdlib_module_names) | {"__future__"}
@@ -80,7 +80,7 @@ def test_room_imports_only_rooms_below_it(rel, path):
 
 def test_no_module_utils_file_is_too_long():
     long_files = ["%s (%d lines)" % (rel, n) for rel, path in _sources()
-                  for n in [sum(1 for _ in open(path))] if n > MAX_LINES]
+                  for n in [len(open(path).readlines())] if n > MAX_LINES]
     assert not long_files
 
 

@@ -44,3 +44,30 @@ def test_documentation_parses(kind, name):
                 assert key in options, "example %r passes %s, which is no option" % (task["name"], key)
                 if options[key].get("type") == "bool":
                     assert isinstance(value, bool), "example %r: %s must be a bool" % (task["name"], key)
+
+
+# What each module's check mode does, as its documentation must say (the shared fragment gpuckpt.fleet.common.attributes
+# says full; a module with less says so itself).
+CHECK_MODE = {"cuda_process_facts": "full", "gpu_checkpoint": "full", "gpu_restore": "full", "gpu_image_sync": "full",
+              "gpu_migration": "partial", "gpu_pod_info": "full"}
+
+
+@pytest.mark.parametrize("name", sorted(CHECK_MODE))
+def test_attributes_say_the_modules_check_mode_and_its_action_group(name):
+    import json
+    import yaml
+    res = subprocess.run([ANSIBLE_DOC, "-t", "module", "--json", "gpuckpt.fleet." + name], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, universal_newlines=True,
+                         env=dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS), check=False)
+    assert res.returncode == 0, res.stdout
+    attributes = json.loads(res.stdout)["gpuckpt.fleet." + name]["doc"]["attributes"]
+    assert attributes["check_mode"]["support"] == CHECK_MODE[name]
+    assert attributes["check_mode"].get("details"), "say what check mode does"
+    assert attributes["diff_mode"]["support"] == "none"
+    with open(os.path.join(REPO, "meta", "runtime.yml")) as fh:
+        groups = yaml.safe_load(fh)["action_groups"]
+    documented = (attributes.get("action_group") or {}).get("membership") or []
+    member_of = ["gpuckpt.fleet." + g for g, members in groups.items() if name in members]
+    assert set(documented) <= set(member_of), "a group named in the documentation must hold it in meta/runtime.yml"
+    if name in groups["gpu"]:
+        assert "gpuckpt.fleet.gpu" in documented, "module_defaults for group/gpuckpt.fleet.gpu reach it: say so"

@@ -5,7 +5,7 @@
 
 We call the driver directly instead of the cuda-checkpoint binary: it is a thin shim over the same
 entry points, is absent on most hosts, and one in-process call avoids a fork+exec per pid per step.
-Layouts (all Args structs are 64 bytes; see DESIGN.md):
+Layouts (all Args structs are 64 bytes, checked on import below):
   LockArgs       {uint32 timeoutMs; uint32 reserved0; uint64 reserved1[7]}
   Checkpoint/Unlock args: uint64 reserved[8] (NULL accepted)
   RestoreArgs    {CUcheckpointGpuPair *gpuPairs; uint32 gpuPairsCount; char reserved[44]; uint64 reserved1}
@@ -20,8 +20,8 @@ import time
 
 from ..core.errors import DriverError, DriverUnavailable
 
+# What cuCheckpointProcessGetState answers, by name (cuda_state() reports these).
 STATE_NAMES = {0: "running", 1: "locked", 2: "checkpointed", 3: "failed", 4: "checkpointing", 5: "restoring"}
-RUNNING, LOCKED, CHECKPOINTED, FAILED = 0, 1, 2, 3
 
 # Fallback names for when cuGetErrorName is unusable; the driver's own names win when present.
 ERROR_NAMES = {
@@ -33,7 +33,6 @@ ERROR_NAMES = {
     800: "CUDA_ERROR_NOT_PERMITTED", 801: "CUDA_ERROR_NOT_SUPPORTED", 802: "CUDA_ERROR_SYSTEM_NOT_READY",
     803: "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH", 909: "CUDA_ERROR_TIMEOUT", 999: "CUDA_ERROR_UNKNOWN",
 }
-CUDA_ERROR_NO_DEVICE = 100
 CUDA_ERROR_NOT_SUPPORTED = 801  # seen on driver 580.159.04 for a process with managed (UVM) memory
 # What GetState answers for a pid that is not a CUDA process (driver 580.159.04, measured): a live
 # process without CUDA -> NOT_INITIALIZED; a pid that does not exist -> OPERATING_SYSTEM.

@@ -87,14 +87,6 @@ class Backend(object):
     pod = None           # a Kubernetes pod's {namespace, name, uid}
     restore_pod = None   # the pod a Kubernetes restore brings the workload up in ("namespace/name")
 
-    def __init_subclass__(cls, **kwargs):
-        """TEMPORARY, until every backend declares its record: a backend class that still sets a capability as
-        a class attribute of its own (``can_hold_stopped = True``) gets it folded into its record."""
-        super().__init_subclass__(**kwargs)
-        legacy = {f: cls.__dict__[f] for f in Capabilities._fields if f in cls.__dict__}
-        if legacy and "capabilities" not in cls.__dict__:
-            cls.capabilities = cls.capabilities._replace(**legacy)
-
     def load_cuda(self, libcuda_path):
         """(driver, None) that reaches the workload's CUDA processes, or (None, the reason it cannot)."""
         return cuda.load(libcuda_path)

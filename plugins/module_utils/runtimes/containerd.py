@@ -38,7 +38,7 @@ import tarfile
 
 from ..core import procfs
 from ..cuda import devices as gpu_devices
-from .containerd_api import DEFAULT_ADDRESS, RUNC_OPTIONS_URL, Client, ContainerdError, msg, without_fields
+from .containerd_api import DEFAULT_ADDRESS, RUNC_OPTIONS_URL, Client, ContainerdError, runc_options
 from ..core.errors import CommandError, GpuCkptError, InvalidTarget
 from .base import ContainerBackend, mount_hint, ns_pid
 from .runc import CGROUP2_ROOT, cgroup2_frozen, cgroup2_path
@@ -54,7 +54,7 @@ STOP_WAIT = 30  # seconds a killed task may take to stop before its removal is g
 
 class ContainerdBackend(ContainerBackend):
     name = "containerd"
-    can_hold_stopped = True  # paused (cgroup freezer)
+    capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True)  # paused (cgroup freezer)
     passes_criu_flags = ("--tcp-established", "--ext-unix-sk", "--file-locks")
 
     def __init__(self, address=None, namespace=None, runc_root=None, criu_path=None, criu_options=(), timeout=None):
@@ -226,7 +226,7 @@ class ContainerdBackend(ContainerBackend):
             spec.setdefault("annotations", {})[CRIU_CONFIG_ANNOTATION] = criu_config
             options = _b64decode(rt.get("runtime_options_b64"))
             if self.runc_root:
-                options = without_fields(options, {7}) + msg((7, self.runc_root))
+                options = runc_options(options, root=self.runc_root)
             record.update(id=self.container, spec=spec, runtime_options=options,
                           runtime_options_url=record.get("runtime_options_url") or RUNC_OPTIONS_URL)
             key = record.get("snapshot_key")
@@ -238,7 +238,7 @@ class ContainerdBackend(ContainerBackend):
                 rootfs = api.prepare_snapshot(record["snapshotter"], key, parent, "runtime-restore")
                 snapshot = True
             # The task's options: the container's runc options, and CRIU's work dir for restore.log.
-            task_options = without_fields(options, {10, 11}) + msg((11, work_dir))
+            task_options = runc_options(options, criu_image_path=None, criu_work_path=work_dir)
             try:
                 pid = api.restore_task(self.container, rootfs, "file://" + os.path.join(work_dir, "container.log"),
                                        criu_dir, RUNC_OPTIONS_URL, task_options, timeout=self.timeout)

@@ -83,7 +83,7 @@ class RecordingBackend(Backend):
     def load_cuda(self, libcuda_path):
         return self.drv, None
 
-    def dump(self, root, image_dir, work_dir, after):
+    def dump(self, target, image_dir, work_dir, after):
         self._record("dump", after)
         with open(os.path.join(image_dir, "pages-1.img"), "wb") as fh:
             fh.write(b"\0" * 4096)
@@ -107,7 +107,7 @@ class RecordingBackend(Backend):
 @pytest.fixture
 def workload():
     """Three real sleeping processes: the root and two CUDA processes (as the driver double says)."""
-    procs = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]
+    procs = [subprocess.Popen(["sleep", "60"]) for unused in range(3)]
     yield [p.pid for p in procs]
     for p in procs:
         p.kill()

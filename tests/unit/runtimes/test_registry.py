@@ -6,7 +6,7 @@ import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils import module_common
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes import registry
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.base import Backend, Capabilities
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.base import Capabilities
 
 # What a user can count on from each runtime (docs/runtimes.md): held stopped for a migration's source,
 # CRIU or not, the CUDA processes inside a sandbox, the restored pids the dumped ones.
@@ -52,13 +52,3 @@ def test_runsc_runs_the_cuda_stage_itself_only_when_told_or_when_its_image_says_
     plain.bind({"runtime": {"backend": "runsc", "cuda_stage": "runsc"}})
     assert plain.capabilities.owns_cuda_stage is True
     assert registry.build("runsc", {}).capabilities.owns_cuda_stage is False, "one backend's image changes no other"
-
-
-def test_a_backend_class_that_still_sets_a_capability_as_an_attribute_keeps_it():
-    """(Until every backend declares its record.)"""
-    class Held(Backend):
-        can_hold_stopped = False
-        uses_criu = False
-
-    assert Held.capabilities == Backend.capabilities._replace(can_hold_stopped=False, uses_criu=False)
-    assert Backend.capabilities.can_hold_stopped is True
