@@ -109,9 +109,12 @@ ansible_facts:
   contains:
     gpuckpt:
       description:
-        - driver, gpus, cuda_device_uuids, cuda_processes, criu, host (with boot_id, pid_namespace and net_namespace), ready.
+        - driver, gpus, cuda_device_uuids, cuda_processes, criu, host (with boot_id, pid_namespace and net_namespace),
+          memory (total_bytes, available_bytes from /proc/meminfo), gpu_source (null when nothing could list the GPUs), ready.
         - gpu_containers and container_errors (see O(list_containers)).
-        - disk, tree and pids_in_use when asked for.
+        - disk, tree and pids_in_use when asked for. C(tree) has gpu_bytes (null when unknown, as when neither NVML nor
+          nvidia-smi reports the memory of each of its CUDA processes; never 0 for unknown), gpu_bytes_by_gpu,
+          gpu_memory_source and gpu_memory_unknown_reason.
       type: dict
       returned: always
 """

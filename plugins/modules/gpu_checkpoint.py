@@ -42,7 +42,7 @@ options:
       - V(containerd) is a containerd task (runtime C(io.containerd.runc.v2)) in namespace O(containerd_namespace),
         checkpointed through containerd's API. CRIU's images go to C(checkpoint/) in O(image_dir), the container's
         writable layer to C(rootfs-diff.tar), and its record (spec, runtime options, image) to the manifest.
-        With O(leave_stopped=true) the task is paused. Needs Python's grpc module (python3-grpcio) on the host.
+        With O(leave_stopped=true) the task is paused. Needs Python's grpc and protobuf modules (python3-grpcio, python3-protobuf 4.21+) on the host.
       - V(runsc) is a gVisor sandbox, checkpointed by C(runsc checkpoint) into O(image_dir). Its CUDA stage runs inside
         the sandbox through the cuda-checkpoint tool at O(cuda_checkpoint_path) there, on the sandbox's own pids.
         With O(leave_stopped=true) the sandbox is paused. O(quiesce_signal) cannot reach its processes;
@@ -192,7 +192,7 @@ requirements:
   - "Root on the managed host."
   - "CRIU 4.0 or newer (4.2 for TCP on kernel 6.16+), except with runtime runsc."
   - "NVIDIA driver 570 or newer for CUDA processes (580 to restore them onto other GPUs)."
-  - "The runtime named by O(runtime) (runc, Podman, Docker with experimental features, containerd 2.x with python3-grpcio, gVisor runsc)."
+  - "The runtime named by O(runtime) (runc, Podman, Docker with experimental features, containerd 2.x with python3-grpcio and python3-protobuf, gVisor runsc)."
 attributes:
   check_mode:
     details: It validates the target, CRIU and the image directory, and reports what it would do.
