@@ -5,8 +5,8 @@
 
 A module names in extends_documentation_fragment (as gpuckpt.fleet.common.<name>): ATTRIBUTES (with
 ansible.builtin.action_common_attributes); ACTIONGROUP_GPU for the modules of the action group gpu, with
-LIBCUDA and RUNTIME, the options that group shares; TOOLS, MIGRATION, PROGRESS and SPEED, which a
-checkpoint and a restore share. Each fragment is a literal (ansible-test's yamllint reads them as such).
+the options that group shares; OPERATION, which a checkpoint and a restore share; PROGRESS. Each fragment is
+a literal (ansible-test's yamllint reads them as such).
 """
 from __future__ import annotations
 
@@ -26,69 +26,6 @@ attributes:
     platforms: linux
 """
 
-    LIBCUDA = r"""
-options:
-  libcuda_path:
-    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
-    type: path
-"""
-
-    TOOLS = r"""
-options:
-  criu_path:
-    description: Path of the criu binary. Found on PATH and in the sbin directories when not given.
-    type: path
-  criu_options:
-    description:
-      - Extra options for CRIU (C(criu dump) when checkpointing, C(criu restore) when restoring), for example C(--link-remap).
-      - What the workload needs is found before anything is frozen and passed without being asked, and recorded in the
-        image for its restore. That is C(--file-locks) when it holds file locks, C(--ext-unix-sk) when it holds a datagram
-        unix socket connected to a named socket outside it (such as C(/dev/log)). One end of a unix stream connection
-        to a process outside the workload cannot be checkpointed; that is refused, with nothing frozen.
-    type: list
-    elements: str
-    default: []
-  tcp_established:
-    description:
-      - Checkpoint established TCP connections (CRIU's C(--tcp-established)); they are restored with the same
-        addresses, so the restored workload must be reachable there (the same host, or an address that moves with it).
-      - Without it, a workload with established TCP connections is refused before anything is frozen. Listening
-        sockets need nothing.
-    type: bool
-    default: false
-  runtime_timeout:
-    description:
-      - Seconds that the runtime's own dump or restore (CRIU, or runc, Podman or Docker driving it) may take.
-        When it runs longer it is killed, with the CRIU it started. The step then fails like any other failure
-        of that stage. A checkpoint is rolled back. A restore leaves nothing running and keeps the image.
-      - V(0) sets no limit. C(gpuckpt.fleet.migrate) sets 1800 by default, so that a hung restore rolls the
-        migration back instead of holding the source forever.
-    type: float
-    default: 0
-  sign_key:
-    description:
-      - Key of the manifest's signature (HMAC-SHA256).
-      - A checkpoint signs the manifest with it; a restore refuses an image whose signature does not match.
-    type: str
-  parallel:
-    description:
-      - Make the driver's checkpoint or restore calls for all CUDA processes of the workload at once (one thread each) rather than one after another.
-      - Locks are always taken one after another, before any checkpoint.
-    type: bool
-    default: true
-"""
-
-    MIGRATION = r"""
-options:
-  migration_id:
-    description: Record each phase in this migration's journal on the host (see gpuckpt.fleet.gpu_migration).
-    type: str
-  journal_dir:
-    description: Directory of the migration journals.
-    type: path
-    default: /var/lib/gpuckpt/journal
-"""
-
     PROGRESS = r"""
 options:
   progress_file:
@@ -101,25 +38,19 @@ options:
     type: path
 """
 
-    SPEED = r"""
+    # The modules of the action group gpu (module_defaults: group/gpuckpt.fleet.gpu), and the options that group
+    # shares: the driver library and the runtimes' paths and roots.
+    ACTIONGROUP_GPU = r"""
+attributes:
+  action_group:
+    description: Use C(group/gpuckpt.fleet.gpu) in C(module_defaults) to set the options the modules of this group share.
+    support: full
+    membership:
+      - gpuckpt.fleet.gpu
 options:
-  host_huge_pages:
-    description:
-      - Set the host's transparent huge pages to C(always) while this operation runs, and put back what
-        was there afterwards. Neither the driver nor CRIU asks for huge pages for the memory they fill,
-        and with the C(madvise) default of many hosts they get none.
-      - Measured on an H200 VM (docs/benchmarks), the driver's checkpoint and CRIU's restore ran 1.5-1.8x
-        faster with it. While it holds, other processes' new memory gets huge pages too.
-      - Operations that overlap on one host share the setting; the last one to end puts it back. If a
-        module is killed, the next operation of the collection on that host (or
-        a migration's settlement or recover.yml) puts it back. A change an administrator makes meanwhile is kept.
-      - A host where it cannot be set does not fail the operation; the result's C(huge_pages.error) says why.
-    type: bool
-    default: false
-"""
-
-    RUNTIME = r"""
-options:
+  libcuda_path:
+    description: Path of libcuda.so.1 when the dynamic loader cannot find it.
+    type: path
   runc_path:
     description: Path of runc (searched in PATH when not given). Used with the runc runtime.
     type: path
@@ -193,13 +124,69 @@ options:
     default: engine
 """
 
-    # The modules of the action group gpu (meta/runtime.yml): module_defaults for group/gpuckpt.fleet.gpu sets
-    # these options once for all of them.
-    ACTIONGROUP_GPU = r"""
-attributes:
-  action_group:
-    description: Use C(group/gpuckpt.fleet.gpu) in C(module_defaults) to set the options the modules of this group share.
-    support: full
-    membership:
-      - gpuckpt.fleet.gpu
+    # What a checkpoint and a restore share besides the group's options: the tools, a migration's journal, and
+    # the speed options (module_utils/_module_helpers.py's operation_spec).
+    OPERATION = r"""
+options:
+  criu_path:
+    description: Path of the criu binary. Found on PATH and in the sbin directories when not given.
+    type: path
+  criu_options:
+    description:
+      - Extra options for CRIU (C(criu dump) when checkpointing, C(criu restore) when restoring), for example C(--link-remap).
+      - What the workload needs is found before anything is frozen and passed without being asked, and recorded in the
+        image for its restore. That is C(--file-locks) when it holds file locks, C(--ext-unix-sk) when it holds a datagram
+        unix socket connected to a named socket outside it (such as C(/dev/log)). One end of a unix stream connection
+        to a process outside the workload cannot be checkpointed; that is refused, with nothing frozen.
+    type: list
+    elements: str
+    default: []
+  tcp_established:
+    description:
+      - Checkpoint established TCP connections (CRIU's C(--tcp-established)); they are restored with the same
+        addresses, so the restored workload must be reachable there (the same host, or an address that moves with it).
+      - Without it, a workload with established TCP connections is refused before anything is frozen. Listening
+        sockets need nothing.
+    type: bool
+    default: false
+  runtime_timeout:
+    description:
+      - Seconds that the runtime's own dump or restore (CRIU, or runc, Podman or Docker driving it) may take.
+        When it runs longer it is killed, with the CRIU it started. The step then fails like any other failure
+        of that stage. A checkpoint is rolled back. A restore leaves nothing running and keeps the image.
+      - V(0) sets no limit. C(gpuckpt.fleet.migrate) sets 1800 by default, so that a hung restore rolls the
+        migration back instead of holding the source forever.
+    type: float
+    default: 0
+  sign_key:
+    description:
+      - Key of the manifest's signature (HMAC-SHA256).
+      - A checkpoint signs the manifest with it; a restore refuses an image whose signature does not match.
+    type: str
+  parallel:
+    description:
+      - Make the driver's checkpoint or restore calls for all CUDA processes of the workload at once (one thread each) rather than one after another.
+      - Locks are always taken one after another, before any checkpoint.
+    type: bool
+    default: true
+  migration_id:
+    description: Record each phase in this migration's journal on the host (see gpuckpt.fleet.gpu_migration).
+    type: str
+  journal_dir:
+    description: Directory of the migration journals.
+    type: path
+    default: /var/lib/gpuckpt/journal
+  host_huge_pages:
+    description:
+      - Set the host's transparent huge pages to C(always) while this operation runs, and put back what
+        was there afterwards. Neither the driver nor CRIU asks for huge pages for the memory they fill,
+        and with the C(madvise) default of many hosts they get none.
+      - Measured on an H200 VM (docs/benchmarks), the driver's checkpoint and CRIU's restore ran 1.5-1.8x
+        faster with it. While it holds, other processes' new memory gets huge pages too.
+      - Operations that overlap on one host share the setting; the last one to end puts it back. If a
+        module is killed, the next operation of the collection on that host (or
+        a migration's settlement or recover.yml) puts it back. A change an administrator makes meanwhile is kept.
+      - A host where it cannot be set does not fail the operation; the result's C(huge_pages.error) says why.
+    type: bool
+    default: false
 """

@@ -82,8 +82,6 @@ extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.attributes
   - gpuckpt.fleet.common.actiongroup_gpu
-  - gpuckpt.fleet.common.libcuda
-  - gpuckpt.fleet.common.runtime
 """
 
 EXAMPLES = r"""

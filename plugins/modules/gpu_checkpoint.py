@@ -200,12 +200,8 @@ extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.attributes
   - gpuckpt.fleet.common.actiongroup_gpu
-  - gpuckpt.fleet.common.libcuda
-  - gpuckpt.fleet.common.runtime
-  - gpuckpt.fleet.common.tools
-  - gpuckpt.fleet.common.migration
+  - gpuckpt.fleet.common.operation
   - gpuckpt.fleet.common.progress
-  - gpuckpt.fleet.common.speed
 notes:
   - Needs root (CRIU and the driver's checkpoint API act on other processes).
   - NCCL jobs, CUDA IPC memory, MPS clients and MIG instances are not supported by the driver's checkpoint API.

@@ -96,8 +96,6 @@ extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.attributes
   - gpuckpt.fleet.common.actiongroup_gpu
-  - gpuckpt.fleet.common.libcuda
-  - gpuckpt.fleet.common.runtime
 notes:
   - C(status) supports check mode; the other actions change nothing in check mode and report the journal.
 """

@@ -110,12 +110,8 @@ extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.attributes
   - gpuckpt.fleet.common.actiongroup_gpu
-  - gpuckpt.fleet.common.libcuda
-  - gpuckpt.fleet.common.runtime
-  - gpuckpt.fleet.common.tools
-  - gpuckpt.fleet.common.migration
+  - gpuckpt.fleet.common.operation
   - gpuckpt.fleet.common.progress
-  - gpuckpt.fleet.common.speed
 notes:
   - Needs root. The pids recorded in the image must be free on this host (CRIU restores the same pids).
   - Supports check mode. It verifies the image and the host and reports what it would do.
