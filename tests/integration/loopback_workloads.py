@@ -23,14 +23,16 @@ def fakecuda_host_vars(base, names=("hosta", "hostb")):
     for name in names:
         state = os.path.join(base, name, "fakecuda")
         os.makedirs(state, exist_ok=True)
-        # What nvidia-smi (its TEST DOUBLE) lists on this host: one GPU, and 64 MiB of it for each process
-        # that maps the libcuda double, so that the preflight knows the workload's GPU memory.
+        # What nvidia-smi (its TEST DOUBLE) lists on this host: one GPU, and 1 MiB of it for each process that
+        # maps the libcuda double, so that the preflight knows the workload's GPU memory. The libcuda double
+        # holds no device memory, so its image holds none either: a larger figure would make the preflight
+        # refuse tests whose small disks fit the real image (a 200 MiB tmpfs that must fill mid-transfer).
         smi = os.path.join(state, "nvidia-smi.json")
         uuid = "GPU-fake-%s-0" % name
         with open(smi, "w") as fh:
             json.dump({"gpus": [{"index": 0, "name": "Fake GPU (TEST DOUBLE)", "uuid": uuid, "memory.total": 81920,
                                  "memory.used": 0, "memory.free": 81920, "driver_version": "580.159.04"}],
-                       "apps_mapping": {"path": FAKE_LIBCUDA, "gpu_uuid": uuid, "used_memory": 64}}, fh)
+                       "apps_mapping": {"path": FAKE_LIBCUDA, "gpu_uuid": uuid, "used_memory": 1}}, fh)
         host_vars[name] = {"gpuckpt_environment": {"GPUCKPT_LIBCUDA": FAKE_LIBCUDA, "FAKECUDA_STATE_DIR": state,
                                                    "GPUCKPT_NVIDIA_SMI": NVIDIA_SMI_DOUBLE, "GPUCKPT_FAKE_NVIDIA_SMI": smi}}
     return host_vars
