@@ -71,6 +71,21 @@ options:
   criu_path:
     description: Path of the criu binary.
     type: path
+  workloads:
+    description:
+      - Report C(workloads), the GPU workloads of this host as a drain moves them (gpuckpt.fleet.drain) - one
+        entry per container holding CUDA processes (of the runtimes of O(list_containers)) and one per bare process
+        tree whose processes hold CUDA contexts, its root found by walking up through parents of the same process
+        group that have no controlling terminal. Each has C(key), C(kind), C(runtime), C(container) or C(pid),
+        C(root_pid) and C(tree) (as O(tree_of) reports it, with its GPU memory or unknown).
+    type: bool
+    default: false
+  journal_dir:
+    description:
+      - The directory of this host's migration journals, where a drain keeps its mark (C(drain.json)). Its content
+        is reported as C(drain) (null when this host is not draining); a planner places nothing on a draining host.
+    type: path
+    default: /var/lib/gpuckpt/journal
 notes:
   - Changes nothing; supports check mode.
 requirements:
@@ -110,7 +125,8 @@ ansible_facts:
         - driver, gpus, cuda_device_uuids, cuda_processes, criu, host (with boot_id, pid_namespace and net_namespace),
           memory (total_bytes, available_bytes from /proc/meminfo), gpu_source (null when nothing could list the GPUs), ready.
         - gpu_containers and container_errors (see O(list_containers)).
-        - disk, tree and pids_in_use when asked for. C(tree) has gpu_bytes (null when unknown, as when neither NVML nor
+        - runtimes_present (the container runtimes in use here), drain (this host's drain mark, or null).
+        - disk, tree, pids_in_use and workloads when asked for. C(tree) has gpu_bytes (null when unknown, as when neither NVML nor
           nvidia-smi reports the memory of each of its CUDA processes; never 0 for unknown), gpu_bytes_by_gpu,
           gpu_memory_source and gpu_memory_unknown_reason.
       type: dict
@@ -119,7 +135,9 @@ ansible_facts:
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import facts as host_facts
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import drain_mark, workloads as node_workloads
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
     container_backends, container_tree, run_module)
@@ -139,6 +157,8 @@ def main():
         container=dict(type="str"),
         runtime=dict(type="str", default="runc", choices=CONTAINER_RUNTIMES + ["k8s_pod"]),
         list_containers=dict(type="list", elements="str", choices=CONTAINER_RUNTIMES),
+        workloads=dict(type="bool", default=False),
+        journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
         **RUNTIME_ARGS
     ), mutually_exclusive=[("container", "tree_of")], supports_check_mode=True)
     p = module.params
@@ -153,6 +173,10 @@ def main():
             facts["container"] = container
         facts["gpu_containers"], facts["container_errors"] = host_facts.gpu_containers(
             container_backends(p, CONTAINER_RUNTIMES), facts["cuda_processes"], p["libcuda_path"])
+        facts["runtimes_present"] = [b.name for b in container_backends(dict(p, list_containers=None), CONTAINER_RUNTIMES)]
+        facts["drain"] = drain_mark.read(p["journal_dir"])
+        if p["workloads"]:
+            facts["workloads"] = node_workloads.discover(facts, p["libcuda_path"])
         return {"changed": False, "ansible_facts": {"gpuckpt": facts}}
 
     run_module(module, gather)

@@ -339,3 +339,80 @@ def plan_move(workload, source_facts, target_facts, opts):
     """Can ``workload`` move from source to target? A Plan with every check and its reason."""
     checks = check_target(workload, source_facts, target_facts, opts)
     return verdict(checks, opts, image_estimate(workload or {}, opts.margin))
+
+
+# -- the options -----------------------------------------------------------------------------------------
+
+# Each number a playbook takes, and the least it may be: a negative timeout once passed the argument spec,
+# the job was frozen, CRIU was killed at once and the job rolled back. Checked before anything is frozen.
+POSITIVE, NOT_NEGATIVE, AT_LEAST_ONE = "positive", "not_negative", "at_least_one"
+OPTION_RULES = {
+    "gpuckpt_runtime_timeout": NOT_NEGATIVE, "gpuckpt_image_wait": POSITIVE, "gpuckpt_lock_timeout": POSITIVE,
+    "gpuckpt_settle_wait": POSITIVE, "gpuckpt_host_timeout": POSITIVE, "gpuckpt_probe_timeout": POSITIVE,
+    "gpuckpt_quiesce_timeout": NOT_NEGATIVE, "gpuckpt_transfer_bwlimit": NOT_NEGATIVE,
+    "gpuckpt_transfer_streams": NOT_NEGATIVE, "gpuckpt_transfer_io_timeout": POSITIVE,
+    "gpuckpt_pod_restore_wait": POSITIVE, "gpuckpt_pod_grace_period": NOT_NEGATIVE, "gpuckpt_pod_stop_wait": POSITIVE,
+    "pid": POSITIVE, "drain_parallel": AT_LEAST_ONE, "deadline": POSITIVE, "gpuckpt_drain_move_overhead": NOT_NEGATIVE,
+}
+_RULE_TEXT = {POSITIVE: "a number above 0", NOT_NEGATIVE: "a number of 0 or more (0: no limit)",
+              AT_LEAST_ONE: "a whole number of 1 or more"}
+
+
+def option_errors(values):
+    """What is wrong with the options ``values`` ({name: value as given}), each a line naming the option;
+    [] when nothing is. Options without a rule are not looked at (the argument spec checks their types)."""
+    errors = []
+    for name in sorted(values):
+        rule = OPTION_RULES.get(name)
+        if rule is None or values[name] is None:
+            continue
+        try:
+            n = float(values[name])
+        except (TypeError, ValueError):
+            errors.append("%s=%r must be %s" % (name, values[name], _RULE_TEXT[rule]))
+            continue
+        wrong = (n != n or n in (float("inf"), float("-inf")) or (rule == POSITIVE and n <= 0)
+                 or (rule == NOT_NEGATIVE and n < 0) or (rule == AT_LEAST_ONE and (n < 1 or n != int(n))))
+        if wrong:
+            errors.append("%s=%r must be %s" % (name, values[name], _RULE_TEXT[rule]))
+    return errors
+
+
+# -- an id used before -----------------------------------------------------------------------------------
+
+def _recorded_workload(journal):
+    if journal.get("pod"):
+        pod = journal["pod"]
+        return "pod %s/%s" % (pod.get("namespace"), pod.get("name")) if isinstance(pod, dict) else "pod %s" % pod
+    if journal.get("container"):
+        return "container %s (%s)" % (journal["container"], journal.get("runtime"))
+    pids = journal.get("pids") or []
+    return "pid %s" % pids[0] if pids else "an unknown workload"
+
+
+def id_reuse(migration_id, journal, pid=None, container=None, pod=None, pid_now=None):
+    """Why this migration id may not be used for the workload named now, or None when it names the
+    workload the id was used for (a re-run, which finishes or reports that migration). ``journal``: the
+    source's journal as ``gpu_migration`` reads it; ``pid_now``: the identity ({"starttime"}) of the process
+    that has ``pid`` now, or None when none has it. A pid of the journal that another process holds now is
+    another workload: the id is not answered with the old migration's result."""
+    if not journal or not journal.get("exists"):
+        return None
+    recorded = _recorded_workload(journal)
+    asked = ("pod %s" % pod if pod else "container %s" % container if container else "pid %s" % pid if pid else None)
+    same = True
+    if pod:
+        rec = journal.get("pod")
+        name = "%s/%s" % (rec.get("namespace"), rec.get("name")) if isinstance(rec, dict) else str(rec)
+        same = name == str(pod) or (isinstance(rec, dict) and rec.get("name") == str(pod))
+    elif container:
+        same = str(journal.get("container")) == str(container)
+    elif pid:
+        pids = journal.get("pids") or []
+        root = str(pids[0]) if pids else None
+        ident = (journal.get("identities") or {}).get(root) or {}
+        same = root == str(pid) and (pid_now is None or ident.get("starttime") in (None, pid_now.get("starttime")))
+    if asked is None or same:
+        return None
+    return ("migration id %s was used before for %s (phase %s); this run names %s: choose another migration_id "
+            "(the old id only finishes or reports that migration)" % (migration_id, recorded, journal.get("phase"), asked))

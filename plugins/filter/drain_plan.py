@@ -1,0 +1,123 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The placement plan of a drain, from the facts of the node and of each target."""
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+name: drain_plan
+short_description: Place each GPU workload of a draining node on a target that can hold it
+version_added: "0.4.0"
+description:
+  - A thin wrapper over the collection's placement planner (C(module_utils/fleet/placement.py)), which checks
+    every (workload, target) pair with the migration's planner (the one behind migrate.yml's preflight) and
+    reserves on the chosen target what each move takes there before placing the next one.
+  - Returns C(moves) (in the order they run, each with C(migration_id), C(target), C(gpus), C(image_estimate_bytes),
+    C(estimate) and C(batch)), C(stays) (each workload that is not moved, with its C(reason)), C(left_out)
+    (workloads that O(include) or O(exclude) leave out), C(lines) (the plan for people, with why each other
+    target was not chosen) and C(workloads) (how many the node has).
+options:
+  _input:
+    description: The node's C(ansible_facts['gpuckpt']), gathered with C(workloads=true) and the node's image root in C(paths).
+    type: dict
+    required: true
+  targets:
+    description: Each target's C(ansible_facts['gpuckpt']) by inventory name (gathered with C(paths) and C(check_pids)),
+      or a text saying why it has none (it could not be reached).
+    type: dict
+    required: true
+  node:
+    description: The node's inventory name.
+    type: str
+    required: true
+  source_path:
+    description: The node's image root.
+    type: str
+    required: true
+  target_paths:
+    description: Each target's image root, by inventory name.
+    type: dict
+    required: true
+  id_prefix:
+    description: The prefix of the migration ids of the moves (each id is the prefix and the workload's key).
+    type: str
+    required: true
+  parallel:
+    description: How many moves run at a time.
+    type: int
+    default: 1
+  deadline:
+    description: Seconds from now by which every move must have ended; moves estimated to end later stay.
+    type: float
+  throughput:
+    description: Bytes per second measured from the node to each target, by inventory name.
+    type: dict
+  overhead:
+    description: Seconds each move costs besides moving its image.
+    type: float
+    default: 30
+  allow_unknown:
+    description: Names of checks whose unknown status does not refuse a move (as in migrate.yml), and V(deadline).
+    type: list
+    elements: str
+  allow_driver_mismatch:
+    description: Accept other driver and CUDA API versions on a target.
+    type: bool
+    default: false
+  include:
+    description: Only the workloads one of these names (a runtime, a container id or name, or a pid of the workload).
+    type: list
+    elements: str
+  exclude:
+    description: Not the workloads one of these names.
+    type: list
+    elements: str
+"""
+
+EXAMPLES = r"""
+- name: Plan the drain
+  ansible.builtin.set_fact:
+    plan: >-
+      {{ hostvars['gpu-node-7'].gpuckpt_drain_facts | gpuckpt.fleet.drain_plan(
+           targets={'gpu-node-8': hostvars['gpu-node-8'].gpuckpt_drain_facts}, node='gpu-node-7',
+           source_path='/var/lib/gpuckpt/images', target_paths={'gpu-node-8': '/var/lib/gpuckpt/images'},
+           id_prefix='drain-gpu-node-7-20261125T140000') }}
+"""
+
+RETURN = r"""
+_value:
+  description: The plan (see the description).
+  type: dict
+"""
+
+from ansible.errors import AnsibleFilterError
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import placement, report, workloads as node_workloads
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import planner
+
+
+def drain_plan(node_facts, targets, node, source_path, target_paths, id_prefix, parallel=1, deadline=None,
+               throughput=None, overhead=placement.OVERHEAD_S, allow_unknown=None, allow_driver_mismatch=False,
+               include=None, exclude=None):
+    """The plan of draining ``node`` (see DOCUMENTATION)."""
+    if "workloads" not in (node_facts or {}):
+        raise AnsibleFilterError("drain_plan: the node's facts hold no workloads (gather them with workloads=true)")
+    allow = [str(n) for n in allow_unknown or []]
+    bad = [n for n in allow if n not in planner.CHECK_NAMES + ("deadline", "runtime")]
+    if bad:
+        raise AnsibleFilterError("drain_plan: allow_unknown names no check: %s" % ", ".join(bad))
+    found = node_facts["workloads"]
+    chosen, left_out = node_workloads.select(found, include, exclude)
+    plan = placement.plan_drain(node_facts, chosen, dict(targets or {}), source_path, dict(target_paths or {}),
+                                id_prefix, parallel=int(parallel), deadline=None if deadline is None else float(deadline),
+                                throughput=throughput or {}, overhead=float(overhead), allow_unknown=tuple(allow),
+                                allow_driver_mismatch=bool(allow_driver_mismatch))
+    plan["left_out"] = left_out
+    plan["workloads"] = len(found)
+    plan["lines"] = report.plan_lines(node, plan) + ["  LEFT  %s: %s" % (report.describe(w), w["reason"]) for w in left_out]
+    return plan
+
+
+class FilterModule(object):
+    def filters(self):
+        return {"drain_plan": drain_plan}

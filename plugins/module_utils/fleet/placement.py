@@ -1,0 +1,193 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""Where does each workload of a draining node go? Host facts in, a placement plan with reasons out.
+
+Pure: no I/O, no Ansible, the standard library only. Every (workload, target) pair is checked by the
+migration's own planner (``migration/planner.py``: GPU model and driver, free memory on each GPU the workload
+lands on, disk for the image, host RAM, pids, CRIU), plus what a drain adds: the target is not draining
+itself, and it runs the workload's runtime. Workloads are placed hardest first (most GPU memory, then the
+largest image), each on the feasible target with the fewest moves planned so far and then the most free GPU
+memory, and what it takes there (GPU memory per GPU, disk, host RAM) is reserved before the next one is
+placed, so two workloads never count on the same free memory.
+
+With a deadline (a maintenance window, a spot notice), each move's duration is estimated from its image
+size and the throughput measured from the node to its target (``throughput``: bytes/s per target), plus a
+fixed overhead per move; moves run ``parallel`` at a time, in batches, shortest first so that the most
+workloads leave in time. A move whose batch would end after the deadline is not started: its workload stays
+running where it is, named with the reason. A throughput that was never measured makes the estimate
+unknown, and an unknown estimate refuses like every unknown check unless ``deadline`` is allowed by name.
+"""
+from __future__ import annotations
+
+import re
+
+from ..migration import planner
+
+OVERHEAD_S = 30.0  # what a move costs besides moving its image: Ansible's tasks, the restore, the settlement
+
+
+def _free_gpu_mib(facts):
+    return sum(g.get("memory_free_mib") or 0 for g in facts.get("gpus") or [])
+
+
+def _reserve(facts, workload, node, plan, target_path):
+    """The target's facts with what this move takes there reserved."""
+    out = dict(facts)
+    needs = planner.gpu_needs(workload["tree"]) or []
+    sg, tg = planner.gpu_list(node) or [], [dict(g) for g in (planner.gpu_list(facts) or [])]
+    for uuid, need in needs:
+        for g in planner.landing_gpus(uuid, sg, tg):
+            if g.get("memory_free_mib") is not None:
+                g["memory_free_mib"] = max(0, g["memory_free_mib"] - need // planner.MIB)
+    out["gpus"] = tg
+    size = plan.image_estimate_bytes or 0
+    disk = dict(facts.get("disk") or {})
+    if (disk.get(target_path) or {}).get("free_bytes") is not None:
+        disk[target_path] = dict(disk[target_path], free_bytes=max(0, disk[target_path]["free_bytes"] - size))
+    out["disk"] = disk
+    mem = dict(facts.get("memory") or {})
+    if mem.get("available_bytes") is not None:
+        mem["available_bytes"] = max(0, mem["available_bytes"] - size)
+    out["memory"] = mem
+    return out
+
+
+def _drain_checks(workload, name, facts):
+    """What a drain checks beyond the migration's planner: the target is not draining, and has the runtime."""
+    out = []
+    mark = facts.get("drain")
+    out.append(planner.Check("not_draining", "target not draining", "-", "draining" if mark else "no",
+                             planner.FAILS if mark else planner.OK,
+                             "%s is draining itself (since %s)" % (name, (mark or {}).get("started")) if mark else None))
+    runtime = workload["runtime"]
+    if runtime != "process":
+        present = facts.get("runtimes_present")
+        status = planner.UNKNOWN if present is None else planner.OK if runtime in present else planner.FAILS
+        out.append(planner.Check("runtime", "%s on target" % runtime, runtime, ",".join(present or []) or "?", status,
+                                 None if status == planner.OK else
+                                 "%s does not report its runtimes" % name if present is None else
+                                 "%s has no %s" % (name, runtime)))
+    return out
+
+
+def _why(plan):
+    """The reasons a plan refuses, in a line."""
+    return "; ".join("%s: %s" % (c.label, c.reason) for c in plan.checks
+                     if c.status == planner.FAILS or (c.status == planner.UNKNOWN and c.name not in plan.allowed))
+
+
+def check_pair(workload, node, name, facts, source_path, target_path, allow_unknown=(), allow_driver_mismatch=False,
+               margin=planner.IMAGE_MARGIN):
+    """The Plan of moving ``workload`` from ``node`` (its facts) to the target ``name`` (``facts``)."""
+    opts = planner.options(source_path=source_path, target_path=target_path, allow_unknown=allow_unknown,
+                           allow_driver_mismatch=allow_driver_mismatch, container=workload["kind"] != "process",
+                           margin=margin)
+    checks = planner.check_target(workload["tree"], node, facts, opts) + _drain_checks(workload, name, facts)
+    return planner.verdict(checks, opts, planner.image_estimate(workload["tree"], margin))
+
+
+def _difficulty(workload):
+    tree = workload["tree"]
+    return (-(tree.get("gpu_bytes") or 0), -(planner.image_estimate(tree) or 0), workload["key"])
+
+
+def migration_id(prefix, workload):
+    """A migration id for this workload's move: ``prefix`` and its key, in the journal's alphabet."""
+    return (prefix + "-" + re.sub(r"[^A-Za-z0-9._-]+", "-", workload["key"]))[:128]
+
+
+def place(node, workloads, targets, source_path, target_paths, allow_unknown=(), allow_driver_mismatch=False,
+          margin=planner.IMAGE_MARGIN):
+    """(moves, stays): each move ``{"workload", "target", "gpus", "image_estimate_bytes", "rejected"}``;
+    each stay ``{"workload", "reason", "rejected"}``. ``targets``: {name: facts, or a text saying why there
+    are none (unreachable)}; ``rejected``: {target: why not there} for every target not chosen."""
+    facts = {n: f for n, f in targets.items() if isinstance(f, dict)}
+    planned = {n: 0 for n in facts}
+    moves, stays = [], []
+    for w in sorted(workloads, key=_difficulty):
+        rejected = {n: "no facts: %s" % f for n, f in targets.items() if not isinstance(f, dict)}
+        fits = {}
+        for n in sorted(facts):
+            plan = check_pair(w, node, n, facts[n], source_path, target_paths.get(n), allow_unknown,
+                              allow_driver_mismatch, margin)
+            if plan.ok:
+                fits[n] = plan
+            else:
+                rejected[n] = _why(plan)
+        if not fits:
+            stays.append({"workload": w, "reason": "fits on no target", "rejected": rejected})
+            continue
+        best = min(fits, key=lambda n: (planned[n], -_free_gpu_mib(facts[n]), n))
+        tg = planner.gpu_list(facts[best]) or []
+        gpus = sorted({g.get("uuid") for uuid, unused in planner.gpu_needs(w["tree"]) or []
+                       for g in planner.landing_gpus(uuid, planner.gpu_list(node) or [], tg)})
+        rejected.update({n: "fits too; %s was chosen (fewer moves planned there, or more free GPU memory)" % best
+                         for n in fits if n != best})
+        moves.append({"workload": w, "target": best, "gpus": gpus, "image_estimate_bytes": fits[best].image_estimate_bytes,
+                      "rejected": rejected})
+        facts[best] = _reserve(facts[best], w, node, fits[best], target_paths.get(best))
+        planned[best] += 1
+    return moves, stays
+
+
+def estimate(move, throughput, overhead=OVERHEAD_S):
+    """The move's estimated seconds: ``transfer_s`` (its image over the measured throughput to its target)
+    and ``duration_s`` (that plus the fixed overhead); None each when the throughput or the size is unknown."""
+    rate, size = (throughput or {}).get(move["target"]), move["image_estimate_bytes"]
+    if not rate or size is None:
+        return {"transfer_s": None, "duration_s": None, "throughput_bytes_s": rate}
+    transfer = size / float(rate)
+    return {"transfer_s": round(transfer, 2), "duration_s": round(transfer + overhead, 2), "throughput_bytes_s": rate}
+
+
+def schedule(moves, parallel=1, deadline=None, throughput=None, overhead=OVERHEAD_S, allow_unknown=()):
+    """(moves in the order they run, each with its ``estimate`` and ``batch``; moves that would not finish
+    by the deadline, each with its reason). Without a deadline the moves run in placement order."""
+    parallel = max(1, int(parallel))
+    for m in moves:
+        m["estimate"] = estimate(m, throughput, overhead)
+    if deadline is None:
+        for i, m in enumerate(moves):
+            m["batch"] = i // parallel
+        return moves, []
+    unknown = [m for m in moves if m["estimate"]["duration_s"] is None]
+    known = sorted((m for m in moves if m["estimate"]["duration_s"] is not None),
+                   key=lambda m: (m["estimate"]["duration_s"], m["workload"]["key"]))
+    late = []
+    if "deadline" not in allow_unknown:
+        late += [dict(m, reason="its duration is not known (no throughput measured from the node to %s, or the "
+                                "image size is unknown); allow it with gpuckpt_allow_unknown=[deadline]" % m["target"])
+                 for m in unknown]
+        unknown = []
+    order, run, clock = known + unknown, [], 0.0
+    for i in range(0, len(order), parallel):
+        batch = order[i:i + parallel]
+        in_time = []
+        for b in batch:
+            took = b["estimate"]["duration_s"]
+            if took is None or clock + took <= deadline:
+                in_time.append(b)
+            else:
+                late.append(dict(b, reason="estimated to end %.0f s after the drain began, past the deadline of %.0f s"
+                                           % (clock + took, deadline)))
+        for b in in_time:
+            took = b["estimate"]["duration_s"]
+            b["batch"], b["estimate"]["finish_s"] = len({x["batch"] for x in run}), None if took is None else round(clock + took, 2)
+        run += in_time
+        clock += max([b["estimate"]["duration_s"] or 0.0 for b in in_time] or [0.0])
+    return run, late
+
+
+def plan_drain(node, workloads, targets, source_path, target_paths, id_prefix, parallel=1, deadline=None,
+               throughput=None, overhead=OVERHEAD_S, allow_unknown=(), allow_driver_mismatch=False,
+               margin=planner.IMAGE_MARGIN):
+    """The whole plan: ``moves`` (in order, each with its migration id, target, GPUs, image estimate,
+    estimate and batch) and ``stays`` (each workload that is not moved, with its reason), every
+    ``rejected`` target with its reason."""
+    placed, stays = place(node, workloads, targets, source_path, target_paths, allow_unknown, allow_driver_mismatch,
+                          margin)
+    moves, late = schedule(placed, parallel, deadline, throughput, overhead, allow_unknown)
+    for m in moves:
+        m["migration_id"] = migration_id(id_prefix, m["workload"])
+    return {"moves": moves, "stays": stays + late}

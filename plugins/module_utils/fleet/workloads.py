@@ -1,0 +1,94 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""The GPU workloads of one node, as a drain moves them: one entry per thing that moves as a whole.
+
+A workload is either a container (of any runtime ``cuda_process_facts`` lists: runc, Podman, Docker,
+containerd, runsc) that holds CUDA processes, or a bare process tree whose processes hold CUDA contexts and
+belong to no container. A bare tree's root is found by walking up from each CUDA process through parents of
+the same process group that have no controlling terminal: a launcher (torchrun, a job script run by cron or
+a scheduler) moves with its workers, while the login shell or sshd session that started it stays. CUDA
+processes with the same root are one workload.
+
+Each workload carries the facts of its tree in the shape of ``cuda_process_facts``' ``tree`` (pids, CUDA
+states, RSS, GPU memory per GPU or unknown), which is what ``migration/planner.py`` checks.
+"""
+from __future__ import annotations
+
+from ..core import procfs
+
+
+def tree_root(pid, read_stat=procfs.read_stat):
+    """The root of the bare process tree that ``pid`` belongs to (see the module doc)."""
+    st = read_stat(int(pid))
+    if st is None:
+        return int(pid)
+    root = st
+    while root["ppid"] > 1:
+        parent = read_stat(root["ppid"])
+        if (parent is None or parent["pgrp"] != st["pgrp"] or parent["tty_nr"] != 0
+                or parent["flags"] & procfs.PF_KTHREAD):
+            break
+        root = parent
+    return root["pid"]
+
+
+def _key(runtime, ident):
+    return "%s:%s" % (runtime, ident)
+
+
+def from_facts(facts, tree_of, read_stat=procfs.read_stat):
+    """The node's workloads from its ``cuda_process_facts`` (``cuda_processes`` and ``gpu_containers``);
+    ``tree_of(root_pid, pids=None)`` gives a tree's facts. Sorted by key, so every run lists them alike."""
+    out = []
+    for c in facts.get("gpu_containers") or []:
+        runtime, cid = c.get("runtime"), c.get("id")
+        sandboxed = any(p.get("in_sandbox") for p in c.get("cuda_processes") or [])
+        tree = tree_of(int(c["pid"]), None if sandboxed else c.get("pids"))
+        if sandboxed:  # the sandbox's own pids: its CUDA processes are asked inside it, not on the host
+            tree = dict(tree, cuda_pids=[p["pid"] for p in c["cuda_processes"]],
+                        cuda_states={str(p["pid"]): p.get("cuda_state") for p in c["cuda_processes"]})
+        w = {"key": _key(runtime, cid), "kind": "container", "runtime": runtime, "container": cid,
+             "root_pid": int(c["pid"]), "tree": tree}
+        if c.get("namespace"):
+            w["namespace"] = c["namespace"]
+        out.append(w)
+    roots = {}
+    for p in facts.get("cuda_processes") or []:
+        if not p.get("exists", True) or p.get("container") or p.get("in_sandbox"):
+            continue
+        roots.setdefault(tree_root(p["pid"], read_stat), []).append(p["pid"])
+    for root in sorted(roots):
+        st = read_stat(root) or {}
+        out.append({"key": _key("process", root), "kind": "process", "runtime": "process", "pid": root,
+                    "root_pid": root, "comm": st.get("comm"), "starttime": st.get("starttime"), "tree": tree_of(root, None)})
+    return sorted(out, key=lambda w: w["key"])
+
+
+def _matches(w, selector):
+    """A selector names a runtime (``runc``), a container (its id or name), or a pid of the workload."""
+    s = str(selector)
+    return s in (w["runtime"], str(w.get("container")), str(w["root_pid"])) or \
+        s in [str(p) for p in (w["tree"].get("pids") or [])]
+
+
+def select(workloads, include=None, exclude=None):
+    """(chosen, left out with the reason): ``include`` keeps only the workloads one of its selectors
+    names (none given: all), ``exclude`` then drops those one of its selectors names."""
+    chosen, left = [], []
+    for w in workloads:
+        if include and not any(_matches(w, s) for s in include):
+            left.append(dict(w, reason="not named by include (%s)" % ", ".join(map(str, include))))
+        elif exclude and any(_matches(w, s) for s in exclude):
+            left.append(dict(w, reason="named by exclude"))
+        else:
+            chosen.append(w)
+    return chosen, left
+
+
+def discover(facts, libcuda_path=None):
+    """The workloads of this host, from its facts (cuda_process_facts'), each with its tree's facts."""
+    from ..cuda import driver as cuda_driver
+    from ..engine import facts as host_facts
+    drv, unused = cuda_driver.load(libcuda_path)
+    return from_facts(facts, lambda root, pids: host_facts.tree_facts(drv, root, pids))
