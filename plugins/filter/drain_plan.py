@@ -14,7 +14,7 @@ description:
     reserves on the chosen target what each move takes there before placing the next one.
   - Returns C(moves) (in the order they run, each with C(migration_id), C(target), C(gpus), C(image_estimate_bytes),
     C(estimate) and C(batch)), C(stays) (each workload that is not moved, with its C(reason)), C(left_out)
-    (workloads that O(include) or O(exclude) leave out), C(lines) (the plan for people, with why each other
+    (workloads that O(include) or O(exclude) leave out), C(pending) (see O(earlier)), C(lines) (the plan for people, with why each other
     target was not chosen) and C(workloads) (how many the node has).
 options:
   _input:
@@ -22,10 +22,18 @@ options:
     type: dict
     required: true
   targets:
-    description: Each target's C(ansible_facts['gpuckpt']) by inventory name (gathered with C(paths) and C(check_pids)),
-      or a text saying why it has none (it could not be reached).
+    description:
+      - Each target's cuda_process_facts result by inventory name (as registered, gathered with C(paths) and
+        C(check_pids); or its C(ansible_facts['gpuckpt'])). A result that failed, or a host that could not be reached,
+        is no target, and the plan says why.
     type: dict
     required: true
+  earlier:
+    description:
+      - The moves an earlier drain of this node recorded as not settled (its mark's C(pending)), and C(settled), the
+        outcomes of settling them now, by migration id. The plan's C(pending) is those still not settled and this
+        plan's moves, which the node's mark keeps until they are.
+    type: dict
   node:
     description: The node's inventory name.
     type: str
@@ -82,6 +90,7 @@ EXAMPLES = r"""
            targets={'gpu-node-8': hostvars['gpu-node-8'].gpuckpt_drain_facts}, node='gpu-node-7',
            source_path='/var/lib/gpuckpt/images', target_paths={'gpu-node-8': '/var/lib/gpuckpt/images'},
            id_prefix='drain-gpu-node-7-20261125T140000') }}
+    # plan.moves, plan.stays, plan.lines
 """
 
 RETURN = r"""
@@ -96,9 +105,22 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import placeme
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import planner
 
 
+def _target_facts(result):
+    """A target's facts from its registered cuda_process_facts result, or why there are none."""
+    if not isinstance(result, dict):
+        return "not asked"
+    if "ansible_facts" not in result and "host" in result:  # the facts themselves
+        return result
+    if result.get("unreachable"):
+        return "unreachable: %s" % result.get("msg", "")
+    if result.get("failed") or "gpuckpt" not in (result.get("ansible_facts") or {}):
+        return "its facts failed: %s" % result.get("msg", "no facts")
+    return result["ansible_facts"]["gpuckpt"]
+
+
 def drain_plan(node_facts, targets, node, source_path, target_paths, id_prefix, parallel=1, deadline=None,
                throughput=None, overhead=placement.OVERHEAD_S, allow_unknown=None, allow_driver_mismatch=False,
-               include=None, exclude=None):
+               include=None, exclude=None, earlier=None):
     """The plan of draining ``node`` (see DOCUMENTATION)."""
     if "workloads" not in (node_facts or {}):
         raise AnsibleFilterError("drain_plan: the node's facts hold no workloads (gather them with workloads=true)")
@@ -108,11 +130,15 @@ def drain_plan(node_facts, targets, node, source_path, target_paths, id_prefix, 
         raise AnsibleFilterError("drain_plan: allow_unknown names no check: %s" % ", ".join(bad))
     found = node_facts["workloads"]
     chosen, left_out = node_workloads.select(found, include, exclude)
-    plan = placement.plan_drain(node_facts, chosen, dict(targets or {}), source_path, dict(target_paths or {}),
+    targets = {name: _target_facts(result) for name, result in (targets or {}).items()}
+    plan = placement.plan_drain(node_facts, chosen, targets, source_path, dict(target_paths or {}),
                                 id_prefix, parallel=int(parallel), deadline=None if deadline is None else float(deadline),
                                 throughput=throughput or {}, overhead=float(overhead), allow_unknown=tuple(allow),
                                 allow_driver_mismatch=bool(allow_driver_mismatch))
     plan["left_out"] = left_out
+    earlier = earlier or {}
+    plan["pending_before"] = report.unsettled(earlier.get("pending") or [], earlier.get("settled") or {})
+    plan["pending"] = plan["pending_before"] + [report.move_record(m) for m in plan["moves"]]
     plan["workloads"] = len(found)
     plan["lines"] = report.plan_lines(node, plan) + ["  LEFT  %s: %s" % (report.describe(w), w["reason"]) for w in left_out]
     return plan

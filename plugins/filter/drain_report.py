@@ -9,8 +9,10 @@ name: drain_report
 short_description: The table at the end of a drain, and whether the node is empty
 version_added: "0.4.0"
 description:
-  - Returns C(lines) (each workload, where it runs now and its downtime beside the plan's estimate, or why it stayed)
-    and C(empty) (every planned move moved, and no workload stayed or was left out).
+  - Returns C(lines) (each workload, where it runs now and its downtime beside the plan's estimate, or why it stayed),
+    C(empty) (every planned move moved, and no workload stayed or was left out), C(pending) (the moves that are not
+    settled, for the node's drain mark: a re-run settles them first) and C(throughput) (O(throughput) updated with
+    what each move showed, by target).
 options:
   _input:
     description: The plan (gpuckpt.fleet.drain_plan's result).
@@ -24,6 +26,12 @@ options:
     description: The node's inventory name.
     type: str
     required: true
+  throughput:
+    description: The throughput recorded before, by target (C({bytes_s, measured_at})).
+    type: dict
+  now:
+    description: The time to record the throughput at.
+    type: str
 """
 
 EXAMPLES = r"""
@@ -41,9 +49,13 @@ _value:
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import report
 
 
-def drain_report(plan, outcomes, node):
-    return {"lines": report.report_lines(node, plan, outcomes or {}),
-            "empty": report.node_empty(plan, outcomes or {}, plan.get("left_out") or [])}
+def drain_report(plan, outcomes, node, throughput=None, now=None):
+    outcomes = {o.get("migration_id", k): o for k, o in (outcomes or {}).items() if isinstance(o, dict)}
+    return {"lines": report.report_lines(node, plan, outcomes),
+            "empty": report.node_empty(plan, outcomes, plan.get("left_out") or []),
+            "pending": (plan.get("pending_before") or []) + report.unsettled(
+                [report.move_record(m) for m in plan.get("moves") or []], outcomes),
+            "throughput": report.throughput_update(throughput, plan, outcomes, now)}
 
 
 class FilterModule(object):

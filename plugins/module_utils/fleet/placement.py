@@ -135,6 +135,8 @@ def estimate(move, throughput, overhead=OVERHEAD_S):
     """The move's estimated seconds: ``transfer_s`` (its image over the measured throughput to its target)
     and ``duration_s`` (that plus the fixed overhead); None each when the throughput or the size is unknown."""
     rate, size = (throughput or {}).get(move["target"]), move["image_estimate_bytes"]
+    if isinstance(rate, dict):  # as the node's record keeps it: {"bytes_s", "measured_at"}
+        rate = rate.get("bytes_s")
     if not rate or size is None:
         return {"transfer_s": None, "duration_s": None, "throughput_bytes_s": rate}
     transfer = size / float(rate)

@@ -70,3 +70,31 @@ def node_empty(plan, outcomes, left_out=()):
     """Whether the drain emptied the node: every planned move moved and nothing stayed or was left out."""
     return (not plan["stays"] and not list(left_out)
             and all((outcomes.get(m["migration_id"]) or {}).get("status") == "moved" for m in plan["moves"]))
+
+
+# -- what the node's drain mark keeps between runs ------------------------------------------------------
+
+def move_record(move):
+    """What the drain mark keeps of a move: enough for a re-run to settle it (its id and target)."""
+    return {"migration_id": move["migration_id"], "target": move["target"], "workload": move["workload"]["key"]}
+
+
+def settled(outcome):
+    """Whether a move's outcome is final: it moved, or it stayed with its target shown clean."""
+    return bool(outcome) and outcome.get("status") in ("moved", "stayed", "none") and outcome.get("settled", True)
+
+
+def unsettled(records, outcomes):
+    """The records whose move has no final outcome (``outcomes``: {migration id: outcome})."""
+    return [r for r in records if not settled((outcomes or {}).get(r["migration_id"]))]
+
+
+def throughput_update(recorded, plan, outcomes, now=None):
+    """The throughput from the node to each target ({target: {"bytes_s", "measured_at"}}), updated with what
+    the moves of this drain showed (each outcome's ``transfer_bytes_s``; the latest move to a target wins)."""
+    out = dict(recorded or {})
+    for m in plan.get("moves") or []:
+        rate = ((outcomes or {}).get(m["migration_id"]) or {}).get("transfer_bytes_s")
+        if rate:
+            out[m["target"]] = {"bytes_s": float(rate), "measured_at": now, "by": m["migration_id"]}
+    return out
