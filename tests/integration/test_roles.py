@@ -242,3 +242,62 @@ def test_container_runtime_role_installs_the_pod_restore_handler_once(playbook, 
     assert entry["options"] == {"BinaryName": str(d / "gpuckpt-restore-runtime"), "SystemdCgroup": True}
     again = playbook(ROLE_NCR, v)
     assert again.rc == 0 and _recap_changed(again) == 0, [r["_task"] for r in again.results if r.get("changed")]
+
+
+OLD_RESTORE_BLOCK = '''# BEGIN gpuckpt.fleet.nvidia_container_runtime k8s_restore
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.gpuckpt-restore]
+  runtime_type = "io.containerd.runc.v2"
+  pod_annotations = ["gpuckpt.fleet/*"]
+  [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.gpuckpt-restore.options]
+    BinaryName = "/usr/local/lib/gpuckpt/gpuckpt-restore-runtime"
+    SystemdCgroup = false
+# END gpuckpt.fleet.nvidia_container_runtime k8s_restore
+'''
+
+
+def test_container_runtime_role_puts_the_pod_restore_handler_in_a_containerd_2_drop_in(playbook, tmp_path):
+    """containerd 2.x (schema 3): the handler's runtime entry goes into its own conf.d drop-in, beside the nvidia
+    runtime's, as containerd_config.py reads the node's config (runc's SystemdCgroup found in config.toml); the
+    block that an older run wrote into config.toml is taken out, and a second run changes nothing."""
+    import tomllib
+    user = '''version = 3
+root = "/srv/containerd"
+
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
+  SystemdCgroup = true
+'''
+    (tmp_path / "config.toml").write_text(user + OLD_RESTORE_BLOCK)
+    d = tmp_path / "gpuckpt"
+    v = _ncr_vars(tmp_path, nvidia_container_runtime_configure=["containerd"], nvidia_container_runtime_k8s_restore=True,
+                  nvidia_container_runtime_k8s_restore_dir=str(d))
+    run = playbook(ROLE_NCR, v)
+    assert run.rc == 0, run.stdout
+    conf = tomllib.loads((tmp_path / "config.toml").read_text())
+    assert "gpuckpt-restore" not in conf["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]
+    assert conf["imports"] == [str(tmp_path / "conf.d" / "*.toml")] and conf["root"] == "/srv/containerd"
+    drop_in = tomllib.loads((tmp_path / "conf.d" / "gpuckpt-restore.toml").read_text())
+    entry = drop_in["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["gpuckpt-restore"]
+    assert drop_in["version"] == 3 and entry["pod_annotations"] == ["gpuckpt.fleet/*"]
+    assert entry["options"] == {"BinaryName": str(d / "gpuckpt-restore-runtime"), "SystemdCgroup": True}
+    assert (tmp_path / "conf.d" / "gpuckpt-nvidia.toml").exists()
+    again = playbook(ROLE_NCR, v)
+    assert again.rc == 0 and _recap_changed(again) == 0, [r["_task"] for r in again.results if r.get("changed")]
+
+
+def test_container_runtime_role_keeps_a_users_own_pod_restore_entry(playbook, tmp_path):
+    """A runtime of the handler's name that the user wrote, in a file config.toml imports, is left as it is:
+    no drop-in of ours beside it, and config.toml untouched."""
+    user = 'version = 3\nimports = ["%s/*.toml"]\n' % (tmp_path / "mine")
+    (tmp_path / "config.toml").write_text(user)
+    (tmp_path / "mine").mkdir()
+    own = '''version = 3
+[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.gpuckpt-restore]
+  runtime_type = "io.containerd.runc.v2"
+'''
+    (tmp_path / "mine" / "restore.toml").write_text(own)
+    v = _ncr_vars(tmp_path, nvidia_container_runtime_configure=[], nvidia_container_runtime_k8s_restore=True,
+                  nvidia_container_runtime_k8s_restore_dir=str(tmp_path / "gpuckpt"))
+    run = playbook(ROLE_NCR, v)
+    assert run.rc == 0, run.stdout
+    assert (tmp_path / "config.toml").read_text() == user and (tmp_path / "mine" / "restore.toml").read_text() == own
+    assert sorted(os.listdir(str(tmp_path / "mine"))) == ["restore.toml"]

@@ -144,9 +144,13 @@ class Client(object):
     def version(self):
         return self._call("Version", "Version", _proto()["empty"].Empty(), "preflight").version
 
+    def _list(self, service, request, field, convert):
+        """What ``service``'s List call answers (its reply's ``field``), each converted."""
+        return [convert(item) for item in getattr(self._call(service, "List", request, "preflight"), field)]
+
     def namespaces(self):
-        reply = self._call("Namespaces", "List", _proto()["namespaces"].ListNamespacesRequest(), "preflight")
-        return sorted(n.name for n in reply.namespaces)
+        return sorted(self._list("Namespaces", _proto()["namespaces"].ListNamespacesRequest(), "namespaces",
+                                 lambda namespace: namespace.name))
 
     def container(self, container_id, stage="preflight"):
         """The container record, or None when there is none with that id in the namespace."""
@@ -154,8 +158,7 @@ class Client(object):
         return None if reply is None else _container(reply.container)
 
     def containers(self):
-        reply = self._call("Containers", "List", _proto()["containers"].ListContainersRequest(), "preflight")
-        return [_container(c) for c in reply.containers]
+        return self._list("Containers", _proto()["containers"].ListContainersRequest(), "containers", _container)
 
     def task(self, container_id, stage="preflight"):
         """{pid, status} of the container's task, or None when it has none."""
@@ -163,8 +166,7 @@ class Client(object):
         return None if reply is None else _process(reply.process)
 
     def tasks(self):
-        reply = self._call("Tasks", "List", _proto()["tasks"].ListTasksRequest(), "preflight")
-        return [_process(p) for p in reply.tasks]
+        return self._list("Tasks", _proto()["tasks"].ListTasksRequest(), "tasks", _process)
 
     def snapshot(self, snapshotter, key, stage="preflight"):
         """{name, parent, kind} of a snapshot, or None."""

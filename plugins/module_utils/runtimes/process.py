@@ -66,16 +66,17 @@ class ProcessBackend(Backend):
 
     def resume(self, pids):
         """Let a tree left stopped by a dump run again."""
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGCONT)
-            except OSError:
-                pass
+        _signal_each(pids, signal.SIGCONT)
 
     def kill(self, pids):
-        for p in pids:
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
+        _signal_each(pids, signal.SIGKILL)
         procfs.wait_gone(pids, 10)
+
+
+def _signal_each(pids, signum):
+    """Send the signal to every pid; one that is already gone (or no longer ours to signal) is passed over."""
+    for p in pids:
+        try:
+            os.kill(p, signum)
+        except OSError:
+            pass

@@ -3,7 +3,7 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """What the role needs to know of containerd's config.toml, read as TOML (never edited here), printed as JSON:
 
-    python3 containerd_config.py CONFIG DROP_IN_NAME RUNTIME
+    python3 containerd_config.py CONFIG DROP_IN_NAME RUNTIME [MARKER]
 
 - ``version``: the config schema (3: containerd 2.x; 2, or 0 when absent: containerd 1.x's) and ``plugin``,
   the name of the CRI plugin whose runtimes it sets;
@@ -14,7 +14,8 @@
   directory of an ``imports`` glob already there that the name matches, else ``conf.d`` beside CONFIG when
   the file has no ``imports`` at all (``add_import``: the role adds it);
 - ``defined_in``: the files (CONFIG and those it imports) that define the CRI runtime RUNTIME, and
-  ``marked``: CONFIG holds the role's own block (an older run's, or schema 2's);
+  ``marked``: CONFIG holds the role's own block of that runtime (an older run's, or schema 2's), the block
+  blockinfile marks with MARKER (the nvidia runtime's by default);
 - ``systemd_cgroup``: some runtime of the CRI plugin sets SystemdCgroup = true (the node's runc entry).
 
 The TOML reader: Python's tomllib (3.11+), else tomli or toml where installed, else a reader of what these
@@ -29,7 +30,7 @@ import json
 import os
 import sys
 
-MARKER = "# BEGIN gpuckpt.fleet.nvidia_container_runtime\n"
+NVIDIA_MARKER = "gpuckpt.fleet.nvidia_container_runtime"
 
 
 def _loads():
@@ -105,7 +106,7 @@ def _drop_in_dir(config, imports, drop_in_name):
     return None if imports else os.path.join(os.path.dirname(config), "conf.d")
 
 
-def describe(config, drop_in_name, runtime):
+def describe(config, drop_in_name, runtime, marker=NVIDIA_MARKER):
     loads = _loads()
     text, conf = _read(config, loads)
     version = int(conf.get("version") or 0)
@@ -119,9 +120,9 @@ def describe(config, drop_in_name, runtime):
         systemd = systemd or any((r.get("options") or {}).get("SystemdCgroup") is True for r in runtimes.values())
     return {"version": version, "plugin": plugin, "imports": imports,
             "drop_in_dir": _drop_in_dir(config, imports, drop_in_name) if version == 3 else None,
-            "add_import": version == 3 and not imports, "defined_in": defined_in, "marked": MARKER in text,
+            "add_import": version == 3 and not imports, "defined_in": defined_in, "marked": ("# BEGIN %s\n" % marker) in text,
             "systemd_cgroup": systemd}
 
 
 if __name__ == "__main__":
-    json.dump(describe(*sys.argv[1:4]), sys.stdout)
+    json.dump(describe(*sys.argv[1:5]), sys.stdout)
