@@ -77,9 +77,9 @@ def run_module(module, fn, *args):
 
 # -- gpu_checkpoint ---------------------------------------------------------------------------------------
 
-def push_sender(module, params):
+def push_sender(module, params, hooks):
     """The transfer.Sender of gpu_checkpoint's ``push`` (None without one), its options checked before
-    anything is frozen."""
+    anything is frozen; ``hooks``: the engine's push_hooks of the checkpoint's journal."""
     q = params["push"]
     if not q:
         return None
@@ -91,7 +91,8 @@ def push_sender(module, params):
                          "push.host; nothing was frozen" % q["to"])
     target = or_fail(module, transfer_target, q, "")
     receiver = receiver_checks(params["migration_id"], q["journal_dir"], params["nonce"])
-    return transfer.Sender(target, q["dest"], streams=q["streams"], receiver=receiver)
+    return transfer.Sender(target, q["dest"], streams=q["streams"], receiver=receiver, fence=hooks["fence"],
+                           before_deliver=hooks["before_deliver"])
 
 
 # -- gpu_restore ------------------------------------------------------------------------------------------

@@ -335,7 +335,7 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
     RUNTIMES, check_path_arg, command_argv, journal_for, make_backend, run_engine)
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
-    operation_spec, push_sender, transfer_target_spec)
+    operation_spec, or_fail, push_sender, transfer_target_spec)
 
 NONCE_RE = re.compile(r"^[A-Za-z0-9]{8,64}$")
 
@@ -371,7 +371,8 @@ def main():
     check_path_arg(module, "image_dir", p["image_dir"])
     if p["nonce"] is not None and not NONCE_RE.match(p["nonce"]):
         module.fail_json(msg="nonce must be 8-64 letters or digits, got %r; nothing was frozen" % p["nonce"])
-    sender = push_sender(module, p)
+    journal = or_fail(module, journal_for, p, "source")
+    sender = push_sender(module, p, engine_checkpoint.push_hooks(journal))
     options = {k: p[k] for k in ("leave_running", "leave_stopped", "lock_timeout", "libcuda_path", "sign_key",
                                  "parallel", "progress_file", "nonce", "host_huge_pages", "quiesce_signal",
                                  "quiesce_timeout")}
@@ -379,7 +380,7 @@ def main():
     run_engine(module, lambda: engine_checkpoint.checkpoint(
         p["pid"] if p["runtime"] == "process" else p["pod"] if p["runtime"] == "k8s_pod" else p["container"],
         p["image_dir"],
-        backend=make_backend(p["runtime"], p), journal=journal_for(p, "source"), sender=sender,
+        backend=make_backend(p["runtime"], p), journal=journal, sender=sender,
         check_mode=module.check_mode, **options))
 
 

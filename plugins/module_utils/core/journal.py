@@ -33,6 +33,7 @@ import time
 try:  # a package import; the transfer's receiver program defines these names before this code
     from .errors import InvalidTarget, TransactionError
     from .fsutil import Reserve, atomic_write, check_private_ancestors, make_dirs_private, read_json
+    from .procfs import boot_id, read_stat
     from .wait import wait_for
 except ImportError:  # pragma: no cover - only in the receiver program
     pass
@@ -86,22 +87,10 @@ def check_id(migration_id):
     return migration_id
 
 
-def boot_id():
-    try:
-        with open("/proc/sys/kernel/random/boot_id") as fh:
-            return fh.read().strip()
-    except OSError:
-        return None
-
-
 def _starttime(pid):
-    try:
-        with open("/proc/%d/stat" % int(pid)) as fh:
-            data = fh.read()
-        rest = data[data.rindex(")") + 2:].split()
-        return rest[0], int(rest[19])
-    except (OSError, ValueError, IndexError):
-        return None, None
+    """(state letter, start time) of ``pid``, (None, None) when it does not exist."""
+    st = read_stat(int(pid))
+    return (st["state"], st["starttime"]) if st else (None, None)
 
 
 def process_identity(pid):

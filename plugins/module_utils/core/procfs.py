@@ -1,15 +1,19 @@
 # -*- coding: utf-8 -*-
 # Copyright: gpuckpt.fleet contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""This host's /proc, read in one place: process trees and states, namespaces, sockets, file
-locks, environments and mappings. Standard library only (the receiver and the engine share it)."""
+"""This host's /proc, read in one place: process trees, states and identities, namespaces, cgroups,
+memory, sockets, file locks, environments and mappings. Standard library only (the receiver and the
+engine share it: the journal that the transfer's receiver program carries names processes from here)."""
 from __future__ import annotations
 
 import os
 import re
 
-from .errors import InvalidTarget
-from .wait import wait_for
+try:  # a package import; the transfer's receiver program defines these names before this code
+    from .errors import InvalidTarget
+    from .wait import wait_for
+except ImportError:  # pragma: no cover - only in the receiver program
+    pass
 
 PF_KTHREAD = 0x00200000
 
@@ -19,12 +23,70 @@ def read_stat(pid):
     try:
         with open("/proc/%d/stat" % pid) as fh:
             data = fh.read()
-    except (OSError, ValueError):
+        comm = data[data.index("(") + 1:data.rindex(")")]
+        rest = data[data.rindex(")") + 2:].split()
+        return {"pid": pid, "comm": comm, "state": rest[0], "ppid": int(rest[1]), "pgrp": int(rest[2]),
+                "session": int(rest[3]), "tty_nr": int(rest[4]), "flags": int(rest[6]), "starttime": int(rest[19])}
+    except (OSError, ValueError, IndexError):
         return None
-    comm = data[data.index("(") + 1:data.rindex(")")]
-    rest = data[data.rindex(")") + 2:].split()
-    return {"pid": pid, "comm": comm, "state": rest[0], "ppid": int(rest[1]), "pgrp": int(rest[2]),
-            "session": int(rest[3]), "tty_nr": int(rest[4]), "flags": int(rest[6]), "starttime": int(rest[19])}
+
+
+def process_state(pid):
+    """The state letter of ``pid`` (R, S, T, Z, ...), or None when it does not exist."""
+    return (read_stat(pid) or {}).get("state")
+
+
+def boot_id():
+    """This boot's id (a process identity holds it: a pid of another boot is not the same process)."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _status_field(pid, name):
+    """The words of the line ``name`` of /proc/<pid>/status, or None."""
+    try:
+        with open("/proc/%d/status" % pid) as fh:
+            for line in fh:
+                if line.startswith(name + ":"):
+                    return line.split()[1:]
+    except OSError:
+        pass
+    return None
+
+
+def ns_pid(pid):
+    """The pid inside the innermost pid namespace (the last NSpid field), or None."""
+    words = _status_field(pid, "NSpid")
+    try:
+        return int(words[-1]) if words else None
+    except ValueError:
+        return None
+
+
+def rss_bytes(pid):
+    """The resident memory of ``pid`` in bytes (VmRSS); 0 when unread (a kernel thread, a pid gone)."""
+    words = _status_field(pid, "VmRSS")
+    return int(words[0]) * 1024 if words else 0
+
+
+def meminfo():
+    """This host's memory from /proc/meminfo: total and available (MemAvailable: what a restore can take
+    without swapping) in bytes, None each where unread."""
+    fields = {}
+    try:
+        with open("/proc/meminfo") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        lines = []
+    for line in lines:
+        key, sep, value = line.partition(":")
+        parts = value.split()
+        if sep and parts and parts[0].isdigit():
+            fields[key.strip()] = int(parts[0]) * 1024
+    return {"total_bytes": fields.get("MemTotal"), "available_bytes": fields.get("MemAvailable")}
 
 
 def cmdline(pid):
@@ -120,8 +182,17 @@ def bound_sockets(pids):
 
 
 def net_namespace(pid="self"):
+    """The network namespace of ``pid`` ("net:[<inode>]": equal for processes that share one), or None."""
     try:
         return os.readlink("/proc/%s/ns/net" % pid)
+    except OSError:
+        return None
+
+
+def pid_namespace(pid="self"):
+    """The pid namespace of ``pid`` ("pid:[<inode>]"), or None."""
+    try:
+        return os.readlink("/proc/%s/ns/pid" % pid)
     except OSError:
         return None
 
@@ -203,6 +274,18 @@ def _mapped_files(pid):
             return {ln.split()[-1] for ln in fh if "/" in ln}
     except OSError:
         return set()
+
+
+def unified_cgroup(pid):
+    """The cgroup v2 path of ``pid`` (the "0::" line of /proc/<pid>/cgroup), or None without one."""
+    try:
+        with open("/proc/%d/cgroup" % int(pid)) as fh:
+            for line in fh:
+                if line.startswith("0::"):
+                    return line[3:].strip() or "/"
+    except OSError:
+        pass
+    return None
 
 
 def container_id(pid):

@@ -41,10 +41,16 @@ except ImportError:  # pragma: no cover - only in the receiver program, where th
 
 RECEIVE_PHASES = ("receiving", "received", "restore_failed")
 TRANSFER_MARK = "transfer.json"  # outside a migration: which image this dir is receiving
+# The exit status of a receiver that refused: the sender does not try again what would be refused again.
+REFUSED = 2
 
 
 class Refused(Exception):
-    pass
+    """What this receiver will not do, whoever asks again (another migration's nonce, an unsafe path)."""
+
+
+class StreamCut(Exception):
+    """The stream ended before what it announced: a broken connection, which another attempt may get past."""
 
 
 class Receiver(object):
@@ -132,7 +138,7 @@ class Receiver(object):
     def _read(self, n, what):
         data = self.inp.read(n)
         if len(data) != n:
-            raise Refused("the stream was cut in %s (%d of %d bytes)" % (what, len(data), n))
+            raise StreamCut("the stream was cut in %s (%d of %d bytes)" % (what, len(data), n))
         return data
 
     def _reply(self, doc):
@@ -145,7 +151,7 @@ class Receiver(object):
         while left:
             buf = self.inp.read(min(left, 4 << 20))
             if not buf:
-                raise Refused("the stream was cut in %s at byte %d" % (op["path"], off))
+                raise StreamCut("the stream was cut in %s at byte %d" % (op["path"], off))
             view = memoryview(buf)
             while view:
                 n = os.pwrite(fd, view, off)
@@ -199,12 +205,12 @@ class Receiver(object):
             self.open()
         except (Refused, UnsafePath, OSError) as exc:
             self._reply({"ready": False, "error": str(exc)})
-            return 2
+            return REFUSED
         self._reply({"ready": True, "pid": os.getpid()})
         while True:
             line = self.inp.readline()
             if not line:
-                raise Refused("the stream ended before its end mark")
+                raise StreamCut("the stream ended before its end mark")
             op = json.loads(line)
             kind = op.get("op")
             if kind == "end":
@@ -241,6 +247,9 @@ def main(argv=None):
     receiver = Receiver(config, sys.stdin.buffer, sys.stdout.buffer)
     try:
         return receiver.run()
+    except (Refused, UnsafePath) as exc:
+        sys.stderr.write("gpuckpt receiver: %s\n" % exc)
+        return REFUSED
     except Exception as exc:  # noqa: BLE001 - the sender reads this from the stream's stderr
         sys.stderr.write("gpuckpt receiver: %s\n" % exc)
         return 1

@@ -41,6 +41,7 @@ from . import errors
 from . import fsutil
 from . import image
 from . import journal
+from . import procfs
 from . import receiver
 from . import wait
 from .errors import GpuCkptError, InvalidTarget, TransactionError
@@ -50,7 +51,7 @@ CHUNK = image.CHUNK
 FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
 GROWING = image.GROWING
 # The receiver program: these modules' sources, in this order (each needs only those before it).
-RECEIVER_MODULES = (errors, fsutil, wait, journal, image, receiver)
+RECEIVER_MODULES = (errors, fsutil, wait, procfs, journal, image, receiver)
 HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\[\]-]+$")
 USER_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")
@@ -160,7 +161,14 @@ class TokenBucket(object):
 
 
 class TransferError(TransactionError):
-    """A transfer failed: which stream, the ssh command, and the receiver's own words."""
+    """A transfer failed: which stream, the ssh command, and the receiver's own words. ``retryable``:
+    whether another attempt may get through (a broken connection, a timeout); not when the target's
+    disk is full or its receiver refused (another migration's nonce, a settled migration, an unsafe
+    path), which the next attempt would meet again."""
+
+    def __init__(self, msg, retryable=True, **kwargs):
+        super(TransferError, self).__init__(msg, **kwargs)
+        self.retryable = retryable
 
 
 class Stream(object):
@@ -192,7 +200,7 @@ class Stream(object):
         except ValueError:
             raise self.failure("the receiver answered %r while %s" % (line[:200], what))
         if doc.get("error"):
-            raise self.failure("the receiver refused (%s)" % doc["error"])
+            raise self.failure("the receiver refused (%s)" % doc["error"], retryable=False)
         return doc
 
     def wait_ready(self):
@@ -222,19 +230,23 @@ class Stream(object):
         self.err.seek(0)
         return self.err.read().decode("utf-8", "replace").strip()[-3000:]
 
-    def failure(self, msg):
+    def failure(self, msg, retryable=True):
+        """The TransferError of this stream, with the receiver's own words; not retryable when the
+        target's disk is full or the receiver exited refusing (receiver.REFUSED)."""
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
         err = self.stderr()
         disk_full = "No space left on device" in err
+        retryable = retryable and not disk_full and self.proc.returncode != receiver.REFUSED
         said = [ln for ln in err.splitlines() if ln.startswith("gpuckpt receiver: ")]
         if said:  # the receiver's own words say more than the broken stream
             msg += " (%s)" % said[-1][len("gpuckpt receiver: "):]
         return TransferError("transfer to %s, stream %d: %s%s" % (self.target, self.index, msg,
                                                                   ": the target's disk is full" if disk_full else ""),
-                             stage="transfer", cmd=self.cmd[:-1] + ["<receiver>"], rc=self.proc.returncode,
+                             retryable=retryable, stage="transfer", cmd=self.cmd[:-1] + ["<receiver>"],
+                             rc=self.proc.returncode,
                              stderr=err, hint="free space on the target" if disk_full else
                              "check that this host reaches %s over ssh and that its Python 3 runs" % self.target)
 
@@ -462,8 +474,7 @@ def send_image(image_dir, target, dest, receiver=None, streams=0, bwlimit_kbps=0
             except (OSError, TransferError) as exc:
                 sender.abort()
                 last = exc if isinstance(exc, GpuCkptError) else TransferError(str(exc), stage="transfer")
-                text = (getattr(last, "stderr", "") or "") + last.msg
-                if "disk is full" in text or "refused" in last.msg or attempts > retries:
+                if not last.retryable or attempts > retries:
                     break
                 time.sleep(retry_delay)
             except GpuCkptError:

@@ -193,8 +193,8 @@ def checkpoint(target, image_dir, backend=None, journal=None, sender=None, **opt
     Afterwards the workload exits (default), runs on (``leave_running``), or stays stopped with its GPU
     memory in host RAM (``leave_stopped``: a migration's source, released or resumed later). ``options``:
     see CheckpointOptions. ``journal``: the migration's source journal, held for the whole checkpoint.
-    ``sender`` (a transfer.Sender) sends the image to the target while it is written, then delivers
-    it: the result's ``push``. A failed push never fails the checkpoint."""
+    ``sender`` (a transfer.Sender, built with push_hooks(journal)) sends the image to the target while
+    it is written, then delivers it: the result's ``push``. A failed push never fails the checkpoint."""
     opts = CheckpointOptions(**options)
     image_dir = os.path.abspath(image_dir)
     progress = StageProgress(opts.progress_file, CHECKPOINT_STAGES, image_dir)
@@ -237,13 +237,33 @@ def _already_checkpointed(target, image_dir, opts, journal, result):
     return None
 
 
+def push_hooks(journal):
+    """The hooks of a checkpoint's push, for the transfer.Sender that its caller builds (``fence`` and
+    ``before_deliver``): in a migration a recovery's fence stops the push, and the source's journal
+    (held by the checkpoint) says 'delivering' before the manifest goes: from then on the target may
+    hold a complete image, and only the migration's settlement may resume the source (see
+    delivery.deliver). Both None outside a migration."""
+    if journal is None:
+        return {"fence": None, "before_deliver": None}
+
+    def fence():
+        journal.check_fence("push")
+
+    def before_deliver():
+        journal.check_fence("deliver")
+        journal.transition("delivering")
+
+    return {"fence": fence, "before_deliver": before_deliver}
+
+
 def _start_push(sender, journal):
     """(sender, None), or (None, the push's report) when its streams cannot open. The streams open
     before anything is frozen: their handshakes cost no downtime."""
     if sender is None:
         return None, None
-    if journal is not None:
-        sender.fence = lambda: journal.check_fence("push")
+    if journal is not None and (sender.fence is None or sender.before_deliver is None):
+        raise InvalidTarget("the push of migration %s was built without the journal's hooks (push_hooks); "
+                            "nothing was frozen" % journal.id, stage="preflight")
     try:
         sender.start()
     except GpuCkptError as exc:

@@ -14,23 +14,6 @@ from ..cuda import usage as gpu_usage
 from ..cuda import processes as gpu_procs
 from ..cuda import driver as cuda
 from ..core.errors import GpuCkptError
-from ..runtimes.base import ns_pid
-
-
-def _read(path):
-    try:
-        with open(path) as fh:
-            return fh.read().strip()
-    except OSError:
-        return None
-
-
-def _rss_bytes(pid):
-    text = _read("/proc/%d/status" % pid) or ""
-    for line in text.splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    return 0
 
 
 def _free_bytes(path):
@@ -88,7 +71,7 @@ def gpu_containers(backends, procs, libcuda_path=None):
             if not cuda:
                 continue
             entry = dict(c, runtime=backend.name, pids=tree,
-                         cuda_processes=[{"pid": p, "ns_pid": ns_pid(p), "cuda_state": by_pid[p].get("cuda_state")}
+                         cuda_processes=[{"pid": p, "ns_pid": procfs.ns_pid(p), "cuda_state": by_pid[p].get("cuda_state")}
                                          for p in cuda])
             found.append(entry)
             for p in cuda:
@@ -96,23 +79,9 @@ def gpu_containers(backends, procs, libcuda_path=None):
     return found, errors
 
 
-def _meminfo():
-    """This host's memory from /proc/meminfo: total and available (MemAvailable: what a restore can take
-    without swapping) in bytes, None each where unread."""
-    fields = {}
-    for line in (_read("/proc/meminfo") or "").splitlines():
-        key, sep, value = line.partition(":")
-        parts = value.split()
-        if sep and parts and parts[0].isdigit():
-            fields[key.strip()] = int(parts[0]) * 1024
-    return {"total_bytes": fields.get("MemTotal"), "available_bytes": fields.get("MemAvailable")}
-
-
 def _host():
-    return {"hostname": socket.gethostname(), "kernel": os.uname().release,
-            "boot_id": _read("/proc/sys/kernel/random/boot_id"),
-            "pid_namespace": os.readlink("/proc/self/ns/pid"),
-            "net_namespace": procfs.net_namespace()}
+    return {"hostname": socket.gethostname(), "kernel": os.uname().release, "boot_id": procfs.boot_id(),
+            "pid_namespace": procfs.pid_namespace(), "net_namespace": procfs.net_namespace()}
 
 
 def _unknown_gpu_memory(source, reason):
@@ -163,7 +132,7 @@ def _tree(drv, tree_of, tree_pids):
     cuda_states = {p: state for p, state in states.items() if state is not None}
     out = {"root": int(tree_of), "exists": True, "pids": tpids, "cuda_pids": [p for p in tpids if p in cuda_states],
            "cuda_states": {str(p): state for p, state in cuda_states.items()},
-           "rss_bytes": sum(_rss_bytes(p) for p in tpids),
+           "rss_bytes": sum(procfs.rss_bytes(p) for p in tpids),
            "net_namespace": procfs.net_namespace(int(tree_of)),
            "bound_sockets": procfs.bound_sockets(tpids)}
     out.update(tree_gpu_memory(tpids, cuda_states))
@@ -226,7 +195,7 @@ def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=N
     workload's pids as its runtime found them, when they are more than one tree: a pod's containers).
     ``gpu_source`` None: neither NVML nor nvidia-smi answered, and ``gpus`` [] then means "not known"."""
     drv, problem = cuda.load(libcuda_path)
-    out = {"host": _host(), "memory": _meminfo()}
+    out = {"host": _host(), "memory": procfs.meminfo()}
     if paths:
         out["disk"] = {p: {"free_bytes": _free_bytes(p)} for p in paths}
     if tree_of:
@@ -244,3 +213,9 @@ def facts(pids=None, libcuda_path=None, criu_path=None, check_criu=True, paths=N
     out["ready"] = bool(criu.get("supported") and criu.get("check_ok", True) and
                         (drv is not None or not gpus))
     return out
+
+
+def tree_facts(drv, root, pids=None):
+    """The facts of the workload tree rooted at ``root`` (as ``facts(tree_of=root)`` reports its ``tree``),
+    with the driver already loaded (``drv``, None without one): a drain asks this of every workload."""
+    return _tree(drv, root, pids)

@@ -14,32 +14,12 @@ import signal
 from collections import namedtuple
 
 from ..core import procfs
+from ..core.procfs import ns_pid
 from ..cuda import driver as cuda
 from ..cuda import devices as gpu_devices
 from .criu import Criu
 from ..core.errors import GpuCkptError, InvalidTarget
 from ..core.run import find_binary, run
-
-
-def _state(pid):
-    try:
-        with open("/proc/%d/stat" % pid) as fh:
-            data = fh.read()
-        return data[data.rindex(")") + 2:].split()[0]
-    except (OSError, ValueError, IndexError):
-        return None
-
-
-def ns_pid(pid):
-    """The pid inside the innermost pid namespace (the last NSpid field), or None."""
-    try:
-        with open("/proc/%d/status" % pid) as fh:
-            for line in fh:
-                if line.startswith("NSpid:"):
-                    return int(line.split()[-1])
-    except (OSError, ValueError):
-        pass
-    return None
 
 
 def map_by_ns_pid(manifest, new_pids):
@@ -153,7 +133,7 @@ class Backend(object):
 
     def is_held(self, pids):
         """True when the workload left by dump(after='stopped') is still held (not running)."""
-        states = [(_state(p) or "Z") for p in pids]
+        states = [(procfs.process_state(p) or "Z") for p in pids]
         return all(s in ("T", "t", "Z") for s in states)
 
     def map_pids(self, manifest, new_pids):
@@ -278,13 +258,6 @@ def criu_preflight(criu, full=True):
     return {"criu_version": version, "criu_path": criu.path}
 
 
-def _netns(pid):
-    try:
-        return os.stat("/proc/%s/ns/net" % pid).st_ino
-    except OSError:
-        return None
-
-
 def network_lock_problem(root_pid, criu_options=()):
     """Why CRIU could not lock the network of the workload, or None.
 
@@ -292,7 +265,7 @@ def network_lock_problem(root_pid, criu_options=()):
     network locked by CRIU during the dump, by default with iptables-restore (CRIU's --network-lock).
     Without that tool the dump fails only after the GPU stage has run; found here, nothing is frozen.
     CRIU looks the tool up on its PATH (execvp), as shutil.which does here."""
-    own, theirs = _netns("self"), _netns(root_pid)
+    own, theirs = procfs.net_namespace(), procfs.net_namespace(root_pid)
     if own is None or theirs is None or own == theirs:
         return None
     opts = list(criu_options or ())

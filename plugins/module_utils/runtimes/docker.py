@@ -15,45 +15,59 @@ Docker, like Podman, checkpoints only a running container, so leave_stopped is r
 """
 from __future__ import annotations
 
+import http.client
 import json
 import os
 import shutil
-import uuid
 import socket
+import uuid
 
 from ..core import procfs
 from ..core.errors import CommandError, InvalidTarget
 from ..core.run import find_binary, run
-from .base import ContainerBackend, ns_pid
+from .base import ContainerBackend
 
 CHECKPOINT = "gpuckpt"
 
 
-def _api(sock_path, method, path, body=None, timeout=60):
-    """One HTTP/1.0 request to the Docker Engine API over its unix socket; (status, parsed JSON)."""
+class _UnixHTTPConnection(http.client.HTTPConnection):
+    """HTTP to the Docker daemon over its unix socket (the Engine API's own transport)."""
+
+    def __init__(self, sock_path, timeout):
+        super(_UnixHTTPConnection, self).__init__("docker", timeout=timeout)  # "docker": the Host header
+        self.sock_path = sock_path
+
+    def connect(self):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(self.timeout)
+        try:
+            sock.connect(self.sock_path)
+        except OSError:
+            sock.close()
+            raise
+        self.sock = sock
+
+
+def _api(sock_path, method, path, body=None, timeout=60, stage=None):
+    """One request to the Docker Engine API over its unix socket: (status, the answer as JSON, or as
+    text when it is not JSON). A daemon that cannot be reached, or whose answer is not HTTP, is a
+    CommandError naming the request and the socket."""
     data = json.dumps(body).encode() if body is not None else b""
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(timeout)
+    conn = _UnixHTTPConnection(sock_path, timeout)
     try:
-        s.connect(sock_path)
-        head = "%s %s HTTP/1.0\r\nHost: docker\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n" % (
-            method, path, len(data))
-        s.sendall(head.encode() + data)
-        chunks = []
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"})
+        answer = conn.getresponse()
+        status, payload = answer.status, answer.read().decode("utf-8", "replace")
+    except (OSError, http.client.HTTPException) as exc:
+        raise CommandError("the Docker API request %s %s over %s failed: %s" % (method, path, sock_path, exc),
+                           stage=stage, details={"api": {"socket": sock_path, "method": method, "path": path}},
+                           hint="is dockerd running, and is docker_host right?")
     finally:
-        s.close()
-    raw = b"".join(chunks)
-    header, _sep, payload = raw.partition(b"\r\n\r\n")
-    status = int(header.split()[1])
+        conn.close()
     try:
-        return status, json.loads(payload.decode("utf-8", "replace") or "null")
+        return status, json.loads(payload or "null")
     except ValueError:
-        return status, payload.decode("utf-8", "replace")
+        return status, payload
 
 
 class DockerBackend(ContainerBackend):
@@ -124,7 +138,7 @@ class DockerBackend(ContainerBackend):
         self._info = info
         pid = int(state["Pid"])
         tree = procfs.process_tree(pid)
-        self._ns = {str(p): ns_pid(p) for p in tree}
+        self._ns = {str(p): procfs.ns_pid(p) for p in tree}
         return pid, tree
 
     def dump(self, target, image_dir, work_dir, after):
@@ -150,10 +164,13 @@ class DockerBackend(ContainerBackend):
     def _create(self, manifest):
         spec = dict((manifest.get("runtime") or {}).get("create", {}).get("Config") or {})
         spec["HostConfig"] = (manifest.get("runtime") or {}).get("create", {}).get("HostConfig") or {}
-        status, body = _api(self._socket(), "POST", "/containers/create?name=%s" % self.container, spec)
+        sock, path = self._socket(), "/containers/create?name=%s" % self.container
+        status, body = _api(sock, "POST", path, spec, stage="runtime-restore")
         if status != 201:
             raise CommandError("creating container %s from its saved configuration failed (HTTP %d): %s"
                                % (self.container, status, body), stage="runtime-restore",
+                               details={"api": {"socket": sock, "method": "POST", "path": path, "status": status,
+                                                "body": body}},
                                hint="the container's image must be on this host")
         return body["Id"]
 

@@ -31,7 +31,7 @@ from ..core import procfs
 from ..cuda import devices as gpu_devices
 from ..core.errors import CommandError, InvalidTarget
 from ..core.run import find_binary, run, run_detaching
-from .base import ContainerBackend, mount_hint, ns_pid
+from .base import ContainerBackend, mount_hint
 
 CGROUP2_ROOT = "/sys/fs/cgroup"  # the unified hierarchy; tests point this elsewhere
 
@@ -40,14 +40,7 @@ def cgroup2_path(pid):
     """The cgroup v2 path of ``pid`` as the host sees it, or None on a host without a unified hierarchy."""
     if not os.path.exists(os.path.join(CGROUP2_ROOT, "cgroup.controllers")):
         return None
-    try:
-        with open("/proc/%d/cgroup" % int(pid)) as fh:
-            for line in fh:
-                if line.startswith("0::"):
-                    return line[3:].strip() or "/"
-    except OSError:
-        pass
-    return None
+    return procfs.unified_cgroup(pid)
 
 
 def cgroup2_frozen(path):
@@ -127,7 +120,7 @@ class RuncBackend(ContainerBackend):
         self._bundle_seen = st.get("bundle")
         self._cgroup_seen = cgroup2_path(pid)
         tree = procfs.process_tree(pid)
-        self._ns = {str(p): ns_pid(p) for p in tree}
+        self._ns = {str(p): procfs.ns_pid(p) for p in tree}
         return pid, tree
 
     def dump(self, target, image_dir, work_dir, after):

@@ -1,0 +1,44 @@
+"""core/procfs.py: the /proc readers that the journal, the runtimes and the facts share, read on this
+test's own process (and on a pid that does not exist)."""
+from __future__ import annotations
+
+import os
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import journal, procfs
+
+NO_PID = 4194303  # above the kernel's pid_max limit: never a process
+
+
+def test_the_state_and_start_time_of_a_process_and_of_none():
+    me = os.getpid()
+    st = procfs.read_stat(me)
+    assert procfs.process_state(me) == st["state"] == "R" and st["starttime"] > 0
+    assert procfs.read_stat(NO_PID) is None and procfs.process_state(NO_PID) is None
+    # the journal names processes by the same start time
+    assert journal.process_identity(me)["starttime"] == st["starttime"]
+    assert journal.process_identity(NO_PID) is None
+    assert journal.process_identity(me)["boot_id"] == procfs.boot_id()
+
+
+def test_boot_id_and_namespaces():
+    with open("/proc/sys/kernel/random/boot_id") as fh:
+        assert procfs.boot_id() == fh.read().strip()
+    assert procfs.pid_namespace().startswith("pid:[") and procfs.net_namespace().startswith("net:[")
+    assert procfs.net_namespace(os.getpid()) == procfs.net_namespace()
+    assert procfs.pid_namespace(NO_PID) is None and procfs.net_namespace(NO_PID) is None
+
+
+def test_pid_inside_its_namespace_and_memory():
+    me = os.getpid()
+    assert procfs.ns_pid(me) == me  # this process sees itself from inside its own pid namespace
+    assert procfs.ns_pid(NO_PID) is None
+    assert procfs.rss_bytes(me) > 1 << 20 and procfs.rss_bytes(NO_PID) == 0
+    mem = procfs.meminfo()
+    assert 0 < mem["available_bytes"] <= mem["total_bytes"]
+
+
+def test_the_unified_cgroup_of_a_process():
+    with open("/proc/self/cgroup") as fh:
+        v2 = [ln[3:].strip() or "/" for ln in fh if ln.startswith("0::")]
+    assert procfs.unified_cgroup(os.getpid()) == (v2[0] if v2 else None)
+    assert procfs.unified_cgroup(NO_PID) is None
