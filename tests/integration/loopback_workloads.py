@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
 import time
 
-from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, workload_processes
+from loopback import _descendants  # tests/hosts is on the path (tests/conftest.py)
+from helpers import ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, workload_processes
 
 NVIDIA_SMI_DOUBLE = os.path.join(REPO, "tests", "doubles", "nvidia-smi")  # a TEST DOUBLE of nvidia-smi
 
@@ -88,3 +90,48 @@ def migrate(playbook, hosts, w, mid, **extra):
 
 def changed_tasks(run):
     return [r["_task"] for r in run.results if r.get("changed")]
+
+
+class Controller(object):
+    """ansible-playbook (migrate.yml, or ``name``) running in the background, which a test kills as a whole."""
+
+    def __init__(self, hosts, tmp_path, extra, inventory=None, name=MIGRATE):
+        self.cp = str(tmp_path / "cp-killed")
+        env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS, ANSIBLE_HOST_KEY_CHECKING="false",
+                   ANSIBLE_PIPELINING="true", ANSIBLE_SSH_CONTROL_PATH_DIR=self.cp)
+        self.log = str(tmp_path / "controller.log")
+        self.proc = subprocess.Popen([ANSIBLE_PLAYBOOK, name, "-i", inventory or hosts.path("inventory.yml"),
+                                      "-e", json.dumps(extra)], stdout=open(self.log, "w"),
+                                     stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
+
+    def output(self):
+        with open(self.log) as fh:
+            return fh.read()
+
+    def tree(self):
+        return [self.proc.pid] + _descendants(self.proc.pid)
+
+    def freeze(self):
+        """Stop every process of the controller, walking its tree until no new one appears (a worker
+        that forks meanwhile is caught), so that none escapes the kill."""
+        seen = set()
+        while True:
+            new = [p for p in self.tree() if p not in seen]
+            if not new:
+                return seen
+            for p in new:
+                try:
+                    os.kill(p, signal.SIGSTOP)
+                except OSError:
+                    pass
+                seen.add(p)
+
+    def kill(self):
+        """The controller dies with everything it started (its ssh connection masters too)."""
+        for p in self.freeze():
+            try:
+                os.kill(p, signal.SIGKILL)
+            except OSError:
+                pass
+        subprocess.run(["pkill", "-9", "-f", self.cp], check=False)
+        self.proc.wait()

@@ -9,16 +9,13 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import subprocess
 import time
 
 import pytest
 
-from helpers import ANSIBLE_PLAYBOOK, COLLECTIONS, COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, RuncOnLoopbackHosts, \
-    write_runc_bundle
+from helpers import FAKE_LIBCUDA
 from loopback import LoopbackHosts
-from loopback_workloads import RemoteWorkload, fakecuda_host_vars, processes
+from loopback_workloads import Controller, RemoteWorkload, fakecuda_host_vars, processes
 
 DRAIN = "gpuckpt.fleet.drain"
 HOSTS = (("hosta", "127.0.0.12"), ("hostb", "127.0.0.13"), ("hostc", "127.0.0.14"))  # apart from the two-host tests
@@ -139,3 +136,117 @@ def test_check_mode_prints_the_plan_and_the_drain_moves_each_workload_where_it_f
     again = drain()
     assert again.rc == 0, again.stdout
     assert "0 workload(s) to move" in "\n".join(lines(again, "The plan"))
+
+
+def inventory_with(hosts, path, **host_vars):
+    """The loopback inventory with more variables for some hosts ({host: {var: value}})."""
+    with open(hosts.path("inventory.yml")) as fh:
+        inv = json.load(fh)
+    for name, extra in host_vars.items():
+        inv["gpu_nodes"]["hosts"][name].update(extra)
+    with open(path, "w") as fh:
+        json.dump(inv, fh)
+    return str(path)
+
+
+def test_a_job_that_fits_nowhere_stays_and_a_failed_restore_rolls_back_while_the_others_move(
+        playbook, hosts3, started, tmp_path):
+    """Three jobs, two moves at a time: one needs more GPU memory than any target has (it stays, named before
+    any freeze); the small one's restore fails on hostb (its probe fails there: it rolls back and runs on on
+    hosta); the 8 GiB one moves to hostc. The play fails (the node is not empty) and says why for each."""
+    huge, big, small = started(), started(), started()
+    set_gpus(hosts3, big={huge.pid: 200000, big.pid: 8192})
+    inventory = inventory_with(hosts3, tmp_path / "inv.json", hostb={"gpuckpt_probe_command": "false"})
+    run = playbook(DRAIN, {"node": "hosta", "drain_parallel": 2}, inventory=inventory)
+    assert run.rc != 0, run.stdout
+    plan = "\n".join(lines(run, "The plan"))
+    assert "STAY  pid %d" % huge.pid in plan and "fits on no target" in plan, plan
+    report = "\n".join(lines(run, "Where each workload runs now"))
+    assert "MOVED   pid %d (python3) -> hostc" % big.pid in report, report
+    assert "STAYED  pid %d (python3) on hosta" % small.pid in report and "rolled back" in report, report
+    assert "STAYED  pid %d (python3) on hosta: fits on no target" % huge.pid in report, report
+    assert "hosta is not empty" in run.task("The node is not empty")["msg"]
+    assert where(hosts3, huge) == where(hosts3, small) == "hosta" and where(hosts3, big) == "hostc"
+    for w in (huge, big, small):
+        assert w.one_copy_runs_intact()
+    # Nothing of the failed move is left on hostb's disk.
+    assert os.listdir(hosts3.path("hostb", "images")) == []
+
+
+def test_bad_options_and_unreadable_gpu_memory_are_refused_before_anything_is_frozen(drain, hosts3, started):
+    w = started()
+    set_gpus(hosts3, mapping=False)  # nvidia-smi lists no process: the job's GPU memory cannot be read
+    for bad in ({"drain_parallel": 0}, {"gpuckpt_runtime_timeout": -1}, {"deadline": "soon"}):
+        run = drain(bad)
+        assert run.rc != 0, run.stdout
+        assert ("Nothing was frozen: fix these options first" in run.stdout
+                or "Validation of arguments failed" in run.stdout), run.stdout
+        assert list(bad)[0] in run.stdout and "PLAY [Mark the node draining" not in run.stdout
+    run = drain()
+    assert run.rc != 0, run.stdout
+    plan = "\n".join(lines(run, "The plan"))
+    assert "STAY  pid %d" % w.pid in plan and "GPU UNKNOWN" in plan, plan
+    assert "install nvidia-ml-py (NVML) or nvidia-smi on" in plan, plan
+    assert where(hosts3, w) == "hosta" and w.one_copy_runs_intact()
+    assert not [f for f in os.listdir(hosts3.path("hosta", "journal")) if f.endswith(".source.json")
+                and w.dir and "process-%d" % w.pid in f], "nothing was frozen"
+
+
+def test_a_deadline_too_short_for_one_job_leaves_it_running_and_names_it_before_any_freeze(drain, hosts3, started):
+    """Measured throughputs (given here) and a 35 s deadline: the small job's move (about 30 s of overhead)
+    ends in time, the 8 GiB one's (its image over 1 GB/s, plus the overhead) would not, so it stays."""
+    big, small = started(), started()
+    set_gpus(hosts3, big={big.pid: 8192})
+    run = drain({"deadline": 35, "gpuckpt_drain_throughput": {"hostb": 1e9, "hostc": 1e9}})
+    assert run.rc != 0, run.stdout
+    plan = "\n".join(lines(run, "The plan"))
+    assert "STAY  pid %d" % big.pid in plan and "past the deadline of 35 s" in plan, plan
+    assert "MOVE  pid %d" % small.pid in plan and "est. 30 s" in plan, plan
+    report = "\n".join(lines(run, "Where each workload runs now"))
+    assert "MOVED   pid %d" % small.pid in report and "(estimated 30 s)" in report, report
+    assert where(hosts3, big) == "hosta"
+    for w in (big, small):
+        assert w.one_copy_runs_intact()
+
+
+def frozen_moves(hosts):
+    """The drain's moves whose source is frozen or further on (their source journals on hosta)."""
+    d = hosts.path("hosta", "journal")
+    found = []
+    for f in os.listdir(d) if os.path.isdir(d) else []:
+        if f.startswith("drain-") and f.endswith(".source.json"):
+            try:
+                with open(os.path.join(d, f)) as fh:
+                    if json.load(fh).get("phase") not in (None, "planned"):
+                        found.append(f)
+            except (OSError, ValueError):
+                pass
+    return found
+
+
+def test_a_drain_whose_controller_is_killed_mid_move_is_finished_by_a_rerun(drain, hosts3, started, tmp_path):
+    """The whole controller (ansible-playbook and every worker) is killed once a move has frozen its source.
+    The re-run settles that move first (from the node's drain mark), then moves what is still on the node:
+    each job ends with exactly one copy, counting on, its memory intact."""
+    jobs = [started(), started()]
+    set_gpus(hosts3)
+    before = {w: w.counts() for w in jobs}
+    ctl = Controller(hosts3, tmp_path, {"node": "hosta", "drain_parallel": 2}, name="gpuckpt.fleet.drain")
+    deadline = time.monotonic() + 180
+    while not frozen_moves(hosts3):
+        assert ctl.proc.poll() is None, ctl.output()
+        assert time.monotonic() < deadline, ctl.output()
+        time.sleep(0.05)
+    ctl.kill()
+    with open(hosts3.path("hosta", "journal", "drain.json")) as fh:
+        assert len(json.load(fh)["pending"]) == 2, "the mark names the moves before any begins"
+
+    run = drain()
+    assert run.rc == 0, run.stdout
+    assert "node is empty" in run.stdout or "runs no GPU workload any more" in run.stdout, run.stdout
+    for w in jobs:
+        assert where(hosts3, w) in ("hostb", "hostc")
+        assert w.one_copy_runs_intact()
+        assert w.counts()["parent"] > before[w]["parent"]
+    with open(hosts3.path("hosta", "journal", "drain.json")) as fh:
+        assert json.load(fh)["pending"] == []

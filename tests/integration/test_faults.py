@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
@@ -23,10 +22,9 @@ import time
 
 import pytest
 
-from helpers import ANSIBLE_PLAYBOOK, COLLECTIONS, REPO, bad_link_python
+from helpers import bad_link_python
 
-from loopback_workloads import MIGRATE, RECOVER, changed_tasks, migrate, processes
-from loopback import _descendants  # noqa: E402 - loopback_workloads put tests/hosts on the path
+from loopback_workloads import RECOVER, Controller, changed_tasks, migrate, processes
 
 
 # ---- helpers ------------------------------------------------------------------------------------------
@@ -75,51 +73,6 @@ def clean_fakecuda(hosts):
                 os.unlink(hosts.path(host, "fakecuda", kind))
             except OSError:
                 pass
-
-
-class Controller(object):
-    """ansible-playbook migrate.yml running in the background, which a test kills as a whole."""
-
-    def __init__(self, hosts, tmp_path, extra, inventory=None):
-        self.cp = str(tmp_path / "cp-killed")
-        env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS, ANSIBLE_HOST_KEY_CHECKING="false",
-                   ANSIBLE_PIPELINING="true", ANSIBLE_SSH_CONTROL_PATH_DIR=self.cp)
-        self.log = str(tmp_path / "controller.log")
-        self.proc = subprocess.Popen([ANSIBLE_PLAYBOOK, MIGRATE, "-i", inventory or hosts.path("inventory.yml"),
-                                      "-e", json.dumps(extra)], stdout=open(self.log, "w"),
-                                     stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-
-    def output(self):
-        with open(self.log) as fh:
-            return fh.read()
-
-    def tree(self):
-        return [self.proc.pid] + _descendants(self.proc.pid)
-
-    def freeze(self):
-        """Stop every process of the controller, walking its tree until no new one appears (a worker
-        that forks meanwhile is caught), so that none escapes the kill."""
-        seen = set()
-        while True:
-            new = [p for p in self.tree() if p not in seen]
-            if not new:
-                return seen
-            for p in new:
-                try:
-                    os.kill(p, signal.SIGSTOP)
-                except OSError:
-                    pass
-                seen.add(p)
-
-    def kill(self):
-        """The controller dies with everything it started (its ssh connection masters too)."""
-        for p in self.freeze():
-            try:
-                os.kill(p, signal.SIGKILL)
-            except OSError:
-                pass
-        subprocess.run(["pkill", "-9", "-f", self.cp], check=False)
-        self.proc.wait()
 
 
 def recover(playbook, mid, **extra):

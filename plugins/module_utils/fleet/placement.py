@@ -98,7 +98,7 @@ def migration_id(prefix, workload):
 
 
 def place(node, workloads, targets, source_path, target_paths, allow_unknown=(), allow_driver_mismatch=False,
-          margin=planner.IMAGE_MARGIN):
+          margin=planner.IMAGE_MARGIN, throughput=None):
     """(moves, stays): each move ``{"workload", "target", "gpus", "image_estimate_bytes", "rejected"}``;
     each stay ``{"workload", "reason", "rejected"}``. ``targets``: {name: facts, or a text saying why there
     are none (unreachable)}; ``rejected``: {target: why not there} for every target not chosen."""
@@ -118,12 +118,15 @@ def place(node, workloads, targets, source_path, target_paths, allow_unknown=(),
         if not fits:
             stays.append({"workload": w, "reason": "fits on no target", "rejected": rejected})
             continue
-        best = min(fits, key=lambda n: (planned[n], -_free_gpu_mib(facts[n]), n))
+        # With throughputs known (a deadline), the target the image reaches soonest first.
+        best = min(fits, key=lambda n: (_transfer_s(fits[n].image_estimate_bytes, (throughput or {}).get(n)),
+                                        planned[n], -_free_gpu_mib(facts[n]), n))
         tg = planner.gpu_list(facts[best]) or []
         gpus = sorted({g.get("uuid") for uuid, unused in planner.gpu_needs(w["tree"]) or []
                        for g in planner.landing_gpus(uuid, planner.gpu_list(node) or [], tg)})
-        rejected.update({n: "fits too; %s was chosen (fewer moves planned there, or more free GPU memory)" % best
-                         for n in fits if n != best})
+        why_best = ("a faster link, fewer moves planned there, or more free GPU memory" if throughput
+                    else "fewer moves planned there, or more free GPU memory")
+        rejected.update({n: "fits too; %s was chosen (%s)" % (best, why_best) for n in fits if n != best})
         moves.append({"workload": w, "target": best, "gpus": gpus, "image_estimate_bytes": fits[best].image_estimate_bytes,
                       "rejected": rejected})
         facts[best] = _reserve(facts[best], w, node, fits[best], target_paths.get(best))
@@ -131,12 +134,20 @@ def place(node, workloads, targets, source_path, target_paths, allow_unknown=(),
     return moves, stays
 
 
+def _rate(value):
+    """A throughput as given (bytes/s) or as the node's record keeps it ({"bytes_s", "measured_at"})."""
+    return value.get("bytes_s") if isinstance(value, dict) else value
+
+
+def _transfer_s(size, rate):
+    rate = _rate(rate)
+    return float("inf") if not rate or size is None else size / float(rate)
+
+
 def estimate(move, throughput, overhead=OVERHEAD_S):
     """The move's estimated seconds: ``transfer_s`` (its image over the measured throughput to its target)
     and ``duration_s`` (that plus the fixed overhead); None each when the throughput or the size is unknown."""
-    rate, size = (throughput or {}).get(move["target"]), move["image_estimate_bytes"]
-    if isinstance(rate, dict):  # as the node's record keeps it: {"bytes_s", "measured_at"}
-        rate = rate.get("bytes_s")
+    rate, size = _rate((throughput or {}).get(move["target"])), move["image_estimate_bytes"]
     if not rate or size is None:
         return {"transfer_s": None, "duration_s": None, "throughput_bytes_s": rate}
     transfer = size / float(rate)
@@ -188,7 +199,7 @@ def plan_drain(node, workloads, targets, source_path, target_paths, id_prefix, p
     estimate and batch) and ``stays`` (each workload that is not moved, with its reason), every
     ``rejected`` target with its reason."""
     placed, stays = place(node, workloads, targets, source_path, target_paths, allow_unknown, allow_driver_mismatch,
-                          margin)
+                          margin, throughput if deadline is not None else None)
     moves, late = schedule(placed, parallel, deadline, throughput, overhead, allow_unknown)
     for m in moves:
         m["migration_id"] = migration_id(id_prefix, m["workload"])

@@ -50,8 +50,8 @@ def report_lines(node, plan, outcomes):
     or why it stayed. ``outcomes``: {migration id: the move's outcome as the play recorded it}."""
     lines = ["Drain of %s:" % node]
     for m in plan["moves"]:
-        out = outcomes.get(m["migration_id"]) or {"status": "not run", "where": node,
-                                                    "reason": "the move did not report (its host failed?)"}
+        out = outcomes.get(m["migration_id"]) or {
+            "status": "not run", "where": node, "reason": "the move did not report (its host failed?)"}
         est = (m.get("estimate") or {}).get("duration_s")
         if out.get("status") == "moved":
             lines.append("  MOVED   %s -> %s: downtime %s, move took %s (estimated %s), image %s (estimated %s)" % (
