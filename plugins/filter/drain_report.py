@@ -11,7 +11,7 @@ version_added: "0.4.0"
 description:
   - Returns C(lines) (each workload, where it runs now and its downtime beside the plan's estimate, or why it stayed),
     C(empty) (every planned move moved, and no workload stayed or was left out), C(pending) (the moves that are not
-    settled, for the node's drain mark: a re-run settles them first) and C(throughput) (O(throughput) updated with
+    settled, for the node's drain mark, as a re-run settles them first) and C(throughput) (O(throughput) updated with
     what each move showed, by target).
 options:
   _input:
@@ -27,7 +27,7 @@ options:
     type: str
     required: true
   throughput:
-    description: The throughput recorded before, by target (C({bytes_s, measured_at})).
+    description: The throughput recorded before, by target (each with C(bytes_s) and C(measured_at)).
     type: dict
   now:
     description: The time to record the throughput at.

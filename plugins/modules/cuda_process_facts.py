@@ -125,7 +125,8 @@ ansible_facts:
         - driver, gpus, cuda_device_uuids, cuda_processes, criu, host (with boot_id, pid_namespace and net_namespace),
           memory (total_bytes, available_bytes from /proc/meminfo), gpu_source (null when nothing could list the GPUs), ready.
         - gpu_containers and container_errors (see O(list_containers)).
-        - runtimes_present (the container runtimes in use here), drain (this host's drain mark, or null).
+        - runtimes_present (the container runtimes that could restore a container here - a daemon that answers, or the binary
+          of runc, runsc or Podman), drain (this host's drain mark, or null).
         - disk, tree, pids_in_use and workloads when asked for. C(tree) has gpu_bytes (null when unknown, as when neither NVML nor
           nvidia-smi reports the memory of each of its CUDA processes; never 0 for unknown), gpu_bytes_by_gpu,
           gpu_memory_source and gpu_memory_unknown_reason.
@@ -136,6 +137,7 @@ ansible_facts:
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.run import find_binary
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import facts as host_facts
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import drain_mark, workloads as node_workloads
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS
@@ -143,6 +145,17 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers impo
     container_backends, container_tree, run_module)
 
 CONTAINER_RUNTIMES = ["runc", "podman", "docker", "containerd", "runsc"]
+DAEMONLESS = ("runc", "runsc", "podman")  # their binary is all a restore needs; containerd and Docker need their daemon
+
+
+def runtimes_available(p):
+    """The runtimes this host could restore a container with: a daemon's socket answering to its path, or the
+    binary of a runtime without a daemon (its state directory appears with its first container)."""
+    found = []
+    for b in container_backends(dict(p, list_containers=list(CONTAINER_RUNTIMES)), CONTAINER_RUNTIMES):
+        if b.present() or (b.name in DAEMONLESS and find_binary(b.name, p.get(b.name + "_path"), required=False)):
+            found.append(b.name)
+    return found
 
 
 def main():
@@ -173,7 +186,7 @@ def main():
             facts["container"] = container
         facts["gpu_containers"], facts["container_errors"] = host_facts.gpu_containers(
             container_backends(p, CONTAINER_RUNTIMES), facts["cuda_processes"], p["libcuda_path"])
-        facts["runtimes_present"] = [b.name for b in container_backends(dict(p, list_containers=None), CONTAINER_RUNTIMES)]
+        facts["runtimes_present"] = runtimes_available(p)
         facts["drain"] = drain_mark.read(p["journal_dir"])
         if p["workloads"]:
             facts["workloads"] = node_workloads.discover(facts, p["libcuda_path"])

@@ -9,11 +9,14 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import time
+import uuid
 
 import pytest
 
-from helpers import FAKE_LIBCUDA
+from containerd_daemon import CTR, IMAGE, available as containerd_available, start_on_host, stop_on_host
+from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, RuncOnLoopbackHosts, write_runc_bundle
 from loopback import LoopbackHosts
 from loopback_workloads import Controller, RemoteWorkload, fakecuda_host_vars, processes
 
@@ -250,3 +253,106 @@ def test_a_drain_whose_controller_is_killed_mid_move_is_finished_by_a_rerun(drai
         assert w.counts()["parent"] > before[w]["parent"]
     with open(hosts3.path("hosta", "journal", "drain.json")) as fh:
         assert json.load(fh)["pending"] == []
+
+
+class RuncJob(RuncOnLoopbackHosts, CountingWorkload):
+    """A runc container on hosta running the counter with the libcuda double; each target gets the same
+    bundle under its own path (the host's gpuckpt_runc_bundle) and cgroup."""
+
+    roles = ("parent", "child1")
+
+    def __init__(self, hosts, workdir):
+        self.hosts, self.dir = hosts, workdir
+        self.id = "gpuckpt-d-" + uuid.uuid4().hex[:8]
+        os.makedirs(workdir, exist_ok=True)
+        args = ["/usr/bin/python3", COUNTER, "--dir", workdir, "--mb", "8", "--fakecuda", FAKE_LIBCUDA]
+        env = ["GPUCKPT_LIBCUDA=%s" % FAKE_LIBCUDA, "FAKECUDA_STATE_DIR=%s" % hosts.path("hosta", "fakecuda")]
+        for name, unused in HOSTS:
+            write_runc_bundle(hosts.path(name, "bundle"), args, env, rw=[workdir, hosts.path()],
+                              cgroup="/gpuckpt-test-%s-%s" % (name, self.id))
+        self.runc("hosta", "run --detach --bundle %s %s" % (hosts.path("hosta", "bundle"), self.id), relay=True)
+        self.wait_counting()
+
+    def cleanup(self):
+        for name, unused in HOSTS:
+            self.runc(name, "delete --force %s" % self.id, check=False)
+
+
+class ContainerdJob(CountingWorkload):
+    """A containerd per host (started over ssh, in that host's pid namespace) with the skeleton image; a
+    counting task on hosta in namespace k8s.io."""
+
+    roles = ("parent", "child1")
+
+    def __init__(self, hosts, workdir):
+        self.hosts, self.dir, self.namespace = hosts, workdir, "k8s.io"
+        self.id = "gpuckpt-dc-" + uuid.uuid4().hex[:8]
+        os.makedirs(workdir, exist_ok=True)
+        self.daemons = {}
+        for name, unused in HOSTS:
+            d = start_on_host(hosts, name, ctrd_dir(name))
+            d.import_skeleton(self.namespace)
+            self.daemons[name] = d
+        args = ["run", "--detach", "--runc-root", hosts.host_vars["hosta"]["gpuckpt_runc_root"],
+                "--log-uri", "file://" + os.path.join(workdir, "out.log"), "--env", "PATH=/usr/bin:/bin",
+                "--env", "GPUCKPT_LIBCUDA=%s" % FAKE_LIBCUDA, "--env", "FAKECUDA_STATE_DIR=%s" % hosts.path("hosta", "fakecuda")]
+        for src, opt in [("/usr", "ro"), ("/etc", "ro"), (REPO, "ro"), (workdir, "rw"), (hosts.path(), "rw")]:
+            args += ["--mount", "type=bind,src=%s,dst=%s,options=rbind:%s" % (src, src, opt)]
+        cmd = "exec /usr/bin/python3 %s --dir %s --mb 8 --fakecuda %s" % (COUNTER, workdir, FAKE_LIBCUDA)
+        hosts.ssh("hosta", " ".join(shlex.quote(a) for a in [CTR, "--address", self.daemons["hosta"].address,
+                                                             "--namespace", self.namespace] + args
+                                    + [IMAGE, self.id, "/bin/sh", "-c", cmd]))
+        self.wait_counting()
+
+    def status(self, host):
+        for line in self.daemons[host].ctr("tasks", "ls", namespace=self.namespace).stdout.splitlines()[1:]:
+            f = line.split()
+            if f and f[0] == self.id:
+                return f[2]
+        return None
+
+    def cleanup(self):
+        for d in self.daemons.values():
+            d.remove_all()
+
+
+def ctrd_dir(name):
+    return "/tmp/gpk-dctrd-%s-%d" % (name, os.getpid())
+
+
+@pytest.mark.skipif(not containerd_available(), reason="containerd 2.x (tests/setup.sh) and python3-grpcio")
+def test_a_node_with_a_process_a_runc_container_and_a_containerd_task_is_emptied(playbook, hosts3, started, tmp_path):
+    """Each runtime's GPU workload is found on the node (no name given), placed and moved with migrate.yml's
+    transaction, two at a time; the runc container and the containerd task keep running under their runtimes
+    on their targets."""
+    set_gpus(hosts3)
+    proc = started()
+    runc_job = RuncJob(hosts3, str(tmp_path / "runc"))
+    ctrd_job = None
+    try:
+        ctrd_job = ContainerdJob(hosts3, str(tmp_path / "ctrd"))
+        inventory = inventory_with(hosts3, tmp_path / "inv.json",
+                                   **{name: {"gpuckpt_containerd_address": ctrd_job.daemons[name].address}
+                                      for name, unused in HOSTS})
+        before = {w: w.counts() for w in (proc, runc_job, ctrd_job)}
+        run = playbook(DRAIN, {"node": "hosta", "drain_parallel": 2}, inventory=inventory)
+        assert run.rc == 0, run.stdout
+        plan = "\n".join(lines(run, "The plan"))
+        assert "3 workload(s) to move" in plan, plan
+        assert "container %s (runc)" % runc_job.id in plan and "container %s (containerd)" % ctrd_job.id in plan, plan
+        report = "\n".join(lines(run, "Where each workload runs now"))
+        assert report.count("MOVED") == 3, report
+        runc_on = [n for n, unused in HOSTS if (runc_job.state(n) or {}).get("status") == "running"]
+        ctrd_on = [n for n, unused in HOSTS if ctrd_job.status(n) == "RUNNING"]
+        assert len(runc_on) == 1 and runc_on[0] != "hosta", runc_on
+        assert len(ctrd_on) == 1 and ctrd_on[0] != "hosta", ctrd_on
+        assert where(hosts3, proc) in ("hostb", "hostc")
+        for w in (proc, runc_job, ctrd_job):
+            w.went_on_intact(before[w])
+            assert w.no_count_twice()
+    finally:
+        runc_job.cleanup()
+        if ctrd_job:
+            ctrd_job.cleanup()
+        for name, unused in HOSTS:
+            stop_on_host(hosts3, name, ctrd_dir(name))

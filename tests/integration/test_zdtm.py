@@ -7,6 +7,10 @@ that plain CRIU passes must pass through the modules too: no validation that kil
 for holding a zombie or a stopped task, no flag the modules fail to find. A test whose result differs
 is run again in both ways, so that a test that is flaky on this machine is told from a real difference.
 The runner is tests/zdtm/zdtm_tests.py; the results are in .build/zdtm-results.json (docs/zdtm.md).
+
+The whole selection (about 300 tests, each dumped and restored twice) takes 14 minutes on a 2-core CI machine,
+a third of the suite's budget. CI runs every third test of the sorted selection (a fixed third, so a result
+does not move from run to run); GPUCKPT_ZDTM_ALL=1 runs them all, as done before each release.
 """
 from __future__ import annotations
 
@@ -24,6 +28,16 @@ RUNNER = os.path.join(REPO, "tests", "zdtm", "zdtm_tests.py")
 RESULTS = os.path.join(REPO, ".build", "zdtm-results.json")
 
 
+EVERY = 1 if os.environ.get("GPUCKPT_ZDTM_ALL") == "1" else 3
+
+
+def _selection():
+    """The tests this run takes: the runner's selection, or every EVERY-th of it."""
+    res = subprocess.run([sys.executable, RUNNER, "--src", SRC, "--mode", "list"], check=True, stdout=subprocess.PIPE,
+                         universal_newlines=True, timeout=600)
+    return json.loads(res.stdout)["selected"][::EVERY]
+
+
 def _run(mode, out, names=()):
     subprocess.run([sys.executable, RUNNER, "--src", SRC, "--mode", mode, "--out", out] + list(names), check=True,
                    stdout=subprocess.DEVNULL, timeout=3600)
@@ -35,8 +49,9 @@ def _run(mode, out, names=()):
                     reason="tests/setup.sh builds the zdtm tests")
 @pytest.mark.timeout(3600)
 def test_zdtm_static_tests_pass_through_the_modules_as_with_plain_criu(tmp_path):
-    plain = _run("plain", str(tmp_path / "plain.jsonl"))
-    modules = _run("modules", str(tmp_path / "modules.jsonl"))
+    chosen = _selection()
+    plain = _run("plain", str(tmp_path / "plain.jsonl"), chosen)
+    modules = _run("modules", str(tmp_path / "modules.jsonl"), chosen)
     differ = sorted(t for t in plain if (plain[t] == "PASS") != (modules.get(t) == "PASS"))
     again = {}
     if differ:  # told apart from flaky tests: both ways again
@@ -50,4 +65,4 @@ def test_zdtm_static_tests_pass_through_the_modules_as_with_plain_criu(tmp_path)
     with open(RESULTS, "w") as fh:
         json.dump(summary, fh, indent=1, sort_keys=True)
     assert not real, "plain CRIU passes these, the modules fail them: %s" % {t: modules[t] for t in real}
-    assert summary["plain_passed"] > 200, summary["plain_passed"]
+    assert summary["plain_passed"] > 200 // EVERY, summary["plain_passed"]

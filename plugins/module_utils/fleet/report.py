@@ -4,7 +4,7 @@
 """A drain's plan and its outcome as lines for people (the play prints them; AWX shows them as they are)."""
 from __future__ import annotations
 
-from ..migration.planner import gib
+from ..migration.planner import gib, image_estimate
 
 
 def describe(workload):
@@ -16,7 +16,7 @@ def describe(workload):
 
 def _size(workload, estimate=None):
     tree = workload.get("tree") or {}
-    gpu = tree.get("gpu_bytes")
+    gpu, estimate = tree.get("gpu_bytes"), estimate if estimate is not None else image_estimate(tree)
     return "%s image, GPU %s" % (gib(estimate) if estimate is not None else "? GiB",
                                  gib(gpu) if gpu is not None else "UNKNOWN")
 
