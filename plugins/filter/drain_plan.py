@@ -99,6 +99,8 @@ _value:
   type: dict
 """
 
+import re
+
 from ansible.errors import AnsibleFilterError
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import placement, report, workloads as node_workloads
@@ -118,23 +120,38 @@ def _target_facts(result):
     return result["ansible_facts"]["gpuckpt"]
 
 
+def _names(given):
+    """A list option as names. ``-e exclude=[4242]`` and an AWX survey's text answer arrive as one string,
+    which iterated would be its characters: its names are separated by commas, spaces or lines."""
+    if given is None:
+        return None
+    if isinstance(given, str):
+        return [n for n in (n.strip("'\"") for n in re.split(r"[\s,]+", given.strip().strip("[]"))) if n]
+    return [str(n) for n in (given if isinstance(given, (list, tuple)) else [given])]
+
+
 def drain_plan(node_facts, targets, node, source_path, target_paths, id_prefix, parallel=1, deadline=None,
                throughput=None, overhead=placement.OVERHEAD_S, allow_unknown=None, allow_driver_mismatch=False,
                include=None, exclude=None, earlier=None):
     """The plan of draining ``node`` (see DOCUMENTATION)."""
     if "workloads" not in (node_facts or {}):
         raise AnsibleFilterError("drain_plan: the node's facts hold no workloads (gather them with workloads=true)")
-    allow = [str(n) for n in allow_unknown or []]
+    allow = _names(allow_unknown) or []
     bad = [n for n in allow if n not in planner.CHECK_NAMES + ("deadline", "runtime")]
     if bad:
         raise AnsibleFilterError("drain_plan: allow_unknown names no check: %s" % ", ".join(bad))
     found = node_facts["workloads"]
-    chosen, left_out = node_workloads.select(found, include, exclude)
+    chosen, left_out = node_workloads.select(found, _names(include), _names(exclude))
     targets = {name: _target_facts(result) for name, result in (targets or {}).items()}
     plan = placement.plan_drain(node_facts, chosen, targets, source_path, dict(target_paths or {}),
                                 id_prefix, parallel=int(parallel), deadline=None if deadline is None else float(deadline),
                                 throughput=throughput or {}, overhead=float(overhead), allow_unknown=tuple(allow),
                                 allow_driver_mismatch=bool(allow_driver_mismatch))
+    left_out += [{"key": "containerd:%s/%s" % (c.get("namespace"), c.get("id")), "kind": "container", "runtime": "containerd",
+                  "container": c.get("id"), "namespace": c.get("namespace"), "root_pid": c.get("pid"), "tree": {},
+                  "reason": "a Kubernetes pod's container (containerd namespace k8s.io): drain.yml does not drain Kubernetes "
+                            "nodes yet; move its pod with migrate.yml -e pod=<namespace>/<name>"}
+                 for c in node_workloads.pod_containers(node_facts)]
     plan["left_out"] = left_out
     earlier = earlier or {}
     plan["pending_before"] = report.unsettled(earlier.get("pending") or [], earlier.get("settled") or {})

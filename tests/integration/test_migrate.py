@@ -654,3 +654,23 @@ def test_docker_restore_refused_on_target_restores_the_source_from_its_image(pla
             assert w.read(r)["digest"] == w.digest0(r)
     finally:
         w.cleanup()
+
+
+def test_an_id_used_before_for_another_workload_is_refused_and_bad_numbers_before_any_freeze(
+        playbook, hosts, remote_workload):
+    """A migration id names one workload: re-used for another process it is refused, naming both, instead of
+    being answered "committed" with the old result; a negative timeout is refused before anything is frozen."""
+    first = remote_workload()
+    run = migrate(playbook, hosts, first, "t-id-once")
+    assert run.rc == 0, run.stdout
+    second = remote_workload()
+    again = migrate(playbook, hosts, second, "t-id-once")
+    assert again.rc != 0, again.stdout
+    assert "migration id t-id-once was used before for pid %d" % first.pid in again.stdout, again.stdout
+    assert "this run names pid %d" % second.pid in again.stdout
+    assert second.one_copy_runs_intact() and first.one_copy_runs_intact()
+    bad = migrate(playbook, hosts, second, "t-bad-number", gpuckpt_runtime_timeout=-1)
+    assert bad.rc != 0 and "Nothing was frozen: fix these options first" in bad.stdout, bad.stdout
+    assert "gpuckpt_runtime_timeout=-1" in bad.stdout
+    assert not os.path.exists(hosts.path("hosta", "journal", "t-bad-number.source.json"))
+    assert second.one_copy_runs_intact()

@@ -14,11 +14,14 @@ import yaml
 
 from helpers import REPO
 
+from ansible_collections.gpuckpt.fleet.plugins.filter.drain_plan import drain_plan
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import planner
+
 VENV_BIN = os.path.join(REPO, ".venv", "bin")
 SURVEY_TYPES = {"text", "textarea", "password", "integer", "float", "multiplechoice", "multiselect"}
 JOB_TEMPLATE_FIELDS = {"name", "description", "job_type", "inventory", "project", "playbook", "execution_environment",
                        "verbosity", "survey_enabled", "survey_spec", "become_enabled", "ask_limit_on_launch",
-                       "ask_variables_on_launch", "extra_vars", "limit", "forks", "timeout", "credentials"}
+                       "ask_variables_on_launch", "ask_job_type_on_launch", "extra_vars", "limit", "forks", "timeout", "credentials"}
 
 
 @pytest.mark.skipif(not os.path.exists(os.path.join(VENV_BIN, "ansible-builder")), reason="needs tests/setup.sh")
@@ -61,17 +64,59 @@ def test_an_ee_that_lists_the_installed_collection_introspects(tmp_path):
     assert "kubernetes>=24.2.0" in res.stdout, res.stdout  # gpu_pod_info runs on the controller
 
 
-def _argspec_options():
-    meta = yaml.safe_load(open(os.path.join(REPO, "playbooks", "migrate.meta.yml")))
+def _argspec_options(playbook="migrate"):
+    meta = yaml.safe_load(open(os.path.join(REPO, "playbooks", playbook + ".meta.yml")))
     return meta["argument_specs"]["main"]["options"]
+
+
+def _playbook_options(playbook):
+    """The options a playbook's first task checks its variables against (None: it checks none). drain.yml
+    checks drain.meta.yml's with the gpuckpt_* options of migrate.meta.yml, which apply to each move."""
+    if playbook in ("playbooks/migrate.yml", "playbooks/recover.yml"):
+        return _argspec_options()
+    if playbook == "playbooks/drain.yml":
+        migrate = {k: v for k, v in _argspec_options().items() if k.startswith("gpuckpt_")}
+        return dict(migrate, **_argspec_options("drain"))
+    return None
+
+
+# Which answers of a survey question type an argument spec type takes. A text answer arrives as one string:
+# drain.yml's list options (include, exclude) split it into names (gpuckpt.fleet.drain_plan).
+SURVEY_ANSWERS_FIT = {"text": {"str", "raw", "path"}, "textarea": {"str", "raw"}, "password": {"str", "raw"},
+                      "integer": {"int", "float", "raw"}, "float": {"float", "raw"},
+                      "multiplechoice": {"str", "bool", "raw"}, "multiselect": {"list"}}
+TEXT_SPLIT_INTO_NAMES = {("playbooks/drain.yml", "include"), ("playbooks/drain.yml", "exclude")}
+
+
+def _check_question_fits_the_option(playbook, q, option):
+    kinds = SURVEY_ANSWERS_FIT[q["type"]] | ({"list"} if (playbook, q["variable"]) in TEXT_SPLIT_INTO_NAMES else set())
+    assert option.get("type", "str") in kinds, (playbook, q, option)
+    if option.get("required"):
+        assert q["required"], "%s requires %s: the survey must ask for it" % (playbook, q["variable"])
+    if q["type"] in ("multiplechoice", "multiselect") and option.get("type") == "bool":
+        assert set(q["choices"]) <= {"true", "false"}, q
+    elif q["type"] in ("multiplechoice", "multiselect") and option.get("choices"):
+        assert set(q["choices"]) <= set(option["choices"]), q
+
+
+def _check_question(q):
+    assert {"question_name", "variable", "type", "required"} <= set(q), q
+    assert q["type"] in SURVEY_TYPES, q
+    if q["type"] == "multiplechoice":
+        assert q["choices"] and q.get("default", q["choices"][0]) in q["choices"], q
+    if q["type"] == "multiselect":  # AWX keeps a multiselect's default as its choices, one per line
+        assert q["choices"] and set(filter(None, q.get("default", "").split("\n"))) <= set(q["choices"]), q
+    if q["type"] in ("integer", "float") and "default" in q:
+        number = int if q["type"] == "integer" else (int, float)
+        assert isinstance(q["default"], number) and q.get("min", q["default"]) <= q["default"] <= q.get("max", q["default"])
 
 
 def test_job_templates_follow_the_controller_format():
     doc = yaml.safe_load(open(os.path.join(REPO, "awx", "job_templates.yml")))
     templates = doc["controller_templates"]
-    names = {"gpuckpt migrate", "gpuckpt recover", "gpuckpt checkpoint", "gpuckpt restore", "gpuckpt provision"}
+    names = {"gpuckpt migrate", "gpuckpt recover", "gpuckpt drain", "gpuckpt checkpoint", "gpuckpt restore",
+             "gpuckpt provision"}
     assert {t["name"] for t in templates} == names
-    migrate_options = _argspec_options()
     for t in templates:
         assert set(t) <= JOB_TEMPLATE_FIELDS, set(t) - JOB_TEMPLATE_FIELDS
         assert t["job_type"] in ("run", "check")
@@ -79,15 +124,60 @@ def test_job_templates_follow_the_controller_format():
         spec = t["survey_spec"]
         assert spec["name"] and "description" in spec and spec["spec"]
         seen = set()
+        options = _playbook_options(t["playbook"])
         for q in spec["spec"]:
-            assert {"question_name", "variable", "type", "required"} <= set(q), q
-            assert q["type"] in SURVEY_TYPES, q
+            _check_question(q)
             assert q["variable"] not in seen
             seen.add(q["variable"])
-            if q["type"] == "multiplechoice":
-                assert q["choices"] and q.get("default", q["choices"][0]) in q["choices"], q
-            if q["type"] == "integer" and "default" in q:
-                assert isinstance(q["default"], int) and q.get("min", q["default"]) <= q["default"] <= q.get("max", q["default"])
-        if t["playbook"] in ("playbooks/migrate.yml", "playbooks/recover.yml"):
-            assert seen <= set(migrate_options), seen - set(migrate_options)
+            if options is not None:
+                assert q["variable"] in options, (t["name"], q["variable"])
+            if t["playbook"] == "playbooks/drain.yml":
+                _check_question_fits_the_option(t["playbook"], q, options[q["variable"]])
     assert doc["controller_execution_environments"][0]["name"] == templates[0]["execution_environment"]
+
+
+def _drain_template():
+    doc = yaml.safe_load(open(os.path.join(REPO, "awx", "job_templates.yml")))
+    [drain] = [t for t in doc["controller_templates"] if t["playbook"] == "playbooks/drain.yml"]
+    return drain
+
+
+def test_the_drain_template_plans_first_and_asks_for_every_option_of_a_drain():
+    """Launched as it is, the drain template runs in check mode (the plan, nothing frozen); the job type is
+    asked at launch. Its multiselect of unknown checks offers exactly what drain_plan accepts by name."""
+    drain = _drain_template()
+    assert drain["job_type"] == "check" and drain["ask_job_type_on_launch"] is True
+    asked = {q["variable"]: q for q in drain["survey_spec"]["spec"]}
+    assert set(asked) == {"node", "targets", "drain_parallel", "deadline", "include", "exclude", "undrain",
+                          "gpuckpt_allow_unknown"}
+    assert set(asked["gpuckpt_allow_unknown"]["choices"]) == set(planner.CHECK_NAMES) | {"deadline", "runtime"}
+    assert asked["drain_parallel"]["min"] >= 1 and asked["deadline"].get("min", 0) > 0  # option_errors' rules
+
+
+def _workload(pid, container=None):
+    tree = {"root": pid, "exists": True, "pids": [pid, pid + 1], "cuda_pids": [pid + 1], "rss_bytes": 2**30,
+            "gpu_bytes": 2**30}
+    if container:
+        return {"key": "runc:" + container, "kind": "container", "runtime": "runc", "container": container,
+                "root_pid": pid, "tree": tree}
+    return {"key": "process:%d" % pid, "kind": "process", "runtime": "process", "pid": pid, "root_pid": pid, "tree": tree}
+
+
+@pytest.mark.parametrize("include,exclude", [
+    ("4242, train-7", None),                 # an AWX text answer
+    ("[4242,train-7]", None),                # -e include=[4242,train-7] on the command line
+    (["4242", "train-7"], None),             # a list (JSON or YAML extra vars)
+    (None, "5000"),
+    ("", "5000"),                            # an empty answer to include leaves no workload out
+    (None, "[5001]"),                        # any pid of a workload's tree names it
+])
+def test_a_text_answer_for_include_and_exclude_names_workloads(include, exclude):
+    """A survey has no list question but a multiselect of fixed choices: include and exclude are text, and
+    reach the playbook as one string, as -e include=[...] does. Taken as a list it named single characters,
+    and an exclude left out nothing."""
+    node = {"workloads": [_workload(4242), _workload(5000), _workload(6000, container="train-7")]}
+    plan = drain_plan(node, {}, "node-7", "/img", {}, "drain-x", include=include, exclude=exclude,
+                      allow_unknown="")
+    left = sorted(w["key"] for w in plan["left_out"])
+    assert left == ["process:5000"], (include, exclude, left)
+    assert plan["workloads"] == 3

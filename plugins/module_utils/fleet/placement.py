@@ -20,6 +20,7 @@ unknown, and an unknown estimate refuses like every unknown check unless ``deadl
 """
 from __future__ import annotations
 
+import hashlib
 import re
 
 from ..migration import planner
@@ -31,44 +32,55 @@ def _free_gpu_mib(facts):
     return sum(g.get("memory_free_mib") or 0 for g in facts.get("gpus") or [])
 
 
+def _less(d, key, n):
+    """A copy of ``d`` with ``n`` taken from its ``key`` (not below 0) where that is known."""
+    out = dict(d or {})
+    if out.get(key) is not None:
+        out[key] = max(0, out[key] - n)
+    return out
+
+
 def _reserve(facts, workload, node, plan, target_path):
     """The target's facts with what this move takes there reserved."""
     out = dict(facts)
-    needs = planner.gpu_needs(workload["tree"]) or []
     sg, tg = planner.gpu_list(node) or [], [dict(g) for g in (planner.gpu_list(facts) or [])]
-    for uuid, need in needs:
+    for uuid, need in planner.gpu_needs(workload["tree"]) or []:
         for g in planner.landing_gpus(uuid, sg, tg):
-            if g.get("memory_free_mib") is not None:
-                g["memory_free_mib"] = max(0, g["memory_free_mib"] - need // planner.MIB)
+            g.update(_less(g, "memory_free_mib", need // planner.MIB))
     out["gpus"] = tg
     size = plan.image_estimate_bytes or 0
-    disk = dict(facts.get("disk") or {})
-    if (disk.get(target_path) or {}).get("free_bytes") is not None:
-        disk[target_path] = dict(disk[target_path], free_bytes=max(0, disk[target_path]["free_bytes"] - size))
-    out["disk"] = disk
-    mem = dict(facts.get("memory") or {})
-    if mem.get("available_bytes") is not None:
-        mem["available_bytes"] = max(0, mem["available_bytes"] - size)
-    out["memory"] = mem
+    out["disk"] = dict(facts.get("disk") or {})
+    if out["disk"].get(target_path):
+        out["disk"][target_path] = _less(out["disk"][target_path], "free_bytes", size)
+    out["memory"] = _less(facts.get("memory"), "available_bytes", size)
     return out
+
+
+def _not_draining(name, facts):
+    mark = facts.get("drain")
+    return planner.Check("not_draining", "target not draining", "-", "draining" if mark else "no",
+                         planner.FAILS if mark else planner.OK,
+                         "%s is draining itself (since %s)" % (name, mark.get("started")) if mark else None)
+
+
+def _has_runtime(runtime, name, facts):
+    present = facts.get("runtimes_present")
+    status = planner.UNKNOWN if present is None else planner.OK if runtime in present else planner.FAILS
+    why = {planner.UNKNOWN: "%s does not report its runtimes" % name, planner.FAILS: "%s has no %s" % (name, runtime)}
+    return planner.Check("runtime", "%s on target" % runtime, runtime, ",".join(present or []) or "?", status,
+                         why.get(status))
 
 
 def _drain_checks(workload, name, facts):
-    """What a drain checks beyond the migration's planner: the target is not draining, and has the runtime."""
-    out = []
-    mark = facts.get("drain")
-    out.append(planner.Check("not_draining", "target not draining", "-", "draining" if mark else "no",
-                             planner.FAILS if mark else planner.OK,
-                             "%s is draining itself (since %s)" % (name, (mark or {}).get("started")) if mark else None))
+    """What a drain checks beyond the migration's planner: the target has the workload's runtime."""
     runtime = workload["runtime"]
-    if runtime != "process":
-        present = facts.get("runtimes_present")
-        status = planner.UNKNOWN if present is None else planner.OK if runtime in present else planner.FAILS
-        out.append(planner.Check("runtime", "%s on target" % runtime, runtime, ",".join(present or []) or "?", status,
-                                 None if status == planner.OK else
-                                 "%s does not report its runtimes" % name if present is None else
-                                 "%s has no %s" % (name, runtime)))
-    return out
+    if runtime == "process":
+        return []
+    present = facts.get("runtimes_present")
+    status = planner.UNKNOWN if present is None else planner.OK if runtime in present else planner.FAILS
+    return [planner.Check("runtime", "%s on target" % runtime, runtime, ",".join(present or []) or "?", status,
+                          None if status == planner.OK else
+                          "%s does not report its runtimes" % name if present is None else "%s has no %s" % (name, runtime))]
 
 
 def _why(plan):
@@ -77,14 +89,34 @@ def _why(plan):
                      if c.status == planner.FAILS or (c.status == planner.UNKNOWN and c.name not in plan.allowed))
 
 
+def _one_pid_space(node, facts):
+    """Whether the node and the target are one kernel and one pid namespace (one machine seen as two hosts), as
+    migrate.yml's preflight decides it: the workload's own pids are then the ones in use on the target."""
+    a, b = node.get("host") or {}, facts.get("host") or {}
+    return bool(a.get("boot_id")) and a.get("boot_id") == b.get("boot_id") and a.get("pid_namespace") == b.get("pid_namespace")
+
+
+def _own_pids_only(workload, facts):
+    """The target's facts as migrate.yml's preflight has them: a drain asks the target about the pids of every bare
+    process of the node at once, and only this workload's own pids are its concern."""
+    if "pids_in_use" not in facts:
+        return facts
+    own = set(workload["tree"].get("pids") or [])
+    return dict(facts, pids_in_use=[p for p in facts["pids_in_use"] if p in own])
+
+
 def check_pair(workload, node, name, facts, source_path, target_path, allow_unknown=(), allow_driver_mismatch=False,
                margin=planner.IMAGE_MARGIN):
-    """The Plan of moving ``workload`` from ``node`` (its facts) to the target ``name`` (``facts``)."""
-    opts = planner.options(source_path=source_path, target_path=target_path, allow_unknown=allow_unknown,
+    """The Plan of moving ``workload`` from ``node`` (its facts) to the target ``name`` (``facts``).
+    ``allow_unknown`` may also name the drain's own checks (``runtime``, ``deadline``)."""
+    # The migration's planner refuses names that are not its checks; the verdict takes the drain's too.
+    opts = planner.options(source_path=source_path, target_path=target_path,
+                           allow_unknown=[n for n in allow_unknown or () if n in planner.CHECK_NAMES],
                            allow_driver_mismatch=allow_driver_mismatch, container=workload["kind"] != "process",
-                           margin=margin)
-    checks = planner.check_target(workload["tree"], node, facts, opts) + _drain_checks(workload, name, facts)
-    return planner.verdict(checks, opts, planner.image_estimate(workload["tree"], margin))
+                           same_pid_space=_one_pid_space(node, facts), margin=margin)
+    checks = planner.check_target(workload["tree"], node, _own_pids_only(workload, facts), opts) + _drain_checks(workload, name, facts)
+    return planner.verdict(checks, opts._replace(allow_unknown=tuple(allow_unknown or ())),
+                           planner.image_estimate(workload["tree"], margin))
 
 
 def _difficulty(workload):
@@ -93,8 +125,33 @@ def _difficulty(workload):
 
 
 def migration_id(prefix, workload):
-    """A migration id for this workload's move: ``prefix`` and its key, in the journal's alphabet."""
-    return (prefix + "-" + re.sub(r"[^A-Za-z0-9._-]+", "-", workload["key"]))[:128]
+    """A migration id for this workload's move: ``prefix`` and its key, in the journal's alphabet (at most 128
+    characters: a longer one is cut and ends with a digest of the whole, so that two keys cut alike differ)."""
+    whole = prefix + "-" + re.sub(r"[^A-Za-z0-9._-]+", "-", workload["key"])
+    if len(whole) <= 128:
+        return whole
+    return whole[:119] + "-" + hashlib.sha256(whole.encode("utf-8")).hexdigest()[:8]
+
+
+def _targets_for(w, node, targets, facts, source_path, target_paths, allow_unknown, allow_driver_mismatch, margin):
+    """({target: its Plan} for each target ``w`` fits on, {target: why not} for each other one)."""
+    rejected = {n: "no facts: %s" % f for n, f in targets.items() if not isinstance(f, dict)}
+    fits = {}
+    for n in sorted(facts):
+        plan = check_pair(w, node, n, facts[n], source_path, target_paths.get(n), allow_unknown,
+                          allow_driver_mismatch, margin)
+        if plan.ok:
+            fits[n] = plan
+        else:
+            rejected[n] = _why(plan)
+    return fits, rejected
+
+
+def _landing_uuids(w, node, target_facts):
+    """The UUIDs of the target's GPUs that the workload's GPU memory lands on."""
+    tg = planner.gpu_list(target_facts) or []
+    return sorted({g.get("uuid") for uuid, unused in planner.gpu_needs(w["tree"]) or []
+                   for g in planner.landing_gpus(uuid, planner.gpu_list(node) or [], tg)})
 
 
 def place(node, workloads, targets, source_path, target_paths, allow_unknown=(), allow_driver_mismatch=False,
@@ -104,31 +161,21 @@ def place(node, workloads, targets, source_path, target_paths, allow_unknown=(),
     are none (unreachable)}; ``rejected``: {target: why not there} for every target not chosen."""
     facts = {n: f for n, f in targets.items() if isinstance(f, dict)}
     planned = {n: 0 for n in facts}
+    why_best = ("a faster link, fewer moves planned there, or more free GPU memory" if throughput
+                else "fewer moves planned there, or more free GPU memory")
     moves, stays = [], []
     for w in sorted(workloads, key=_difficulty):
-        rejected = {n: "no facts: %s" % f for n, f in targets.items() if not isinstance(f, dict)}
-        fits = {}
-        for n in sorted(facts):
-            plan = check_pair(w, node, n, facts[n], source_path, target_paths.get(n), allow_unknown,
-                              allow_driver_mismatch, margin)
-            if plan.ok:
-                fits[n] = plan
-            else:
-                rejected[n] = _why(plan)
+        fits, rejected = _targets_for(w, node, targets, facts, source_path, target_paths, allow_unknown,
+                                      allow_driver_mismatch, margin)
         if not fits:
             stays.append({"workload": w, "reason": "fits on no target", "rejected": rejected})
             continue
         # With throughputs known (a deadline), the target the image reaches soonest first.
         best = min(fits, key=lambda n: (_transfer_s(fits[n].image_estimate_bytes, (throughput or {}).get(n)),
                                         planned[n], -_free_gpu_mib(facts[n]), n))
-        tg = planner.gpu_list(facts[best]) or []
-        gpus = sorted({g.get("uuid") for uuid, unused in planner.gpu_needs(w["tree"]) or []
-                       for g in planner.landing_gpus(uuid, planner.gpu_list(node) or [], tg)})
-        why_best = ("a faster link, fewer moves planned there, or more free GPU memory" if throughput
-                    else "fewer moves planned there, or more free GPU memory")
         rejected.update({n: "fits too; %s was chosen (%s)" % (best, why_best) for n in fits if n != best})
-        moves.append({"workload": w, "target": best, "gpus": gpus, "image_estimate_bytes": fits[best].image_estimate_bytes,
-                      "rejected": rejected})
+        moves.append({"workload": w, "target": best, "gpus": _landing_uuids(w, node, facts[best]),
+                      "image_estimate_bytes": fits[best].image_estimate_bytes, "rejected": rejected})
         facts[best] = _reserve(facts[best], w, node, fits[best], target_paths.get(best))
         planned[best] += 1
     return moves, stays
@@ -154,6 +201,32 @@ def estimate(move, throughput, overhead=OVERHEAD_S):
     return {"transfer_s": round(transfer, 2), "duration_s": round(transfer + overhead, 2), "throughput_bytes_s": rate}
 
 
+_UNKNOWN_DURATION = ("its duration is not known (no throughput measured from the node to %s, or the image size is "
+                     "unknown); allow it with gpuckpt_allow_unknown=[deadline]")
+
+
+def _in_batches(order, parallel, deadline):
+    """(the moves of ``order`` that end by the deadline, run ``parallel`` at a time, each with its ``batch`` and
+    ``finish_s``; the others, each with its reason). A batch takes as long as its longest move."""
+    run, late, clock = [], [], 0.0
+    for i in range(0, len(order), parallel):
+        in_time = []
+        for b in order[i:i + parallel]:
+            took = b["estimate"]["duration_s"]
+            if took is None or clock + took <= deadline:
+                in_time.append(b)
+            else:
+                late.append(dict(b, reason="estimated to end %.0f s after the drain began, past the deadline of %.0f s"
+                                           % (clock + took, deadline)))
+        batch = len({x["batch"] for x in run})
+        for b in in_time:
+            took = b["estimate"]["duration_s"]
+            b["batch"], b["estimate"]["finish_s"] = batch, None if took is None else round(clock + took, 2)
+        run += in_time
+        clock += max([b["estimate"]["duration_s"] or 0.0 for b in in_time] or [0.0])
+    return run, late
+
+
 def schedule(moves, parallel=1, deadline=None, throughput=None, overhead=OVERHEAD_S, allow_unknown=()):
     """(moves in the order they run, each with its ``estimate`` and ``batch``; moves that would not finish
     by the deadline, each with its reason). Without a deadline the moves run in placement order."""
@@ -169,27 +242,9 @@ def schedule(moves, parallel=1, deadline=None, throughput=None, overhead=OVERHEA
                    key=lambda m: (m["estimate"]["duration_s"], m["workload"]["key"]))
     late = []
     if "deadline" not in allow_unknown:
-        late += [dict(m, reason="its duration is not known (no throughput measured from the node to %s, or the "
-                                "image size is unknown); allow it with gpuckpt_allow_unknown=[deadline]" % m["target"])
-                 for m in unknown]
-        unknown = []
-    order, run, clock = known + unknown, [], 0.0
-    for i in range(0, len(order), parallel):
-        batch = order[i:i + parallel]
-        in_time = []
-        for b in batch:
-            took = b["estimate"]["duration_s"]
-            if took is None or clock + took <= deadline:
-                in_time.append(b)
-            else:
-                late.append(dict(b, reason="estimated to end %.0f s after the drain began, past the deadline of %.0f s"
-                                           % (clock + took, deadline)))
-        for b in in_time:
-            took = b["estimate"]["duration_s"]
-            b["batch"], b["estimate"]["finish_s"] = len({x["batch"] for x in run}), None if took is None else round(clock + took, 2)
-        run += in_time
-        clock += max([b["estimate"]["duration_s"] or 0.0 for b in in_time] or [0.0])
-    return run, late
+        late, unknown = [dict(m, reason=_UNKNOWN_DURATION % m["target"]) for m in unknown], []
+    run, past = _in_batches(known + unknown, parallel, deadline)
+    return run, late + past
 
 
 def plan_drain(node, workloads, targets, source_path, target_paths, id_prefix, parallel=1, deadline=None,

@@ -37,31 +37,61 @@ def _key(runtime, ident):
     return "%s:%s" % (runtime, ident)
 
 
-def from_facts(facts, tree_of, read_stat=procfs.read_stat):
-    """The node's workloads from its ``cuda_process_facts`` (``cuda_processes`` and ``gpu_containers``);
-    ``tree_of(root_pid, pids=None)`` gives a tree's facts. Sorted by key, so every run lists them alike."""
-    out = []
-    for c in facts.get("gpu_containers") or []:
-        runtime, cid = c.get("runtime"), c.get("id")
-        sandboxed = any(p.get("in_sandbox") for p in c.get("cuda_processes") or [])
-        tree = tree_of(int(c["pid"]), None if sandboxed else c.get("pids"))
-        if sandboxed:  # the sandbox's own pids: its CUDA processes are asked inside it, not on the host
-            tree = dict(tree, cuda_pids=[p["pid"] for p in c["cuda_processes"]],
-                        cuda_states={str(p["pid"]): p.get("cuda_state") for p in c["cuda_processes"]})
-        w = {"key": _key(runtime, cid), "kind": "container", "runtime": runtime, "container": cid,
-             "root_pid": int(c["pid"]), "tree": tree}
-        if c.get("namespace"):
-            w["namespace"] = c["namespace"]
-        out.append(w)
-    roots = {}
-    for p in facts.get("cuda_processes") or []:
-        if not p.get("exists", True) or p.get("container") or p.get("in_sandbox"):
+K8S_NAMESPACE = "k8s.io"  # the containerd namespace of the kubelet's CRI: pods' containers
+
+
+def _in_pod(c):
+    return c.get("runtime") == "containerd" and c.get("namespace") == K8S_NAMESPACE
+
+
+def pod_containers(facts):
+    """The containers of Kubernetes pods that hold CUDA processes (containerd's namespace k8s.io): a drain does
+    not move them as plain containers behind the kubelet's back; it names them, to move with their pods."""
+    return [c for c in facts.get("gpu_containers") or [] if _in_pod(c)]
+
+
+def _container(c, tree_of):
+    """The workload of one of ``gpu_containers``."""
+    runtime, cid = c.get("runtime"), c.get("id")
+    sandboxed = any(p.get("in_sandbox") for p in c.get("cuda_processes") or [])
+    tree = tree_of(int(c["pid"]), None if sandboxed else c.get("pids"))
+    if sandboxed:  # the sandbox's own pids: its CUDA processes are asked inside it, not on the host
+        tree = dict(tree, cuda_pids=[p["pid"] for p in c["cuda_processes"]],
+                    cuda_states={str(p["pid"]): p.get("cuda_state") for p in c["cuda_processes"]})
+    # containerd's ids are unique per namespace only: the key (and the move's migration id) names both.
+    ident = "%s/%s" % (c["namespace"], cid) if c.get("namespace") else cid
+    w = {"key": _key(runtime, ident), "kind": "container", "runtime": runtime, "container": cid,
+         "root_pid": int(c["pid"]), "tree": tree}
+    if c.get("namespace"):
+        w["namespace"] = c["namespace"]
+    return w
+
+
+def _bare_trees(procs, tree_of, read_stat, driver_answers=False):
+    """The workloads of the CUDA processes of ``procs`` that are in no container, one per tree root. When the
+    driver answers, a process it knows no CUDA context of (it only holds /dev/nvidia*: nvidia-persistenced, a
+    DCGM host engine) is no workload; when it does not, every holder is listed, and the planner's checkpoint
+    API check says why it cannot move."""
+    roots = set()
+    for p in procs:
+        if driver_answers and not p.get("cuda_state"):
             continue
-        roots.setdefault(tree_root(p["pid"], read_stat), []).append(p["pid"])
+        if p.get("exists", True) and not p.get("container") and not p.get("in_sandbox"):
+            roots.add(tree_root(p["pid"], read_stat))
+    out = []
     for root in sorted(roots):
         st = read_stat(root) or {}
         out.append({"key": _key("process", root), "kind": "process", "runtime": "process", "pid": root,
                     "root_pid": root, "comm": st.get("comm"), "starttime": st.get("starttime"), "tree": tree_of(root, None)})
+    return out
+
+
+def from_facts(facts, tree_of, read_stat=procfs.read_stat):
+    """The node's workloads from its ``cuda_process_facts`` (``cuda_processes`` and ``gpu_containers``);
+    ``tree_of(root_pid, pids=None)`` gives a tree's facts. Sorted by key, so every run lists them alike."""
+    out = [_container(c, tree_of) for c in facts.get("gpu_containers") or [] if not _in_pod(c)]
+    out += _bare_trees(facts.get("cuda_processes") or [], tree_of, read_stat,
+                       bool((facts.get("driver") or {}).get("available")))
     return sorted(out, key=lambda w: w["key"])
 
 

@@ -17,6 +17,7 @@ known part of a figure already decides (the host RSS alone does not fit the disk
 """
 from __future__ import annotations
 
+import math
 from collections import namedtuple
 
 OK, FAILS, UNKNOWN = "ok", "fails", "unknown"
@@ -26,7 +27,7 @@ IMAGE_MARGIN = 1.10
 
 # The names a caller may accept unknown (allow_unknown), in the order of the checks.
 CHECK_NAMES = ("workload", "checkpoint_api", "driver_version", "cuda_api_version", "cuda_running", "gpu_model",
-               "gpu_count", "gpu_memory", "criu", "disk", "host_ram", "pids")
+               "gpu_count", "gpu_memory", "criu", "disk", "host_ram", "pids", "not_draining")
 
 Check = namedtuple("Check", "name label source target status reason")
 Check.__doc__ = """One check: ``name`` (stable, what allow_unknown names), ``label`` (for people), what the source
@@ -314,9 +315,17 @@ def _pids(tree, source, target, opts):
                    "pid(s) %s are in use on %s" % (",".join(map(str, taken)), _host(target, "target")))]
 
 
+def _not_draining(tree, source, target, opts):
+    """A draining host (its drain mark, cuda_process_facts' ``drain``) takes no work: it is being emptied."""
+    mark = target.get("drain")
+    return [_check("not_draining", "target not draining", "-", "draining since %s" % mark.get("started") if mark else "no",
+                   not mark, "%s is draining (since %s; drain.yml -e undrain=true makes it take work again)"
+                   % (_host(target, "target"), (mark or {}).get("started")))]
+
+
 ALWAYS = (_workload,)
 ON_GPU = (_checkpoint_api, _versions, _cuda_running, _gpus)
-HOSTS = (_criu, _disk, _host_ram, _pids)
+HOSTS = (_criu, _disk, _host_ram, _pids, _not_draining)
 
 
 def check_target(workload, source_facts, target_facts, opts):
@@ -358,6 +367,14 @@ _RULE_TEXT = {POSITIVE: "a number above 0", NOT_NEGATIVE: "a number of 0 or more
               AT_LEAST_ONE: "a whole number of 1 or more"}
 
 
+def _breaks(rule, n):
+    """Whether the number ``n`` breaks ``rule``; NaN and the infinities break every rule."""
+    if not math.isfinite(n):
+        return True
+    return ((rule == POSITIVE and n <= 0) or (rule == NOT_NEGATIVE and n < 0)
+            or (rule == AT_LEAST_ONE and (n < 1 or n != int(n))))
+
+
 def option_errors(values):
     """What is wrong with the options ``values`` ({name: value as given}), each a line naming the option;
     [] when nothing is. Options without a rule are not looked at (the argument spec checks their types)."""
@@ -369,11 +386,8 @@ def option_errors(values):
         try:
             n = float(values[name])
         except (TypeError, ValueError):
-            errors.append("%s=%r must be %s" % (name, values[name], _RULE_TEXT[rule]))
-            continue
-        wrong = (n != n or n in (float("inf"), float("-inf")) or (rule == POSITIVE and n <= 0)
-                 or (rule == NOT_NEGATIVE and n < 0) or (rule == AT_LEAST_ONE and (n < 1 or n != int(n))))
-        if wrong:
+            n = float("nan")  # not a number: it breaks every rule
+        if _breaks(rule, n):
             errors.append("%s=%r must be %s" % (name, values[name], _RULE_TEXT[rule]))
     return errors
 
@@ -390,6 +404,26 @@ def _recorded_workload(journal):
     return "pid %s" % pids[0] if pids else "an unknown workload"
 
 
+def _names_recorded(journal, pid=None, container=None, pod=None, pid_now=None):
+    """Whether the workload named now (a pod, else a container, else a pid) is the one ``journal`` recorded."""
+    if pod:
+        rec = journal.get("pod")
+        if isinstance(rec, dict):
+            return str(pod) in ("%s/%s" % (rec.get("namespace"), rec.get("name")), rec.get("name"))
+        return str(rec) == str(pod)
+    if container:
+        return str(journal.get("container")) == str(container)
+    pids = journal.get("pids") or []
+    root = str(pids[0]) if pids else None
+    ident = (journal.get("identities") or {}).get(root) or {}
+    return root == str(pid) and (pid_now is None or ident.get("starttime") in (None, pid_now.get("starttime")))
+
+
+def _named(pid, container, pod):
+    """The workload named now, in words (a pod, else a container, else a pid), or None when none is."""
+    return "pod %s" % pod if pod else "container %s" % container if container else "pid %s" % pid if pid else None
+
+
 def id_reuse(migration_id, journal, pid=None, container=None, pod=None, pid_now=None):
     """Why this migration id may not be used for the workload named now, or None when it names the
     workload the id was used for (a re-run, which finishes or reports that migration). ``journal``: the
@@ -398,21 +432,12 @@ def id_reuse(migration_id, journal, pid=None, container=None, pod=None, pid_now=
     another workload: the id is not answered with the old migration's result."""
     if not journal or not journal.get("exists"):
         return None
-    recorded = _recorded_workload(journal)
-    asked = ("pod %s" % pod if pod else "container %s" % container if container else "pid %s" % pid if pid else None)
-    same = True
-    if pod:
-        rec = journal.get("pod")
-        name = "%s/%s" % (rec.get("namespace"), rec.get("name")) if isinstance(rec, dict) else str(rec)
-        same = name == str(pod) or (isinstance(rec, dict) and rec.get("name") == str(pod))
-    elif container:
-        same = str(journal.get("container")) == str(container)
-    elif pid:
-        pids = journal.get("pids") or []
-        root = str(pids[0]) if pids else None
-        ident = (journal.get("identities") or {}).get(root) or {}
-        same = root == str(pid) and (pid_now is None or ident.get("starttime") in (None, pid_now.get("starttime")))
-    if asked is None or same:
+    asked = _named(pid, container, pod)
+    if asked is None or _names_recorded(journal, pid, container, pod, pid_now):
         return None
+    recorded = _recorded_workload(journal)
+    if recorded == asked:  # the same pid, that another process holds now: say so, or the two read alike
+        asked += " (another process holds it now: it started at tick %s after boot, the migration's at tick %s)" % (
+            pid_now.get("starttime"), ((journal.get("identities") or {}).get(str(pid)) or {}).get("starttime"))
     return ("migration id %s was used before for %s (phase %s); this run names %s: choose another migration_id "
             "(the old id only finishes or reports that migration)" % (migration_id, recorded, journal.get("phase"), asked))

@@ -75,7 +75,7 @@ def test_a_workload_that_fits_plans_ok_with_its_image_estimate():
     assert p.image_estimate_bytes == int(22 * GIB * 1.10)
     assert [c.name for c in p.checks] == ["workload", "checkpoint_api", "driver_version", "cuda_api_version",
                                           "cuda_running", "gpu_model", "gpu_count", "gpu_memory", "criu", "criu",
-                                          "disk", "host_ram", "pids"]
+                                          "disk", "host_ram", "pids", "not_draining"]
 
 
 @pytest.mark.parametrize("case,target,failed,why", [
@@ -190,7 +190,7 @@ def test_a_cpu_workload_skips_the_gpu_checks():
     tgt = host("hostb")
     tgt.update(gpus=[], gpu_source=None, driver={"available": False, "checkpoint_api": False})
     p = plan(src, tgt)
-    assert p.ok and [c.name for c in p.checks] == ["workload", "criu", "criu", "disk", "host_ram", "pids"]
+    assert p.ok and [c.name for c in p.checks] == ["workload", "criu", "criu", "disk", "host_ram", "pids", "not_draining"]
 
 
 def test_a_workload_that_is_gone_is_refused():
