@@ -11,9 +11,15 @@
 Checksums are SHA-256 per 64 MiB chunk, so a 50 GB image hashes on all cores in parallel, and a
 transfer can be verified, resumed and repaired chunk by chunk; verification names the file and offset.
 
-``walk`` is the one walker of an image: every reader (checksums, verification, the transfer) takes
+An image that exists is read through ``Image``, opened once (``with Image.open(path) as img``): the
+directory's fd, taken without following a symlink, through which every later check and read goes; its
+manifest, read once on first use; its state dir and restored mark. A restore hands that value around,
+not its path. The functions of a path are for the checkpoint writing a new image, and for callers that
+need one thing of an image (the transfer, a module's choice of runtime).
+
+``_walk`` is the one walker of an image: every reader (checksums, verification, the transfer) takes
 the image's files from it, and it refuses what a restore must never read through: a symlink, a device,
-a fifo. Files are opened with O_NOFOLLOW.
+a fifo. Files are opened with O_NOFOLLOW, below the image's directory fd.
 
 Plain Python with the standard library only: the receiving end of a transfer carries it too.
 """
@@ -47,15 +53,8 @@ GROWING = re.compile(r"^pages-\d+\.img$")  # CRIU appends page data to these whi
 
 def state_dir(image_dir):
     """The image's own state dir (created 0700); a symlink there is refused."""
-    path = os.path.join(image_dir, STATE_DIR)
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        st = os.lstat(path)
-        if not stat.S_ISDIR(st.st_mode):
-            raise ImageError("%s is not a directory (a symlink or a file stands there); refusing to use it" % path,
-                             stage="preflight")
-    return path
+    with Image.open(image_dir) as img:
+        return img.state_dir
 
 
 def has_manifest(image_dir):
@@ -65,34 +64,40 @@ def has_manifest(image_dir):
         return False
 
 
-def walk(image_dir):
-    """{relpath: lstat} of the image's files: every regular file below ``image_dir`` except the
-    manifest, its temporary files and our state dir. Raises ImageError on anything else (a symlink,
-    a fifo, a device): no reader of an image follows one."""
+def _walk(dir_fd, where):
+    """{relpath: lstat} of the image's files: every regular file below the directory ``dir_fd`` (named
+    ``where`` in errors) except the manifest, its temporary files and our state dir. Raises ImageError
+    on anything else (a symlink, a fifo, a device): no reader of an image follows one."""
     out = {}
-    for root, dirs, files in os.walk(image_dir):
-        rel_root = os.path.relpath(root, image_dir)
+    for root, dirs, files, root_fd in os.fwalk(".", dir_fd=dir_fd):
+        rel_root = os.path.normpath(root)
         if rel_root == ".":
             dirs[:] = [d for d in dirs if d != STATE_DIR]
         for name in list(dirs) + files:
-            full = os.path.join(root, name)
             rel = os.path.normpath(os.path.join(rel_root, name))
-            st = os.lstat(full)
+            st = os.stat(name, dir_fd=root_fd, follow_symlinks=False)
             if stat.S_ISDIR(st.st_mode):
                 continue
             if rel_root == "." and (name == MANIFEST or (name.startswith(".") and name.endswith(".tmp"))):
                 continue
             if not stat.S_ISREG(st.st_mode):
                 raise ImageError("%s in image %s is not a regular file (%s); refusing to read through it"
-                                 % (rel, image_dir, "a symlink" if stat.S_ISLNK(st.st_mode) else "a special file"),
+                                 % (rel, where, "a symlink" if stat.S_ISLNK(st.st_mode) else "a special file"),
                                  stage="verify", details={"bad_files": [rel]})
             out[rel] = st
     return out
 
 
-def list_files(image_dir):
-    """Relative paths of the image's files (see walk)."""
-    return sorted(walk(image_dir))
+def walk(image_dir):
+    """The files of the image at ``image_dir`` (see _walk); none while it does not exist."""
+    try:
+        dir_fd = open_dir(image_dir)
+    except FileNotFoundError:
+        return {}
+    try:
+        return _walk(dir_fd, image_dir)
+    finally:
+        os.close(dir_fd)
 
 
 def check_dir(image_dir):
@@ -165,13 +170,22 @@ def _workers():
 
 
 def checksum_files(image_dir, files=None, known=None):
-    """{relpath: {"size": n, "sha256_chunks": [...]}} computed on all cores, each file opened without
-    following a symlink; a file of ``files`` that is absent maps to None. ``known``: {(rel, chunk
-    index, (st_dev, st_ino)): digest} already taken of whole chunks (ChunkHasher), used for a file
-    that is still that inode and still holds that whole chunk."""
-    known = known or {}
-    files = list_files(image_dir) if files is None else list(files)
+    """The checksums of the image at ``image_dir`` (see _checksums)."""
     dir_fd = open_dir(image_dir)
+    try:
+        return _checksums(dir_fd, image_dir, files, known)
+    finally:
+        os.close(dir_fd)
+
+
+def _checksums(dir_fd, where, files=None, known=None):
+    """{relpath: {"size": n, "sha256_chunks": [...]}} of the image in the directory ``dir_fd`` (named
+    ``where`` in errors), computed on all cores, each file opened without following a symlink; a file
+    of ``files`` (default: all of them) that is absent maps to None. ``known``: {(rel, chunk index,
+    (st_dev, st_ino)): digest} already taken of whole chunks (ChunkHasher), used for a file that is
+    still that inode and still holds that whole chunk."""
+    known = known or {}
+    files = sorted(_walk(dir_fd, where)) if files is None else list(files)
     fds, jobs, out = {}, [], {}
     try:
         for rel in files:
@@ -183,7 +197,7 @@ def checksum_files(image_dir, files=None, known=None):
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 os.close(fd)
-                raise ImageError("%s in image %s is not a regular file" % (rel, image_dir), stage="verify",
+                raise ImageError("%s in image %s is not a regular file" % (rel, where), stage="verify",
                                  details={"bad_files": [rel]})
             fds[rel] = fd
             size = st.st_size
@@ -201,7 +215,6 @@ def checksum_files(image_dir, files=None, known=None):
     finally:
         for fd in fds.values():
             os.close(fd)
-        os.close(dir_fd)
     return out
 
 
@@ -321,58 +334,221 @@ def parse_manifest(data, where):
 
 
 def load_manifest(image_dir):
-    path = os.path.join(image_dir, MANIFEST)
-    if not os.path.isdir(image_dir):
-        raise ImageError("image_dir %s does not exist" % image_dir, stage="verify")
-    if not has_manifest(image_dir):
-        raise ImageError("%s has no %s: not a gpuckpt image, or the checkpoint did not complete"
-                         % (image_dir, MANIFEST), stage="verify")
+    """The manifest alone, for a caller that needs nothing else of the image (a transfer's source, a
+    module's choice of runtime). Unlike Image.open, ``image_dir`` may itself be a symlink to the image."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except OSError as exc:
-        raise ImageError("cannot read %s: %s" % (path, exc), stage="verify")
-    with os.fdopen(fd, "rb") as fh:
-        return parse_manifest(fh.read().decode("utf-8", "replace"), path)
+        dir_fd = os.open(image_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        raise ImageError("image_dir %s does not exist" % image_dir, stage="verify")
+    with Image(image_dir, dir_fd) as img:
+        return img.manifest
+
+
+class Image(object):
+    """An image that exists, opened once to be checked, read and restored from:
+    ``with Image.open(path) as img``.
+
+    Every check and read goes through the directory's fd (``fd``, opened without following a
+    symlink), so all of them are of the directory that was opened, whatever is renamed over its path
+    since. The manifest is read on first use, once; the state dir is made on first use, once.
+    ``path`` names the image where a path is needed (a runtime's restore, messages)."""
+
+    def __init__(self, path, dir_fd, manifest=None):
+        self.path, self.fd = path, dir_fd
+        self.identity = identity(os.fstat(dir_fd))
+        self._manifest = manifest
+        self._state_fd = None
+
+    @classmethod
+    def open(cls, path, manifest=None):
+        """Open the image directory ``path``; refused when a symlink or a file stands there.
+        ``manifest``: the manifest the caller already read of it (not read again)."""
+        path = os.path.abspath(path)
+        try:
+            dir_fd = open_dir(path)
+        except FileNotFoundError:
+            raise ImageError("image_dir %s does not exist" % path, stage="verify")
+        except (UnsafePath, OSError) as exc:
+            raise ImageError("cannot open image_dir %s: %s" % (path, exc), stage="verify",
+                             hint="give the image's directory itself, not a symlink to it")
+        return cls(path, dir_fd, manifest)
+
+    def close(self):
+        for fd in (self._state_fd, self.fd):
+            if fd is not None:
+                os.close(fd)
+        self._state_fd = self.fd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info):
+        self.close()
+
+    def has_identity(self, ident):
+        """True when this is the directory of identity ``ident`` (fsutil.identity, recorded when it was created)."""
+        return ident is not None and self.identity == list(ident)
+
+    def has_manifest(self):
+        try:
+            return stat.S_ISREG(os.stat(MANIFEST, dir_fd=self.fd, follow_symlinks=False).st_mode)
+        except OSError:
+            return False
+
+    @property
+    def manifest(self):
+        if self._manifest is None:
+            self._manifest = self._read_manifest()
+        return self._manifest
+
+    def _read_manifest(self):
+        where = os.path.join(self.path, MANIFEST)
+        if not self.has_manifest():
+            raise ImageError("%s has no %s: not a gpuckpt image, or the checkpoint did not complete"
+                             % (self.path, MANIFEST), stage="verify")
+        try:
+            fd = open_beneath(self.fd, MANIFEST)
+        except (OSError, UnsafePath) as exc:
+            raise ImageError("cannot read %s: %s" % (where, exc), stage="verify")
+        with os.fdopen(fd, "rb") as fh:
+            return parse_manifest(fh.read().decode("utf-8", "replace"), where)
+
+    def files(self):
+        """{relpath: lstat} of the image's files (see _walk)."""
+        return _walk(self.fd, self.path)
+
+    def checksums(self, files=None):
+        return _checksums(self.fd, self.path, files)
+
+    @property
+    def state_dir(self):
+        """The path of the image's own state dir, made (0700) on first use; a symlink there is refused."""
+        self._open_state_dir()
+        return os.path.join(self.path, STATE_DIR)
+
+    def _open_state_dir(self):
+        if self._state_fd is None:
+            try:
+                os.mkdir(STATE_DIR, 0o700, dir_fd=self.fd)
+            except FileExistsError:
+                pass
+            try:
+                self._state_fd = open_beneath(self.fd, STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
+            except (UnsafePath, NotADirectoryError):
+                raise ImageError("%s is not a directory (a symlink or a file stands there); refusing to use it"
+                                 % os.path.join(self.path, STATE_DIR), stage="preflight")
+        return self._state_fd
+
+    def restored_mark(self):
+        """What the last restore of this image outside a migration recorded (write_restored_mark), or None."""
+        return read_json(os.path.join(STATE_DIR, RESTORED_MARK), dir_fd=self.fd)
+
+    def write_restored_mark(self, data):
+        atomic_write(RESTORED_MARK, data, dir_fd=self._open_state_dir())
+
+    def verify(self, sign_key=None):
+        """Check every file against the manifest before anything is touched. Raises ImageError naming
+        the file. Returns the seconds spent on the checksums."""
+        manifest = self.manifest
+        if sign_key:
+            sig = (manifest.get("signature") or {}).get("value")
+            if not sig or not hmac.compare_digest(sig, _signature(manifest, sign_key)):
+                raise ImageError("manifest signature of %s does not match the configured key" % self.path,
+                                 stage="verify", hint="the image was altered or signed with another key")
+        expected = manifest.get("files") or {}
+        self._check_listing(expected)
+        start = time.monotonic()
+        received = {} if sign_key else self.receipts(expected)
+        actual = self.checksums(sorted(set(expected) - set(received)))
+        actual.update(received)
+        for rel, meta in sorted(expected.items()):
+            if rel in received and actual[rel]["sha256_chunks"] != meta["sha256_chunks"]:
+                actual[rel] = self.checksums([rel])[rel]  # the verdict always comes from the file
+            for i, (want, got) in enumerate(zip(meta["sha256_chunks"], actual[rel]["sha256_chunks"])):
+                if want != got:
+                    raise ImageError("checksum mismatch in %s of image %s (bytes %d-%d): the image is corrupt"
+                                     % (rel, self.path, i * CHUNK, min((i + 1) * CHUNK, meta["size"]) - 1),
+                                     stage="verify", details={"bad_files": [rel], "bad_chunks": {rel: [i]}},
+                                     hint="re-transfer or re-take the checkpoint; nothing was restored")
+        return time.monotonic() - start
+
+    def _check_listing(self, expected):
+        """The image holds exactly the files the manifest lists, each of its size."""
+        present = self.files()
+        missing = sorted(set(expected) - set(present))
+        if missing:
+            raise ImageError("image %s is missing %s" % (self.path, ", ".join(missing[:5])), stage="verify",
+                             details={"bad_files": missing})
+        extra = sorted(set(present) - set(expected))
+        if extra:
+            raise ImageError("image %s holds files the manifest does not list: %s" % (self.path, ", ".join(extra[:5])),
+                             stage="verify", details={"bad_files": extra})
+        for rel, meta in expected.items():
+            if present[rel].st_size != meta["size"]:
+                raise ImageError("%s in image %s has %d bytes, the manifest says %d"
+                                 % (rel, self.path, present[rel].st_size, meta["size"]),
+                                 stage="verify", details={"bad_files": [rel]})
+
+    def receipts(self, expected):
+        """{relpath: {"size", "sha256_chunks"}} from a transfer's receipts (transfer receivers hash every
+        range they write, on this host), for the files that the receipts cover chunk by chunk and whose
+        identity (file_identity) is still the one the transfer recorded when it finished them. Those
+        files need not be read again; any other file is hashed from disk. Not used with a sign_key: a
+        signed image is read in full."""
+        try:
+            state_fd = open_beneath(self.fd, STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
+        except (OSError, UnsafePath):
+            return {}
+        try:
+            fixed = read_json(FIXED, dir_fd=state_fd) or {}
+            ranges = _receipt_ranges(state_fd)
+        except (OSError, UnsafePath):
+            return {}
+        finally:
+            os.close(state_fd)
+        out = {}
+        for rel, meta in expected.items():
+            try:
+                now = file_identity(os.stat(rel, dir_fd=self.fd, follow_symlinks=False))
+            except OSError:
+                continue
+            if fixed.get(rel) != now or now[2] != meta["size"]:
+                continue  # written since the transfer finished it (a repair, a copy by hand, a flipped byte)
+            chunks, have = [], ranges.get(rel, {})
+            for off in range(0, max(meta["size"], 1), CHUNK):
+                got = have.get(off)
+                if got is None or got[0] != min(CHUNK, meta["size"] - off):
+                    chunks = None
+                    break
+                chunks.append(got[1])
+            if chunks is not None:
+                out[rel] = {"size": meta["size"], "sha256_chunks": chunks}
+        return out
+
+
+def _receipt_ranges(state_fd):
+    """{relpath: {offset: (length, sha256)}} of every receipt in the state dir ``state_fd``; a range
+    that two receipts disagree on maps to None (not trusted)."""
+    ranges = {}
+    for name in os.listdir(state_fd):
+        if not (name.startswith(RECEIPT_PREFIX) and name.endswith(".jsonl")):
+            continue
+        with os.fdopen(open_beneath(state_fd, name), "rb") as fh:
+            for line in fh:
+                try:
+                    r = json.loads(line)
+                    seen = ranges.setdefault(r["path"], {})
+                    got = (r["len"], r["sha256"])
+                    seen[r["off"]] = got if seen.get(r["off"], got) == got else None  # disagreeing: no trust
+                except (ValueError, KeyError, TypeError):
+                    continue  # a torn last line of a receiver that was killed
+    return ranges
 
 
 def verify(image_dir, manifest=None, sign_key=None):
-    """Check every file against the manifest before anything is touched. Raises ImageError naming the
-    file. Returns the seconds spent on the checksums."""
-    manifest = manifest or load_manifest(image_dir)
-    if sign_key:
-        sig = (manifest.get("signature") or {}).get("value")
-        if not sig or not hmac.compare_digest(sig, _signature(manifest, sign_key)):
-            raise ImageError("manifest signature of %s does not match the configured key" % image_dir,
-                             stage="verify", hint="the image was altered or signed with another key")
-    expected = manifest.get("files") or {}
-    present = walk(image_dir)
-    missing = sorted(set(expected) - set(present))
-    if missing:
-        raise ImageError("image %s is missing %s" % (image_dir, ", ".join(missing[:5])), stage="verify",
-                         details={"bad_files": missing})
-    extra = sorted(set(present) - set(expected))
-    if extra:
-        raise ImageError("image %s holds files the manifest does not list: %s" % (image_dir, ", ".join(extra[:5])),
-                         stage="verify", details={"bad_files": extra})
-    for rel, meta in expected.items():
-        if present[rel].st_size != meta["size"]:
-            raise ImageError("%s in image %s has %d bytes, the manifest says %d"
-                             % (rel, image_dir, present[rel].st_size, meta["size"]),
-                             stage="verify", details={"bad_files": [rel]})
-    start = time.monotonic()
-    received = {} if sign_key else receipts(image_dir, expected)
-    actual = checksum_files(image_dir, sorted(set(expected) - set(received)))
-    actual.update(received)
-    for rel, meta in sorted(expected.items()):
-        if rel in received and actual[rel]["sha256_chunks"] != meta["sha256_chunks"]:
-            actual[rel] = checksum_files(image_dir, [rel])[rel]  # the verdict always comes from the file
-        for i, (want, got) in enumerate(zip(meta["sha256_chunks"], actual[rel]["sha256_chunks"])):
-            if want != got:
-                raise ImageError("checksum mismatch in %s of image %s (bytes %d-%d): the image is corrupt"
-                                 % (rel, image_dir, i * CHUNK, min((i + 1) * CHUNK, meta["size"]) - 1),
-                                 stage="verify", details={"bad_files": [rel], "bad_chunks": {rel: [i]}},
-                                 hint="re-transfer or re-take the checkpoint; nothing was restored")
-    return time.monotonic() - start
+    """Image.verify of the image at ``image_dir``; ``manifest``: its manifest when already read."""
+    with Image.open(image_dir, manifest) as img:
+        return img.verify(sign_key)
 
 
 def file_identity(st):
@@ -382,60 +558,15 @@ def file_identity(st):
 
 
 def receipts(image_dir, expected):
-    """{relpath: {"size", "sha256_chunks"}} from a transfer's receipts (transfer receivers hash every
-    range they write, on this host), for the files that the receipts cover chunk by chunk and whose
-    identity (file_identity) is still the one the transfer recorded when it finished them. Those
-    files need not be read again; any other file is hashed from disk. Not used with a sign_key: a
-    signed image is read in full."""
-    state = os.path.join(image_dir, STATE_DIR)
-    try:
-        st = os.lstat(state)
-        if not stat.S_ISDIR(st.st_mode):
-            return {}
-        fixed = read_json(os.path.join(state, FIXED)) or {}
-        ranges = {}
-        for name in os.listdir(state):
-            if not (name.startswith(RECEIPT_PREFIX) and name.endswith(".jsonl")):
-                continue
-            fd = os.open(os.path.join(state, name), os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-            with os.fdopen(fd, "rb") as fh:
-                for line in fh:
-                    try:
-                        r = json.loads(line)
-                        seen = ranges.setdefault(r["path"], {})
-                        got = (r["len"], r["sha256"])
-                        seen[r["off"]] = got if seen.get(r["off"], got) == got else None  # disagreeing: no trust
-                    except (ValueError, KeyError, TypeError):
-                        continue  # a torn last line of a receiver that was killed
-    except OSError:
-        return {}
-    out = {}
-    for rel, meta in expected.items():
-        try:
-            now = file_identity(os.lstat(os.path.join(image_dir, rel)))
-        except OSError:
-            continue
-        if fixed.get(rel) != now or now[2] != meta["size"]:
-            continue  # written since the transfer finished it (a repair, a copy by hand, a flipped byte)
-        chunks, have = [], ranges.get(rel, {})
-        for off in range(0, max(meta["size"], 1), CHUNK):
-            got = have.get(off)
-            if got is None or got[0] != min(CHUNK, meta["size"] - off):
-                chunks = None
-                break
-            chunks.append(got[1])
-        if chunks is not None:
-            out[rel] = {"size": meta["size"], "sha256_chunks": chunks}
-    return out
+    """Image.receipts of the image at ``image_dir``."""
+    with Image.open(image_dir) as img:
+        return img.receipts(expected)
 
 
 def image_bytes(manifest):
     return sum(m["size"] for m in (manifest.get("files") or {}).values())
 
 
-def read_restored_mark(image_dir):
-    return read_json(os.path.join(image_dir, STATE_DIR, RESTORED_MARK))
-
-
 def write_restored_mark(image_dir, data):
-    atomic_write(os.path.join(state_dir(image_dir), RESTORED_MARK), data)
+    with Image.open(image_dir) as img:
+        img.write_restored_mark(data)

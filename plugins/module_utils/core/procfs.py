@@ -197,7 +197,8 @@ def pid_namespace(pid="self"):
         return None
 
 
-def _ancestors(pid):
+def ancestors(pid):
+    """``pid`` and its ancestors up to (not including) pid 1."""
     out = set()
     while pid > 1:
         st = read_stat(pid)
@@ -225,7 +226,7 @@ def validate_target(pid):
     if st["state"] in ("Z", "X"):
         raise InvalidTarget("pid %d (%s) is a zombie: it has already exited" % (pid, st["comm"]),
                             stage="preflight", pid=pid)
-    if pid in _ancestors(os.getpid()):
+    if pid in ancestors(os.getpid()):
         raise InvalidTarget("pid %d is this tool's own process or one of its parents" % pid,
                             stage="preflight", pid=pid)
     return st

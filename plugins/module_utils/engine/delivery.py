@@ -25,12 +25,8 @@ def deliver(sender, image_dir, journal, clock):
     """The push's last part: the rest of the image, then the manifest. The source's journal says
     'delivering' before the manifest goes: from then on the target may hold a complete image, and
     only the migration's settlement may resume the source (see transaction.rollback_source).
-    Returns the push's report; a failed push never fails the checkpoint."""
-    def before_deliver():
-        if journal is not None:
-            journal.check_fence("deliver")
-            journal.transition("delivering")
-    sender.before_deliver = before_deliver
+    Returns the push's report; a failed push never fails the checkpoint. The 'delivering' transition is
+    the Sender's before_deliver hook, given to it when it was made (checkpoint.push_hooks)."""
     report = {"pushed": False}
     try:
         report.update(sender.finish(image_dir), pushed=True)

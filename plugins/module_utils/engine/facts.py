@@ -155,10 +155,13 @@ def _candidates(pids, drv):
     process it knows as a CUDA process (checkpointed processes hold no /dev/nvidia fd)."""
     if pids:
         return [int(p) for p in pids]
-    found = [p for p in procfs.all_pids() if gpu_procs.nvidia_fds(p)]
+    # This module and the processes that run it (Ansible's wrapper, the shell of its ssh session): they load
+    # the driver to ask it, which makes the driver know them, but they are no workload of this host.
+    own = procfs.ancestors(os.getpid())
+    found = [p for p in procfs.all_pids() if p not in own and gpu_procs.nvidia_fds(p)]
     if drv:
         found = sorted(set(found) | {p for p in procfs.all_pids()
-                                     if p != os.getpid() and drv.state_or_error(p) is not None})
+                                     if p not in own and drv.state_or_error(p) is not None})
     return found
 
 

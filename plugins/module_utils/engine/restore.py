@@ -13,6 +13,7 @@ that does not run is a failure. A restore that fails kills what it brought up; t
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import time
@@ -23,7 +24,6 @@ from ..core import hugepages
 from ..core import image
 from ..core import procfs
 from ..core.errors import DriverUnavailable, GpuCkptError, ImageError, InvalidTarget, TransactionError
-from ..core.fsutil import same_dir
 from ..core.journal import identities, process_identity, same_process
 from ..core.progress import StageProgress
 from ..cuda import driver as cuda
@@ -56,11 +56,12 @@ class RestoreOptions(object):
 
 
 def restore(image_dir, backend=None, journal=None, **options):
-    """Restore the workload of ``image_dir``. ``journal``: the migration's target journal: the restore
-    then waits (``wait_for_image`` seconds) for this migration's image to be delivered, and runs as the
-    journal's transition received -> restoring -> restored under its lock."""
+    """Restore the workload of ``image_dir``: its path, or the image.Image its caller opened (and
+    closes). ``journal``: the migration's target journal: the restore then waits (``wait_for_image``
+    seconds) for this migration's image to be delivered, and runs as the journal's transition
+    received -> restoring -> restored under its lock."""
     opts = RestoreOptions(**options)
-    image_dir = os.path.abspath(image_dir)
+    where = image_dir.path if isinstance(image_dir, image.Image) else os.path.abspath(image_dir)
     progress = StageProgress(opts.progress_file, RESTORE_STAGES)
     progress.start()
     try:
@@ -68,14 +69,14 @@ def restore(image_dir, backend=None, journal=None, **options):
             waited = None
             if journal is not None and opts.wait_for_image and not opts.check_mode:
                 waited = wait_for_delivery(journal, opts.wait_for_image, opts.libcuda_path)
-            # (the image is waited for first: huge pages matter from the runtime's restore on)
+            held = contextlib.nullcontext() if journal is None else \
+                journal.hold(wait=opts.journal_wait, purpose="the restore of %s" % where)
+            # (the image is waited for first: huge pages matter from the runtime's restore on; it is
+            # opened under the journal's lock, once its delivery is settled)
             with hugepages.HugePages(opts.host_huge_pages and not opts.check_mode,
                                      settle_stale=not opts.check_mode) as thp:
-                if journal is None:
-                    res = _restore(image_dir, opts, backend, None, progress)
-                else:
-                    with journal.hold(wait=opts.journal_wait, purpose="the restore of %s" % image_dir):
-                        res = _restore(image_dir, opts, backend, journal, progress)
+                with held, _opened(image_dir) as img:
+                    res = _restore(img, opts, backend, journal, progress)
             if thp.report is not None:
                 res["huge_pages"] = thp.report
             if waited is not None and res.get("timings") is not None:
@@ -85,9 +86,17 @@ def restore(image_dir, backend=None, journal=None, **options):
         progress.close()
 
 
-def _journal_gate(journal, image_dir, manifest):
+def _opened(image_dir):
+    """The image to restore: opened now from its path (and closed after), or the Image its caller opened."""
+    if isinstance(image_dir, image.Image):
+        return contextlib.nullcontext(image_dir)
+    return image.Image.open(image_dir)
+
+
+def _journal_gate(journal, img):
     """In a migration: restore only this migration's delivered image, from the directory it created
     here. Returns a result when the restore already happened (nothing to do)."""
+    image_dir, manifest = img.path, img.manifest
     doc = journal.read() or {}
     phase = doc.get("phase")
     if phase in ("restored", "committed"):
@@ -105,7 +114,7 @@ def _journal_gate(journal, image_dir, manifest):
     if os.path.abspath(doc.get("image_dir") or "") != image_dir:
         raise InvalidTarget("migration %s received its image in %s, not %s" % (journal.id, doc.get("image_dir"), image_dir),
                             stage="preflight")
-    if not same_dir(image_dir, doc.get("image_dir_identity")):
+    if not img.has_identity(doc.get("image_dir_identity")):
         raise InvalidTarget("%s is no longer the directory migration %s created here; nothing was restored"
                             % (image_dir, journal.id), stage="preflight")
     if (manifest.get("migration") or {}).get("nonce") != doc.get("nonce"):
@@ -114,16 +123,16 @@ def _journal_gate(journal, image_dir, manifest):
     return None
 
 
-def _already_restored(image_dir, manifest, opts, journal):
+def _already_restored(img, opts, journal):
     """Idempotence: the result when this image's workload was already restored and runs (nothing to do),
     else None. Refuses to restore again an image whose restored copy has since exited, unless forced."""
     if journal is not None:
-        return _journal_gate(journal, image_dir, manifest)
-    mark = image.read_restored_mark(image_dir)
+        return _journal_gate(journal, img)
+    mark, manifest = img.restored_mark(), img.manifest
     if not mark or mark.get("manifest_id") != manifest.get("id"):
         return None
     if all(procfs.alive(p) for p in mark["pids"]):
-        return {"changed": False, "image_dir": image_dir, "manifest_id": manifest.get("id"), "pids": mark["pids"],
+        return {"changed": False, "image_dir": img.path, "manifest_id": manifest.get("id"), "pids": mark["pids"],
                 "cuda_pids": mark.get("cuda_pids", []),
                 "msg": "already restored at %s and running (pids %s); nothing to do" % (mark.get("restored"), mark["pids"])}
     if not opts.force:
@@ -151,14 +160,14 @@ def _restore_preflight(backend, needs_driver, libcuda_path):
     return backend.load_cuda(libcuda_path) if needs_driver else (None, None)
 
 
-def _verify_and_load(image_dir, manifest, opts, backend, journal, clock):
+def _verify_and_load(img, opts, backend, journal, clock):
     """The image's checksums, and beside them the runtime's checks and the driver's load (cuInit: about
     0.4 s on an H200): both are downtime in a migration. Returns (verify seconds, driver or None)."""
-    target = manifest["target"]
+    target = img.manifest["target"]
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             loading = pool.submit(_restore_preflight, backend, bool(target["cuda_pids"]), opts.libcuda_path)
-            verify_seconds = image.verify(image_dir, manifest, opts.sign_key) if opts.verify else None
+            verify_seconds = img.verify(opts.sign_key) if opts.verify else None
             clock.stop("verify")
             drv, problem = loading.result()
     except ImageError as exc:
@@ -172,9 +181,10 @@ def _verify_and_load(image_dir, manifest, opts, backend, journal, clock):
     return verify_seconds, drv
 
 
-def _bring_up(image_dir, manifest, backend, drv, pairs, clock, opts, journal):
+def _bring_up(img, backend, drv, pairs, clock, opts, journal):
     """The restore proper, as the journal's transition to restoring and on; returns its RestoreOutcome.
     A failure is a TransactionError that says what was brought up was stopped."""
+    manifest = img.manifest
     backend.bind(manifest)
     if journal is not None:
         journal.transition("restoring", manifest_id=manifest.get("id"), owner=process_identity(os.getpid()),
@@ -185,8 +195,8 @@ def _bring_up(image_dir, manifest, backend, drv, pairs, clock, opts, journal):
             journal.record(pids=new_pids, identities=identities(new_pids), container=backend.container)
 
     try:
-        return restore_from(image_dir, manifest, backend, drv, pairs, clock, opts.validate_wait, opts.parallel,
-                            on_restored, opts.probe)
+        return restore_from(img.path, manifest, backend, drv, pairs, clock, opts.validate_wait, opts.parallel,
+                            on_restored, opts.probe, work_dir=img.state_dir)
     except Exception as exc:  # noqa: BLE001
         stage, pid, reason, hint = describe_failure(exc)
         stage = stage or "restore"
@@ -198,42 +208,41 @@ def _bring_up(image_dir, manifest, backend, drv, pairs, clock, opts, journal):
         raise err
 
 
-def _restore(image_dir, opts, backend, journal, progress):
-    manifest = image.load_manifest(image_dir)
+def _restore(img, opts, backend, journal, progress):
+    manifest = img.manifest
     backend = backend or ProcessBackend()
     target = manifest["target"]
-    done = _already_restored(image_dir, manifest, opts, journal)
+    done = _already_restored(img, opts, journal)
     if done is not None:
         return done
-    result = {"changed": False, "image_dir": image_dir, "manifest_id": manifest.get("id")}
+    result = {"changed": False, "image_dir": img.path, "manifest_id": manifest.get("id")}
     clock = Clock(progress)
     clock.start()
     _wait_pids_free(manifest, backend, opts.pid_wait)
     clock.stop("wait_pids_free")
-    verify_seconds, drv = _verify_and_load(image_dir, manifest, opts, backend, journal, clock)
+    verify_seconds, drv = _verify_and_load(img, opts, backend, journal, clock)
     pairs = gpu_pairs_for(opts.gpu_map, drv.device_uuids() if drv else [])
     if opts.gpu_map and drv is None:
         raise InvalidTarget("gpu_map given but the image holds no CUDA process", stage="preflight")
     if opts.check_mode:
         result.update(changed=True, pids=target["pids"], cuda_pids=target["cuda_pids"],
-                      msg="would restore %d process(es) from %s" % (len(target["pids"]), image_dir))
+                      msg="would restore %d process(es) from %s" % (len(target["pids"]), img.path))
         return result
     calls0 = len(drv.calls) if drv else 0
     clock.stop("preflight")
-    outcome = _bring_up(image_dir, manifest, backend, drv, pairs, clock, opts, journal)
+    outcome = _bring_up(img, backend, drv, pairs, clock, opts, journal)
     if journal is not None:
         journal.transition("restored", pids=outcome.pids, cuda_pids=outcome.cuda_pids,
                            identities=identities(outcome.pids), resumed_at=outcome.resumed_at)
     else:
-        image.write_restored_mark(image_dir, {"manifest_id": manifest.get("id"), "restored": now_iso(),
-                                              "pids": outcome.pids, "cuda_pids": outcome.cuda_pids,
-                                              "host": socket.gethostname()})
+        img.write_restored_mark({"manifest_id": manifest.get("id"), "restored": now_iso(),
+                                 "pids": outcome.pids, "cuda_pids": outcome.cuda_pids, "host": socket.gethostname()})
     result.update(changed=True, pids=outcome.pids, cuda_pids=outcome.cuda_pids, timings=dict(clock.stages),
                   resumed_at=outcome.resumed_at, validation_notes=outcome.notes, probe=outcome.probe,
                   verify_seconds=verify_seconds, driver_call_seconds=driver_seconds(drv, calls0),
                   gpu_pairs=pairs or outcome.gpu_pairs or None,
                   msg="restored %d process(es) (%d on the GPU) from %s"
-                  % (len(outcome.pids), len(outcome.cuda_pids), image_dir))
+                  % (len(outcome.pids), len(outcome.cuda_pids), img.path))
     return result
 
 
@@ -295,11 +304,12 @@ def _restore_gpu_memory(backend, drv, cuda_pids, gpu_pairs, parallel):
 
 
 def restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_wait=0.0, parallel=False,
-                 on_restored=None, probe=None):
+                 on_restored=None, probe=None, work_dir=None):
     """Runtime restore, CUDA restore of all pids, the user's ``probe`` ((argv, timeout) run inside the
     workload), then unlock of all, then validation. ``on_restored`` (new pids) is called right
-    after the runtime restore. Kills what it brought up on failure. Returns a RestoreOutcome."""
-    work = image.state_dir(image_dir)
+    after the runtime restore. ``work_dir``: the image's state dir when its caller holds it open
+    (image.Image.state_dir). Kills what it brought up on failure. Returns a RestoreOutcome."""
+    work = work_dir or image.state_dir(image_dir)
     new_pids = []
     try:
         new_pids = backend.restore(image_dir, work, manifest)

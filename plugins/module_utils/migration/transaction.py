@@ -31,11 +31,12 @@ back (restored from it on rollback).
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import uuid
 
 from ..core import image
-from ..core.errors import InvalidTarget, TransactionError
+from ..core.errors import ImageError, InvalidTarget, TransactionError
 from ..core.fsutil import UnsafePath, create_private_dir, remove_tree, same_dir
 from ..core.journal import (DEFAULT_JOURNAL_DIR, Journal, alive_pids, check_id, identities, process_identity,  # noqa: F401
                             same_process)
@@ -199,10 +200,27 @@ def _clean(journal, doc, backend):
 
 
 # ---- the source ---------------------------------------------------------------------------------
-def _source_manifest(doc):
-    image_dir = doc.get("image_dir")
-    if image_dir and same_dir(image_dir, doc.get("image_dir_identity")) and image.has_manifest(image_dir):
-        return image.load_manifest(image_dir)
+@contextlib.contextmanager
+def _source_image(doc):
+    """``with _source_image(doc) as img``: the source's complete image of this migration, open, while
+    its directory is still the one the checkpoint created; else None."""
+    try:
+        img = image.Image.open(doc["image_dir"]) if doc.get("image_dir") else None
+    except ImageError:
+        img = None
+    try:
+        yield img if img is not None and img.has_identity(doc.get("image_dir_identity")) and img.has_manifest() \
+            else None
+    finally:
+        if img is not None:
+            img.close()
+
+
+def _source_manifest(doc, img):
+    """What the source's checkpoint recorded of its workload: its image's manifest (``img``, from
+    _source_image), else what its journal says."""
+    if img is not None:
+        return img.manifest
     return {"target": {"pids": doc.get("pids") or [], "cuda_pids": doc.get("cuda_pids") or [],
                        "identities": doc.get("identities") or {}, "states": doc.get("states") or {}},
             "runtime": {"backend": doc.get("runtime"), "container": doc.get("container")}}
@@ -226,10 +244,11 @@ def commit_source(journal, backend=None, target_phase=None, remove_image=False, 
                                    "could leave no copy running" % (journal.id, target_phase or "nothing"),
                                    stage="commit-source")
         killed = []
-        if doc.get("after") == "stopped":
-            _changed, killed = release_stopped(_source_manifest(doc), backend)
-        elif backend is not None:
-            backend.release_exited(_source_manifest(doc))
+        with _source_image(doc) as img:
+            if doc.get("after") == "stopped":
+                _changed, killed = release_stopped(_source_manifest(doc, img), backend)
+            elif backend is not None:
+                backend.release_exited(_source_manifest(doc, img))
         removed = False
         if remove_image and doc.get("image_dir"):
             removed = remove_tree(doc["image_dir"], doc.get("image_dir_identity"))
@@ -262,25 +281,27 @@ def rollback_source(journal, backend=None, target_phase=None, target_lost=False,
                 stage="rollback-source",
                 hint="run recover.yml once the target answers; if the target is gone for good, run it with "
                      "-e gpuckpt_target_lost=true")
-        manifest = _source_manifest(doc)
-        target = manifest["target"]
-        alive = alive_pids(target.get("identities"))
-        if alive:
-            changed, pids = resume_stopped(manifest, backend, libcuda_path=libcuda_path)
-            how = "source resumed (pids %s)" % pids
-        elif doc.get("image_dir") and image.has_manifest(doc["image_dir"]) and \
-                same_dir(doc["image_dir"], doc.get("image_dir_identity")):
-            res = restore(doc["image_dir"], backend=backend, libcuda_path=libcuda_path, force=True)
-            changed, pids = True, res.get("pids")
-            how = "source restored from its image %s (pids %s)" % (doc["image_dir"], pids)
-        else:
-            raise TransactionError("the source's processes are gone and no complete image of this migration is in %s: "
-                                   "cannot roll back" % doc.get("image_dir"), stage="rollback-source")
+        with _source_image(doc) as img:
+            changed, pids, how = _bring_source_back(doc, img, backend, libcuda_path)
         try:
             journal.transition("resumed", resumed_pids=pids, resumed_identities=identities(pids or []))
         except (OSError, TransactionError) as exc:  # it runs; a full disk must not undo that
             how += " (its journal could not be written: %s)" % exc
     return changed, how
+
+
+def _bring_source_back(doc, img, backend, libcuda_path):
+    """Resume the held source, or restore it from its own image ``img`` (see _source_image) when it
+    exited. Returns (changed, pids that run, what was done)."""
+    manifest = _source_manifest(doc, img)
+    if alive_pids(manifest["target"].get("identities")):
+        changed, pids = resume_stopped(manifest, backend, libcuda_path=libcuda_path)
+        return changed, pids, "source resumed (pids %s)" % pids
+    if img is None:
+        raise TransactionError("the source's processes are gone and no complete image of this migration is in %s: "
+                               "cannot roll back" % doc.get("image_dir"), stage="rollback-source")
+    pids = restore(img, backend=backend, libcuda_path=libcuda_path, force=True).get("pids")
+    return True, pids, "source restored from its image %s (pids %s)" % (doc["image_dir"], pids)
 
 
 __all__ = ["Journal", "begin_target", "settle_target", "commit_source", "rollback_source", "status", "check_id",
