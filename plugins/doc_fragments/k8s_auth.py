@@ -7,7 +7,13 @@ from __future__ import annotations
 
 
 class ModuleDocFragment(object):
+    # The modules that talk to the API server from the controller: any platform, no diff. Each gives its check mode.
     DOCUMENTATION = r"""
+attributes:
+  diff_mode:
+    support: none
+  platform:
+    platforms: all
 options:
   kubeconfig:
     description:

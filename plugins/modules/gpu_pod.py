@@ -86,10 +86,6 @@ notes:
 attributes:
   check_mode:
     support: none
-  diff_mode:
-    support: none
-  platform:
-    platforms: all
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.k8s_auth

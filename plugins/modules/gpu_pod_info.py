@@ -71,10 +71,6 @@ attributes:
   check_mode:
     support: full
     details: It only reads from the API server.
-  diff_mode:
-    support: none
-  platform:
-    platforms: all
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.k8s_auth

@@ -273,3 +273,23 @@ def test_plan_drain_accepts_an_unknown_deadline_by_name():
     plan = placement.plan_drain(NODE, ws, {"hostb": host("hostb")}, ROOT, PATHS, "d", deadline=600,
                                 allow_unknown=("deadline",))
     assert [m["migration_id"] for m in plan["moves"]] == ["d-runc-a"] and plan["stays"] == []
+
+
+def test_one_kernel_and_pid_space_counts_the_workload_s_own_pids_as_freed():
+    """The GPU machine's loopback hosts are one kernel and one pid space: the workload's own pids are the ones in use
+    on the target, and its checkpoint frees them (as migrate.yml's preflight decides it)."""
+    node = dict(NODE, host={"hostname": "vm", "boot_id": "b1", "pid_namespace": "pid:[1]"})
+    flat = dict(host("hostb", pids_in_use=[4242]), host={"hostname": "vm", "boot_id": "b1", "pid_namespace": "pid:[1]"})
+    w = workload("process:4242", by_gpu={0: 20})
+    moves, stays = placement.place(node, [w], {"hostb": flat}, ROOT, PATHS)
+    assert len(moves) == 1 and stays == []
+    other_ns = dict(flat, host=dict(flat["host"], pid_namespace="pid:[2]"))
+    moves, stays = placement.place(node, [w], {"hostb": other_ns}, ROOT, PATHS)
+    assert not moves and "pid(s) 4242 are in use" in stays[0]["rejected"]["hostb"]
+
+
+def test_the_pids_of_the_node_s_other_processes_are_not_this_workload_s_concern():
+    a, b = workload("process:4242", by_gpu={0: 2}), workload("process:5151", by_gpu={0: 1}, pid=5151)
+    moves, stays = place([a, b], {"hostb": host("hostb", pids_in_use=[5151])})
+    assert [m["workload"]["key"] for m in moves] == ["process:4242"]
+    assert "pid(s) 5151 are in use on hostb" in stays[0]["rejected"]["hostb"]
