@@ -14,9 +14,8 @@ from __future__ import annotations
 
 from .core import hugepages, image, transfer
 from .core.errors import GpuCkptError, InvalidTarget, TransactionError
-from .core.journal import Journal
 from .module_common import (MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, SPEED_ARGS, TOOL_ARGS, backend_of_image,
-                            check_path_arg, make_backend)
+                            check_path_arg, journal_for, make_backend)
 
 
 def operation_spec(**own):
@@ -143,7 +142,7 @@ def sync_image(params, check_mode):
         return dict(changed=True, bytes_total=size, msg="would send up to %d bytes" % size)
     before_deliver = fence = None
     if p["migration_id"]:
-        journal = Journal(p["journal_dir"], p["migration_id"], "source")
+        journal = journal_for(p, "source")
         nonce, before_deliver, fence = _source_journal_hooks(journal)
         receiver = receiver_checks(p["migration_id"], p["dest_journal_dir"], nonce)
     else:
@@ -201,7 +200,7 @@ def migration_step(params, check_mode):
     carried out under the journal's rules. The module's result, with the journal and its phase."""
     # Imported here: it brings the engine, which the other modules that share this file need not load.
     from .migration import transaction as migration
-    journal = migration.Journal(params["journal_dir"], params["migration_id"], params["role"])
+    journal = journal_for(params, params["role"])
     if params["action"] == "status" or check_mode:
         st = migration.status(journal)
         return dict(changed=False, journal=st, phase=st.get("phase"), msg="phase %s" % st.get("phase"))

@@ -68,7 +68,9 @@ MIGRATION_ARGS = dict(
 
 
 def journal_for(params, role):
-    """The migration journal for this host's role, or None outside a migration."""
+    """The migration journal for this host's role, or None outside a migration: the one place a module turns a
+    migration's id and journal directory into its Journal (the receiver, a program of its own on the target, opens
+    the target's from the same two values, which the sender hands it with the nonce)."""
     if not params.get("migration_id"):
         return None
     from .core.journal import Journal
