@@ -137,10 +137,11 @@ ansible_facts:
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.run import find_binary
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import facts as host_facts
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import drain_mark, workloads as node_workloads
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS, make_backend
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
     container_backends, container_tree, run_module)
 
@@ -152,9 +153,13 @@ def runtimes_available(p):
     """The runtimes this host could restore a container with: a daemon's socket answering to its path, or the
     binary of a runtime without a daemon (its state directory appears with its first container)."""
     found = []
-    for b in container_backends(dict(p, list_containers=list(CONTAINER_RUNTIMES)), CONTAINER_RUNTIMES):
-        if b.present() or (b.name in DAEMONLESS and find_binary(b.name, p.get(b.name + "_path"), required=False)):
-            found.append(b.name)
+    for name in CONTAINER_RUNTIMES:
+        try:  # a runtime whose options are wrong here (say, runsc_flags) cannot restore here: not listed, not a failure
+            b = make_backend(name, p)
+            if b.present() or (name in DAEMONLESS and find_binary(name, p.get(name + "_path"), required=False)):
+                found.append(name)
+        except GpuCkptError:
+            continue
     return found
 
 
