@@ -31,6 +31,9 @@ options:
   pod:
     description: The pod named now (C(namespace/name)).
     type: str
+  target_journal:
+    description: The target's journal of the same id (its copy's identities), as gpuckpt.fleet.gpu_migration reads it.
+    type: dict
   pid_starttime:
     description: The start time (clock ticks after boot) of the process that has O(pid) now; none when no process has it.
     type: int
@@ -54,10 +57,10 @@ _value:
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration.planner import id_reuse
 
 
-def migration_id_reuse(journal, migration_id, pid=None, container=None, pod=None, pid_starttime=None):
+def migration_id_reuse(journal, migration_id, pid=None, container=None, pod=None, pid_starttime=None, target_journal=None):
     now = {"starttime": int(pid_starttime)} if pid_starttime not in (None, "") else None
     return id_reuse(migration_id, journal or {}, pid=pid or None, container=container or None, pod=pod or None,
-                    pid_now=now) or ""
+                    pid_now=now, target_journal=target_journal or None) or ""
 
 
 class FilterModule(object):

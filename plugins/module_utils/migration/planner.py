@@ -404,7 +404,7 @@ def _recorded_workload(journal):
     return "pid %s" % pids[0] if pids else "an unknown workload"
 
 
-def _names_recorded(journal, pid=None, container=None, pod=None, pid_now=None):
+def _names_recorded(journal, pid=None, container=None, pod=None, pid_now=None, target_journal=None):
     """Whether the workload named now (a pod, else a container, else a pid) is the one ``journal`` recorded."""
     if pod:
         rec = journal.get("pod")
@@ -415,8 +415,16 @@ def _names_recorded(journal, pid=None, container=None, pod=None, pid_now=None):
         return str(journal.get("container")) == str(container)
     pids = journal.get("pids") or []
     root = str(pids[0]) if pids else None
-    ident = (journal.get("identities") or {}).get(root) or {}
-    return root == str(pid) and (pid_now is None or ident.get("starttime") in (None, pid_now.get("starttime")))
+    if root != str(pid):
+        return False
+    if pid_now is None:
+        return True
+    # The process the migration froze, the one its rollback brought back (restored from the source's image: the
+    # same pid, a new start time), or its copy on the target (``target_journal``), which has that very pid where
+    # the two hosts are one machine.
+    where = ((journal, "identities"), (journal, "resumed_identities"), (target_journal or {}, "identities"))
+    known = [(doc.get(key) or {}).get(root) or {} for doc, key in where]
+    return any(i.get("starttime") in (None, pid_now.get("starttime")) for i in known if i) or not any(known)
 
 
 def _named(pid, container, pod):
@@ -424,7 +432,7 @@ def _named(pid, container, pod):
     return "pod %s" % pod if pod else "container %s" % container if container else "pid %s" % pid if pid else None
 
 
-def id_reuse(migration_id, journal, pid=None, container=None, pod=None, pid_now=None):
+def id_reuse(migration_id, journal, pid=None, container=None, pod=None, pid_now=None, target_journal=None):
     """Why this migration id may not be used for the workload named now, or None when it names the
     workload the id was used for (a re-run, which finishes or reports that migration). ``journal``: the
     source's journal as ``gpu_migration`` reads it; ``pid_now``: the identity ({"starttime"}) of the process
@@ -433,7 +441,7 @@ def id_reuse(migration_id, journal, pid=None, container=None, pod=None, pid_now=
     if not journal or not journal.get("exists"):
         return None
     asked = _named(pid, container, pod)
-    if asked is None or _names_recorded(journal, pid, container, pod, pid_now):
+    if asked is None or _names_recorded(journal, pid, container, pod, pid_now, target_journal):
         return None
     recorded = _recorded_workload(journal)
     if recorded == asked:  # the same pid, that another process holds now: say so, or the two read alike

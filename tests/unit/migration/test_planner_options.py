@@ -94,3 +94,13 @@ def test_another_workload_is_refused_naming_both(case, journal, named, recorded,
 def test_a_pid_another_process_holds_now_says_so():
     why = planner.id_reuse("m-42", PID_JOURNAL, pid=4242, pid_now={"starttime": 999})
     assert "another process holds it now" in why and "999" in why and "777" in why
+
+
+def test_the_same_workload_under_a_new_start_time_is_still_the_same():
+    """One machine seen as two hosts: a rollback restores the source from its image (the same pid, a new start time),
+    a commit leaves its copy under the same pid; a re-run with the id and the pid finishes or reports it."""
+    rolled_back = dict(PID_JOURNAL, phase="resumed", resumed_identities={"4242": {"pid": 4242, "starttime": 777}})
+    assert planner.id_reuse("m-42", rolled_back, pid=4242, pid_now={"starttime": 777}) is None
+    target = {"exists": True, "phase": "committed", "identities": {"4242": {"pid": 4242, "starttime": 888}}}
+    assert planner.id_reuse("m-42", PID_JOURNAL, pid=4242, pid_now={"starttime": 888}, target_journal=target) is None
+    assert planner.id_reuse("m-42", PID_JOURNAL, pid=4242, pid_now={"starttime": 999}, target_journal=target)
