@@ -186,6 +186,8 @@ def test_bad_options_and_unreadable_gpu_memory_are_refused_before_anything_is_fr
         assert ("Nothing was frozen: fix these options first" in run.stdout
                 or "Validation of arguments failed" in run.stdout), run.stdout
         assert list(bad)[0] in run.stdout and "PLAY [Read the node" not in run.stdout
+    single = drain({"pid": w.pid})  # migrate.yml's variable would aim every move at one workload
+    assert single.rc != 0 and "belong(s) to migrate.yml" in single.stdout and "PLAY [Read the node" not in single.stdout
     run = drain()
     assert run.rc != 0, run.stdout
     plan = "\n".join(lines(run, "The plan"))

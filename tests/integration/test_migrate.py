@@ -673,4 +673,14 @@ def test_an_id_used_before_for_another_workload_is_refused_and_bad_numbers_befor
     assert bad.rc != 0 and "Nothing was frozen: fix these options first" in bad.stdout, bad.stdout
     assert "gpuckpt_runtime_timeout=-1" in bad.stdout
     assert not os.path.exists(hosts.path("hosta", "journal", "t-bad-number.source.json"))
+    # The same number set for the source host in the inventory is checked too, by the move itself.
+    with open(hosts.path("inventory.yml")) as fh:
+        inv = json.load(fh)
+    inv["gpu_nodes"]["hosts"]["hosta"]["gpuckpt_lock_timeout"] = 0
+    with open(hosts.path("inventory-bad-number.yml"), "w") as fh:
+        json.dump(inv, fh)
+    bad = playbook(MIGRATE, {"source": "hosta", "target": "hostb", "pid": second.pid, "migration_id": "t-bad-inv"},
+                   inventory=hosts.path("inventory-bad-number.yml"))
+    assert bad.rc != 0 and "gpuckpt_lock_timeout=0 must be a number above 0" in bad.stdout, bad.stdout
+    assert not os.path.exists(hosts.path("hosta", "journal", "t-bad-inv.source.json"))
     assert second.one_copy_runs_intact()
