@@ -14,11 +14,23 @@ import datetime
 import json
 import re
 import threading
+import urllib.parse
 import uuid
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 _POD = re.compile(r"^/api/v1/namespaces/([^/]+)/pods(?:/([^/]+))?$")
 _NODE = re.compile(r"^/api/v1/nodes/([^/]+)$")
+
+
+def _merge(obj, patch):
+    """A JSON merge patch (RFC 7386): null deletes, a dict merges, anything else replaces."""
+    for key, value in patch.items():
+        if value is None:
+            obj.pop(key, None)
+        elif isinstance(value, dict) and isinstance(obj.get(key), dict):
+            _merge(obj[key], value)
+        else:
+            obj[key] = copy.deepcopy(value)
 
 
 def _status(code, reason, message):
@@ -102,6 +114,16 @@ class ApiServerDouble(object):
             if pod is not None and pod["metadata"]["uid"] == uid and pod["metadata"].get("deletionTimestamp"):
                 del self.pods[(namespace, name)]
 
+    def _pods_on_node(self, query):
+        """The pods of every namespace, or those bound to one node (``fieldSelector=spec.nodeName=<node>``, the
+        only selector the collection sends)."""
+        selector = dict(urllib.parse.parse_qsl(query)).get("fieldSelector", "")
+        node = selector.split("=", 1)[1] if selector.startswith("spec.nodeName=") else None
+        with self._lock:
+            items = [copy.deepcopy(p) for unused, p in sorted(self.pods.items())
+                     if node is None or (p.get("spec") or {}).get("nodeName") == node]
+            return {"apiVersion": "v1", "kind": "PodList", "metadata": {"resourceVersion": str(self._rv)}, "items": items}
+
     # ---- HTTP -------------------------------------------------------------------------------------
     def start(self):
         double = self
@@ -121,14 +143,14 @@ class ApiServerDouble(object):
                 self.wfile.write(data)
 
             def _handle(self, method):
-                path = self.path.split("?", 1)[0]
+                path, unused, query = self.path.partition("?")
                 length = int(self.headers.get("Content-Length") or 0)
                 body = self.rfile.read(length) if length else b""
                 with double._lock:
                     double.requests.append((method, path))
                 if self.headers.get("Authorization") != "Bearer " + double.token:
                     return self._send(401, _status(401, "Unauthorized", "Unauthorized"))
-                code, out = double._route(method, path, body)
+                code, out = double._route(method, path, body, query)
                 self._send(code, out)
 
             def do_GET(self):  # noqa: N802 - http.server's names
@@ -139,6 +161,9 @@ class ApiServerDouble(object):
 
             def do_DELETE(self):  # noqa: N802
                 self._handle("DELETE")
+
+            def do_PATCH(self):  # noqa: N802
+                self._handle("PATCH")
 
         self._server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self._server.daemon_threads = True
@@ -154,16 +179,21 @@ class ApiServerDouble(object):
             self._thread.join(10)
             self._server = None
 
-    def _route(self, method, path, body):
+    def _route(self, method, path, body, query=""):
         if path == "/version" and method == "GET":
             return 200, {"major": "1", "minor": "33", "gitVersion": "v1.33.0-gpuckpt-test-double"}
+        if path == "/api/v1/pods" and method == "GET":
+            return 200, self._pods_on_node(query)
         m = _NODE.match(path)
-        if m and method == "GET":
+        if m and method in ("GET", "PATCH"):
             with self._lock:
                 node = self.nodes.get(m.group(1))
-            if node is None:
-                return 404, _status(404, "NotFound", 'nodes "%s" not found' % m.group(1))
-            return 200, node
+                if node is None:
+                    return 404, _status(404, "NotFound", 'nodes "%s" not found' % m.group(1))
+                if method == "PATCH":  # a merge patch (what a cordon sends: spec.unschedulable, annotations)
+                    _merge(node, json.loads(body or b"{}"))
+                    self._stamp(node)
+                return 200, copy.deepcopy(node)
         m = _POD.match(path)
         if not m:
             return 404, _status(404, "NotFound", "the server could not find the requested resource")

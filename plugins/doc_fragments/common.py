@@ -5,7 +5,8 @@
 
 A module names in extends_documentation_fragment (as gpuckpt.fleet.common.<name>): ATTRIBUTES (with
 ansible.builtin.action_common_attributes); ACTIONGROUP_GPU for the modules of the action group gpu, with
-the options that group shares; OPERATION, which a checkpoint and a restore share; PROGRESS. Each fragment is
+the options that group shares; OPERATION, which a checkpoint and a restore share; SIGNATURE_CHECK, a
+restore's; PROGRESS. Each fragment is
 a literal (ansible-test's yamllint reads them as such).
 """
 from __future__ import annotations
@@ -124,6 +125,20 @@ options:
     default: engine
 """
 
+    # A restore's choice to take a signed image without its key (the sign_key above: OPERATION).
+    SIGNATURE_CHECK = r"""
+options:
+  allow_unverified_signature:
+    description:
+      - Restore an image whose manifest carries a signature although no O(sign_key) is given to check it.
+      - Without it such an image is refused before anything is restored. A forgotten key must not turn the check
+        off unnoticed.
+      - With it the result's C(signature) is C(not_checked), and the module warns that the signature was not checked.
+      - It has no effect when O(sign_key) is given. The signature is then always checked.
+    type: bool
+    default: false
+"""
+
     # What a checkpoint and a restore share besides the group's options: the tools, a migration's journal, and
     # the speed options (module_utils/_module_helpers.py's operation_spec).
     OPERATION = r"""
@@ -161,7 +176,13 @@ options:
   sign_key:
     description:
       - Key of the manifest's signature (HMAC-SHA256).
-      - A checkpoint signs the manifest with it; a restore refuses an image whose signature does not match.
+      - A checkpoint signs the manifest with it. A restore given it refuses, before anything is restored, an
+        image whose manifest carries no signature or one that does not match (an image altered, or signed with
+        another key).
+      - A restore not given it refuses an image whose manifest carries a signature, unless the restore's
+        C(allow_unverified_signature) is set. The refused image is kept as it is.
+      - Without a key nothing is checked against an image whose signature was removed. Configure the key on every
+        host that restores the images it signs.
     type: str
   parallel:
     description:

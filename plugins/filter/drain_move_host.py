@@ -29,7 +29,7 @@ options:
     type: str
     required: true
   workload:
-    description: The workload (from gpuckpt.fleet.drain_plan) - its pid, or its container, runtime and containerd namespace.
+    description: The workload (from gpuckpt.fleet.drain_plan) - its pid, its pod, or its container, runtime and containerd namespace.
     type: dict
   source:
     description: The node's inventory name.
@@ -74,6 +74,8 @@ def drain_move_host(node_vars, name, group, workload=None, **extra):
     if workload:
         if workload.get("kind") == "process":
             out["pid"] = workload["pid"]
+        elif workload.get("kind") == "pod":
+            out["pod"] = workload["pod"]
         else:
             out.update(container=workload["container"], runtime=workload["runtime"])
             if workload.get("namespace"):

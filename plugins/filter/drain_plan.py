@@ -80,6 +80,20 @@ options:
     description: Not the workloads one of these names.
     type: list
     elements: str
+  k8s_pods:
+    description:
+      - A Kubernetes node - M(gpuckpt.fleet.gpu_k8s_node)'s result for the node (its C(gpu_pods)), which says what each
+        of the node's pods asks and whether it can move. Without it, a pod found on the node stays, with the reason.
+    type: raw
+  k8s_nodes:
+    description:
+      - A Kubernetes node - M(gpuckpt.fleet.gpu_k8s_node)'s result for each target's node, by inventory name. A pod
+        moves only to a target whose node is Ready, not cordoned and has its GPUs free.
+    type: dict
+  allow_owned:
+    description: Move pods that a controller owns (once it will not replace them; see M(gpuckpt.fleet.gpu_pod_info)).
+    type: bool
+    default: false
 """
 
 EXAMPLES = r"""
@@ -120,6 +134,15 @@ def _target_facts(result):
     return result["ansible_facts"]["gpuckpt"]
 
 
+def _k8s_read(result, key):
+    """``key`` (gpu_pods, node) of a registered gpu_k8s_node result, or why there is none (a text)."""
+    if not isinstance(result, dict) or result.get("skipped"):
+        return None
+    if result.get("failed") or key not in result:
+        return "the API server refused or could not be reached: %s" % result.get("msg", "no answer")
+    return result[key]
+
+
 def _names(given):
     """A list option as names. ``-e exclude=[4242]`` and an AWX survey's text answer arrive as one string,
     which iterated would be its characters: its names are separated by commas, spaces or lines."""
@@ -132,7 +155,7 @@ def _names(given):
 
 def drain_plan(node_facts, targets, node, source_path, target_paths, id_prefix, parallel=1, deadline=None,
                throughput=None, overhead=placement.OVERHEAD_S, allow_unknown=None, allow_driver_mismatch=False,
-               include=None, exclude=None, earlier=None):
+               include=None, exclude=None, earlier=None, k8s_pods=None, k8s_nodes=None, allow_owned=False):
     """The plan of draining ``node`` (see DOCUMENTATION)."""
     if "workloads" not in (node_facts or {}):
         raise AnsibleFilterError("drain_plan: the node's facts hold no workloads (gather them with workloads=true)")
@@ -140,18 +163,24 @@ def drain_plan(node_facts, targets, node, source_path, target_paths, id_prefix, 
     bad = [n for n in allow if n not in planner.CHECK_NAMES + ("deadline", "runtime")]
     if bad:
         raise AnsibleFilterError("drain_plan: allow_unknown names no check: %s" % ", ".join(bad))
-    found = node_facts["workloads"]
+    found, idle_pods = node_workloads.with_pods(node_facts["workloads"], _k8s_read(k8s_pods, "gpu_pods"), bool(allow_owned))
     chosen, left_out = node_workloads.select(found, _names(include), _names(exclude))
     targets = {name: _target_facts(result) for name, result in (targets or {}).items()}
+    targets = {name: dict(f, k8s_node=_k8s_read((k8s_nodes or {}).get(name), "node")) if isinstance(f, dict) else f
+               for name, f in targets.items()}
     plan = placement.plan_drain(node_facts, chosen, targets, source_path, dict(target_paths or {}),
                                 id_prefix, parallel=int(parallel), deadline=None if deadline is None else float(deadline),
                                 throughput=throughput or {}, overhead=float(overhead), allow_unknown=tuple(allow),
                                 allow_driver_mismatch=bool(allow_driver_mismatch))
     left_out += [{"key": "containerd:%s/%s" % (c.get("namespace"), c.get("id")), "kind": "container", "runtime": "containerd",
                   "container": c.get("id"), "namespace": c.get("namespace"), "root_pid": c.get("pid"), "tree": {},
-                  "reason": "a Kubernetes pod's container (containerd namespace k8s.io): drain.yml does not drain Kubernetes "
-                            "nodes yet; move its pod with migrate.yml -e pod=<namespace>/<name>"}
+                  "reason": "a container of containerd's namespace k8s.io (the kubelet's) whose labels name no pod: "
+                            "drain.yml moves Kubernetes pods whole, through the API server, and cannot name this one's"}
                  for c in node_workloads.pod_containers(node_facts)]
+    left_out += [{"key": "k8s_pod:" + p["pod"], "kind": "pod", "runtime": "k8s_pod", "pod": p["pod"], "root_pid": None,
+                  "tree": {}, "reason": "asks for %d GPU(s) but none of its containers holds a CUDA context on the node: "
+                                        "nothing to checkpoint; evict or delete it yourself" % p["gpu_count"]}
+                 for p in idle_pods]
     plan["left_out"] = left_out
     earlier = earlier or {}
     plan["pending_before"] = report.unsettled(earlier.get("pending") or [], earlier.get("settled") or {})

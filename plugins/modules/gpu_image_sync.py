@@ -20,6 +20,8 @@ description:
   - The target's files are created with mode 0600 in a 0700 directory, never through a symlink.
   - The copy is proven by gpuckpt.fleet.gpu_restore, which verifies every checksum of the manifest on the
     target before it restores anything.
+  - It checks no signature and vouches for none. A signed image is checked by gpuckpt.fleet.gpu_restore on the
+    target, given C(sign_key). Without the key, that restore refuses it unless told C(allow_unverified_signature).
   - With O(migration_id), the receivers write only into the directory that the migration's target journal says
     the migration created, and the source's journal records C(delivering) before the manifest goes.
 author: gpuckpt.fleet maintainers (@gpuckpt)

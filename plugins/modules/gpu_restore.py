@@ -36,7 +36,9 @@ options:
     type: bool
     default: false
   verify:
-    description: Verify every file's checksums before restoring. Turn it off only for an image that was just verified.
+    description:
+      - Verify every file's checksums before restoring. Turn it off only for an image that was just verified.
+      - The manifest's signature (O(sign_key), O(allow_unverified_signature)) is checked even when it is off.
     type: bool
     default: true
   bundle:
@@ -111,6 +113,7 @@ extends_documentation_fragment:
   - gpuckpt.fleet.common.attributes
   - gpuckpt.fleet.common.actiongroup_gpu
   - gpuckpt.fleet.common.operation
+  - gpuckpt.fleet.common.signature_check
   - gpuckpt.fleet.common.progress
 notes:
   - Needs root. The pids recorded in the image must be free on this host (CRIU restores the same pids).
@@ -181,6 +184,14 @@ validation_notes:
   returned: when changed
   type: list
   elements: str
+signature:
+  description:
+    - What became of the manifest's signature. V(verified) means it matches O(sign_key). V(unsigned) means the
+      image carries none and no key was given. V(not_checked) means it carries one and no key was given, with
+      O(allow_unverified_signature) set.
+  returned: success
+  type: str
+  sample: verified
 stage:
   description: On failure, the stage that failed (wait, verify, preflight, criu-restore, cuda-restore, unlock, validate, probe).
   returned: failure
@@ -214,6 +225,7 @@ def main():
         restore_pod=dict(type="str"),
         restore_token=dict(type="str", no_log=True),
         restore_wait=dict(type="float", default=600.0),
+        allow_unverified_signature=dict(type="bool", default=False),
     )
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
                            required_together=[("restore_pod", "restore_token")])
@@ -232,7 +244,8 @@ def main():
         # the manifest once it has arrived.
         journal = journal_for(p, "target")
         options = {k: p[k] for k in ("gpu_map", "force", "verify", "libcuda_path", "sign_key", "validate_wait",
-                                     "parallel", "progress_file", "wait_for_image", "host_huge_pages")}
+                                     "parallel", "progress_file", "wait_for_image", "host_huge_pages",
+                                     "allow_unverified_signature")}
         return engine_restore.restore(p["image_dir"], backend=LazyBackend(p), journal=journal,
                                       check_mode=module.check_mode, probe_command=probe,
                                       probe_timeout=p["probe_timeout"], **options)

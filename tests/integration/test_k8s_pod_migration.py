@@ -489,3 +489,42 @@ def test_a_pod_migration_whose_controller_dies_is_recovered_to_exactly_one_copy(
         w.no_count_twice()
     again = playbook(RECOVER, rv, inventory=cluster["inventory"], interpreter=None)
     assert again.rc == 0 and changed_tasks(again) == [], changed_tasks(again)
+
+
+def test_a_kubernetes_node_is_drained_cordoned_its_gpu_pod_moved_and_undrained(playbook, hosts, cluster):
+    """drain.yml on a Kubernetes node: --check plans the pod onto node-b and changes nothing; the drain cordons
+    node-a through the API server (marked as the drain's), moves the pod whole with the pod path, and reports the
+    node empty; undrain takes back only its own cordon. The pod counts on, memory intact, never twice."""
+    made = start_pod(cluster, hosts)
+    api = cluster["api"]
+    before = {n: w.counts() for n, w in made.items()}
+    auth = {"gpuckpt_k8s_auth": {"kubeconfig": cluster["kubeconfig"]}}
+    check = playbook("gpuckpt.fleet.drain", dict(auth, node="hosta"), inventory=cluster["inventory"], interpreter=None,
+                     check=True)
+    plan = "\n".join(check.task("The plan")["msg"])
+    assert check.rc == 0 and "MOVE  pod default/gpu-test-pod" in plan and "-> hostb" in plan, check.stdout[-5000:]
+    assert {r[0] for r in api.requests} == {"GET"} and len(api.all_pods()) == 1  # nothing cordoned, created, deleted
+    for name, w in made.items():
+        w.went_on_intact(before[name])
+
+    run = playbook("gpuckpt.fleet.drain", dict(auth, node="hosta"), inventory=cluster["inventory"], interpreter=None)
+    assert run.rc == 0, run.stdout[-8000:] + "\n".join(cluster["kubelet"].log)
+    node_a = api.nodes["node-a"]
+    assert node_a["spec"].get("unschedulable") is True
+    assert node_a["metadata"]["annotations"]["gpuckpt.fleet/cordoned-by"].startswith("drain-hosta-")
+    report = "\n".join(run.task("Where each workload runs now")["msg"])
+    assert "MOVED   pod default/gpu-test-pod -> hostb" in report, report
+    pods = api.all_pods()
+    assert len(pods) == 1 and pods[0]["spec"]["nodeName"] == "node-b", pods
+    assert running_pod_containers(cluster, "hosta") == []
+    assert len(running_pod_containers(cluster, "hostb")) == 2
+    for name, w in made.items():
+        w.went_on_intact(before[name])
+        w.no_count_twice()
+
+    undrain = playbook("gpuckpt.fleet.drain", dict(auth, node="hosta", undrain=True), inventory=cluster["inventory"],
+                       interpreter=None)
+    assert undrain.rc == 0, undrain.stdout[-4000:]
+    node_a = api.nodes["node-a"]
+    assert not node_a["spec"].get("unschedulable") and "gpuckpt.fleet/cordoned-by" not in \
+        (node_a["metadata"].get("annotations") or {})

@@ -309,6 +309,32 @@ def _signature(manifest, key):
     return hmac.new(key.encode() if isinstance(key, str) else key, body, hashlib.sha256).hexdigest()
 
 
+def check_signature(manifest, sign_key=None, allow_unverified_signature=False, where="the image"):
+    """The manifest's signature against the configured key, read before anything else of the image.
+    Returns "verified" (it matches the key), "unsigned" (neither key nor signature) or "not_checked"
+    (signed, no key, and the user allowed that by name). Raises ImageError otherwise: a signed image is
+    never taken without its key (a forgotten key must not silently turn the check off), and with a key an
+    image without a signature is refused like one with a wrong one (stripping it must not get past)."""
+    if not sign_key:
+        if "signature" not in manifest or allow_unverified_signature:
+            return "not_checked" if "signature" in manifest else "unsigned"
+        raise ImageError("the manifest of %s carries a signature, and no sign_key was given to check it; refusing the "
+                         "image unchecked (it is kept as it is)" % where, stage="preflight", details={"signature": "no_key"},
+                         hint="give the key it was signed with (sign_key), or set allow_unverified_signature=true "
+                         "to take it without checking its signature")
+    sig = manifest.get("signature")
+    value = sig.get("value") if isinstance(sig, dict) and sig.get("alg") == "hmac-sha256" else None
+    if sig is None or not isinstance(value, str) or not hmac.compare_digest(
+            value.encode("utf-8", "surrogatepass"), _signature(manifest, sign_key).encode()):
+        missing = sig is None
+        raise ImageError("the manifest of %s %s; refusing it (it is kept as it is)" % (where, "carries no signature, and a sign_key "
+                         "is configured" if missing else "has a signature that does not match the configured key"),
+                         stage="verify", details={"signature": "missing" if missing else "mismatch"},
+                         hint="the image was altered or signed with another key (or none): restore only an image "
+                         "checkpointed with this sign_key, or give the key it was signed with")
+    return "verified"
+
+
 def write_manifest(image_dir, manifest, sign_key=None):
     manifest = dict(manifest)
     manifest["schema_version"] = SCHEMA_VERSION
@@ -446,15 +472,11 @@ class Image(object):
     def write_restored_mark(self, data):
         atomic_write(RESTORED_MARK, data, dir_fd=self._open_state_dir())
 
-    def verify(self, sign_key=None):
-        """Check every file against the manifest before anything is touched. Raises ImageError naming
-        the file. Returns the seconds spent on the checksums."""
+    def verify(self, sign_key=None, allow_unverified_signature=False):
+        """Check the manifest's signature (check_signature), then every file against the manifest, before
+        anything is touched. Raises ImageError naming the file. Returns the seconds spent on the checksums."""
         manifest = self.manifest
-        if sign_key:
-            sig = (manifest.get("signature") or {}).get("value")
-            if not sig or not hmac.compare_digest(sig, _signature(manifest, sign_key)):
-                raise ImageError("manifest signature of %s does not match the configured key" % self.path,
-                                 stage="verify", hint="the image was altered or signed with another key")
+        check_signature(manifest, sign_key, allow_unverified_signature, self.path)
         expected = manifest.get("files") or {}
         self._check_listing(expected)
         start = time.monotonic()
@@ -545,10 +567,10 @@ def _receipt_ranges(state_fd):
     return ranges
 
 
-def verify(image_dir, manifest=None, sign_key=None):
+def verify(image_dir, manifest=None, sign_key=None, allow_unverified_signature=False):
     """Image.verify of the image at ``image_dir``; ``manifest``: its manifest when already read."""
     with Image.open(image_dir, manifest) as img:
-        return img.verify(sign_key)
+        return img.verify(sign_key, allow_unverified_signature)
 
 
 def file_identity(st):

@@ -46,9 +46,11 @@ class RestoreOptions(object):
 
     def __init__(self, gpu_map=None, force=False, libcuda_path=None, check_mode=False, sign_key=None, verify=True,
                  validate_wait=0.5, pid_wait=10.0, parallel=True, progress_file=None, wait_for_image=0.0,
-                 journal_wait=60.0, probe_command=None, probe_timeout=60.0, host_huge_pages=False):
+                 journal_wait=60.0, probe_command=None, probe_timeout=60.0, host_huge_pages=False,
+                 allow_unverified_signature=False):
         self.gpu_map, self.force, self.libcuda_path, self.check_mode = gpu_map, force, libcuda_path, check_mode
         self.sign_key, self.verify, self.validate_wait, self.pid_wait = sign_key, verify, validate_wait, pid_wait
+        self.allow_unverified_signature = bool(allow_unverified_signature)
         self.parallel, self.progress_file, self.wait_for_image = parallel, progress_file, wait_for_image
         self.journal_wait = journal_wait
         self.probe = (list(probe_command), probe_timeout) if probe_command else None
@@ -167,7 +169,7 @@ def _verify_and_load(img, opts, backend, journal, clock):
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             loading = pool.submit(_restore_preflight, backend, bool(target["cuda_pids"]), opts.libcuda_path)
-            verify_seconds = img.verify(opts.sign_key) if opts.verify else None
+            verify_seconds = img.verify(opts.sign_key, opts.allow_unverified_signature) if opts.verify else None
             clock.stop("verify")
             drv, problem = loading.result()
     except ImageError as exc:
@@ -208,13 +210,31 @@ def _bring_up(img, backend, drv, pairs, clock, opts, journal):
         raise err
 
 
+def _signature_checked(img, opts):
+    """The manifest's signature, checked first of all (it needs the manifest alone): a signed image is not
+    restored, nor reported as already restored, without its key unless the user allowed it by name; with a
+    key, an image without a signature or with another one is refused. Returns check_signature's verdict."""
+    return image.check_signature(img.manifest, opts.sign_key, opts.allow_unverified_signature, img.path)
+
+
+def _signature_result(result, signature):
+    """The restore's result, saying what became of the signature; a warning when it was not checked."""
+    result["signature"] = signature
+    if signature == "not_checked":
+        result["msg"] = "%s; its manifest's signature was NOT checked (allow_unverified_signature)" % result["msg"]
+        result["warnings"] = ["the image %s is signed, and its signature was not checked (no sign_key was given, "
+                              "allow_unverified_signature is set)" % result["image_dir"]]
+    return result
+
+
 def _restore(img, opts, backend, journal, progress):
     manifest = img.manifest
     backend = backend or ProcessBackend()
     target = manifest["target"]
+    signature = _signature_checked(img, opts)
     done = _already_restored(img, opts, journal)
     if done is not None:
-        return done
+        return _signature_result(done, signature)
     result = {"changed": False, "image_dir": img.path, "manifest_id": manifest.get("id")}
     clock = Clock(progress)
     clock.start()
@@ -227,7 +247,7 @@ def _restore(img, opts, backend, journal, progress):
     if opts.check_mode:
         result.update(changed=True, pids=target["pids"], cuda_pids=target["cuda_pids"],
                       msg="would restore %d process(es) from %s" % (len(target["pids"]), img.path))
-        return result
+        return _signature_result(result, signature)
     calls0 = len(drv.calls) if drv else 0
     clock.stop("preflight")
     outcome = _bring_up(img, backend, drv, pairs, clock, opts, journal)
@@ -243,7 +263,7 @@ def _restore(img, opts, backend, journal, progress):
                   gpu_pairs=pairs or outcome.gpu_pairs or None,
                   msg="restored %d process(es) (%d on the GPU) from %s"
                   % (len(outcome.pids), len(outcome.cuda_pids), img.path))
-    return result
+    return _signature_result(result, signature)
 
 
 def host_pids_restored(manifest):

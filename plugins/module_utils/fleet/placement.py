@@ -53,6 +53,11 @@ def _reserve(facts, workload, node, plan, target_path):
     if out["disk"].get(target_path):
         out["disk"][target_path] = _less(out["disk"][target_path], "free_bytes", size)
     out["memory"] = _less(facts.get("memory"), "available_bytes", size)
+    if isinstance(facts.get("k8s_node"), dict) and workload.get("gpus_by_resource"):
+        free = dict(facts["k8s_node"].get("gpus_free") or {})
+        for resource, n in workload["gpus_by_resource"].items():
+            free[resource] = max(0, free.get(resource, 0) - n)
+        out["k8s_node"] = dict(facts["k8s_node"], gpus_free=free)
     return out
 
 
@@ -63,24 +68,42 @@ def _not_draining(name, facts):
                          "%s is draining itself (since %s)" % (name, mark.get("started")) if mark else None)
 
 
-def _has_runtime(runtime, name, facts):
+def _runtime_check(runtime, name, facts):
+    """The target runs the workload's runtime (a pod's: containerd, under the kubelet)."""
+    needed = "containerd" if runtime == "k8s_pod" else runtime
     present = facts.get("runtimes_present")
-    status = planner.UNKNOWN if present is None else planner.OK if runtime in present else planner.FAILS
-    why = {planner.UNKNOWN: "%s does not report its runtimes" % name, planner.FAILS: "%s has no %s" % (name, runtime)}
-    return planner.Check("runtime", "%s on target" % runtime, runtime, ",".join(present or []) or "?", status,
-                         why.get(status))
+    status = planner.UNKNOWN if present is None else planner.OK if needed in present else planner.FAILS
+    return planner.Check("runtime", "%s on target" % needed, needed, ",".join(present or []) or "?", status,
+                         None if status == planner.OK else
+                         "%s does not report its runtimes" % name if present is None else "%s has no %s" % (name, needed))
+
+
+def _k8s_node_check(workload, name, facts):
+    """A pod lands on the target's Kubernetes node: known to the API server, Ready, not cordoned, with the GPUs
+    the pod asks for free there (its allocatable count less what the pods bound to it ask)."""
+    node = facts.get("k8s_node")
+    if not isinstance(node, dict):
+        return planner.Check("k8s_node", "Kubernetes node", "Ready, schedulable", "?", planner.FAILS,
+                             "%s is no Kubernetes node the API server answered for (%s)" % (name, node or "not asked"))
+    short = ["%s %d free, pod needs %d" % (r, (node.get("gpus_free") or {}).get(r, 0), n)
+             for r, n in sorted((workload.get("gpus_by_resource") or {}).items())
+             if n and (node.get("gpus_free") or {}).get(r, 0) < n]
+    why = ("node %s is not Ready" % node["name"] if not node.get("ready") else
+           "node %s is cordoned" % node["name"] if node.get("unschedulable") else
+           "node %s: %s" % (node["name"], "; ".join(short)) if short else None)
+    return planner.Check("k8s_node", "Kubernetes node", "Ready, schedulable, GPUs free", node["name"],
+                         planner.FAILS if why else planner.OK, why)
 
 
 def _drain_checks(workload, name, facts):
-    """What a drain checks beyond the migration's planner: the target has the workload's runtime."""
-    runtime = workload["runtime"]
-    if runtime == "process":
+    """What a drain checks beyond the migration's planner: the target has the workload's runtime, and a pod's
+    Kubernetes node can take it."""
+    if workload["runtime"] == "process":
         return []
-    present = facts.get("runtimes_present")
-    status = planner.UNKNOWN if present is None else planner.OK if runtime in present else planner.FAILS
-    return [planner.Check("runtime", "%s on target" % runtime, runtime, ",".join(present or []) or "?", status,
-                          None if status == planner.OK else
-                          "%s does not report its runtimes" % name if present is None else "%s has no %s" % (name, runtime))]
+    checks = [_runtime_check(workload["runtime"], name, facts)]
+    if workload["kind"] == "pod":
+        checks.append(_k8s_node_check(workload, name, facts))
+    return checks
 
 
 def _why(plan):
@@ -165,6 +188,9 @@ def place(node, workloads, targets, source_path, target_paths, allow_unknown=(),
                 else "fewer moves planned there, or more free GPU memory")
     moves, stays = [], []
     for w in sorted(workloads, key=_difficulty):
+        if w.get("refused"):  # a pod the API server says cannot move, wherever it would go
+            stays.append({"workload": w, "reason": w["refused"], "rejected": {}})
+            continue
         fits, rejected = _targets_for(w, node, targets, facts, source_path, target_paths, allow_unknown,
                                       allow_driver_mismatch, margin)
         if not fits:

@@ -8,7 +8,9 @@ from ..migration.planner import gib, image_estimate
 
 
 def describe(workload):
-    """A workload in a few words: ``container train-7 (runc)``, ``pid 4242 (python3)``."""
+    """A workload in a few words: ``container train-7 (runc)``, ``pod ml/trainer``, ``pid 4242 (python3)``."""
+    if workload.get("kind") == "pod":
+        return "pod %s" % workload.get("pod")
     if workload.get("kind") == "container":
         return "container %s (%s)" % (workload.get("container"), workload.get("runtime"))
     return "pid %s%s" % (workload.get("root_pid"), " (%s)" % workload["comm"] if workload.get("comm") else "")

@@ -4,7 +4,8 @@
 """The GPU workloads of one node, as a drain moves them: one entry per thing that moves as a whole.
 
 A workload is either a container (of any runtime ``cuda_process_facts`` lists: runc, Podman, Docker,
-containerd, runsc) that holds CUDA processes, or a bare process tree whose processes hold CUDA contexts and
+containerd, runsc) that holds CUDA processes, a Kubernetes pod (the containers of containerd's namespace k8s.io
+that the kubelet's labels name as one pod's, moved together with the pod path), or a bare process tree whose processes hold CUDA contexts and
 belong to no container. A bare tree's root is found by walking up from each CUDA process through parents of
 the same process group that have no controlling terminal: a launcher (torchrun, a job script run by cron or
 a scheduler) moves with its workers, while the login shell or sshd session that started it stays. CUDA
@@ -38,16 +39,44 @@ def _key(runtime, ident):
 
 
 K8S_NAMESPACE = "k8s.io"  # the containerd namespace of the kubelet's CRI: pods' containers
+POD_NAMESPACE, POD_NAME, POD_UID = "io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.pod.uid"
 
 
 def _in_pod(c):
     return c.get("runtime") == "containerd" and c.get("namespace") == K8S_NAMESPACE
 
 
+def _pod_of(c):
+    """"namespace/name" of the pod a k8s.io container belongs to, by the kubelet's labels; None without them."""
+    labels = c.get("labels") or {}
+    if labels.get(POD_NAMESPACE) and labels.get(POD_NAME):
+        return "%s/%s" % (labels[POD_NAMESPACE], labels[POD_NAME])
+    return None
+
+
 def pod_containers(facts):
-    """The containers of Kubernetes pods that hold CUDA processes (containerd's namespace k8s.io): a drain does
-    not move them as plain containers behind the kubelet's back; it names them, to move with their pods."""
-    return [c for c in facts.get("gpu_containers") or [] if _in_pod(c)]
+    """The containers of containerd's namespace k8s.io that hold CUDA processes and carry no kubelet labels
+    naming their pod: a drain does not move them as plain containers behind the kubelet's back, nor as a pod it
+    cannot name; it names them and leaves them."""
+    return [c for c in facts.get("gpu_containers") or [] if _in_pod(c) and not _pod_of(c)]
+
+
+def _pods(containers, tree_of):
+    """One workload per Kubernetes pod whose containers hold CUDA processes: a pod moves whole (its tree is the
+    union of its containers' trees), through the API server and the target node's restore handler."""
+    by_pod = {}
+    for c in containers:
+        if _in_pod(c) and _pod_of(c):
+            by_pod.setdefault(_pod_of(c), []).append(c)
+    out = []
+    for pod, members in sorted(by_pod.items()):
+        members = sorted(members, key=lambda c: c["id"])
+        pids = sorted({int(p) for c in members for p in (c.get("pids") or [c["pid"]])})
+        root = int(members[0]["pid"])
+        out.append({"key": _key("k8s_pod", pod), "kind": "pod", "runtime": "k8s_pod", "pod": pod,
+                    "pod_uid": (members[0].get("labels") or {}).get(POD_UID), "containers": [c["id"] for c in members],
+                    "root_pid": root, "tree": tree_of(root, pids)})
+    return out
 
 
 def _container(c, tree_of):
@@ -89,17 +118,19 @@ def _bare_trees(procs, tree_of, read_stat, driver_answers=False):
 def from_facts(facts, tree_of, read_stat=procfs.read_stat):
     """The node's workloads from its ``cuda_process_facts`` (``cuda_processes`` and ``gpu_containers``);
     ``tree_of(root_pid, pids=None)`` gives a tree's facts. Sorted by key, so every run lists them alike."""
-    out = [_container(c, tree_of) for c in facts.get("gpu_containers") or [] if not _in_pod(c)]
+    containers = facts.get("gpu_containers") or []
+    out = [_container(c, tree_of) for c in containers if not _in_pod(c)] + _pods(containers, tree_of)
     out += _bare_trees(facts.get("cuda_processes") or [], tree_of, read_stat,
                        bool((facts.get("driver") or {}).get("available")))
     return sorted(out, key=lambda w: w["key"])
 
 
 def _matches(w, selector):
-    """A selector names a runtime (``runc``), a container (its id or name), or a pid of the workload."""
+    """A selector names a runtime (``runc``, ``k8s_pod``), a container (its id), a pod (``namespace/name``), or a
+    pid of the workload."""
     s = str(selector)
-    return s in (w["runtime"], str(w.get("container")), str(w["root_pid"])) or \
-        s in [str(p) for p in (w["tree"].get("pids") or [])]
+    return s in (w["runtime"], str(w.get("container")), str(w.get("pod")), str(w["root_pid"])) or \
+        s in [str(p) for p in (w["tree"].get("pids") or [])] or s in (w.get("containers") or [])
 
 
 def select(workloads, include=None, exclude=None):
@@ -122,3 +153,38 @@ def discover(facts, libcuda_path=None):
     from ..engine import facts as host_facts
     drv, unused = cuda_driver.load(libcuda_path)
     return from_facts(facts, lambda root, pids: host_facts.tree_facts(drv, root, pids))
+
+
+def with_pods(workloads, api_pods, allow_owned=False):
+    """The workloads with what the API server says of each pod (``api_pods``: gpu_k8s_node's ``gpu_pods``, or a
+    text saying why the API server was not read): its GPUs by resource and its uid, and ``refused`` with the reason
+    when it cannot move wherever it would go - the API server was not read, it knows no such pod (or another pod
+    has its name now), describe_pod refuses it, or a controller owns it and ``allow_owned`` is not given (once
+    the migration deletes it, the controller would start a fresh copy next to the restored one). Also (the
+    workloads, the API's GPU pods that no workload is: they ask for GPUs but hold no CUDA context here)."""
+    known = {p["pod"]: p for p in api_pods} if isinstance(api_pods, list) else {}
+    out = []
+    for w in workloads:
+        if w["kind"] != "pod":
+            out.append(w)
+            continue
+        p = known.get(w["pod"])
+        if not isinstance(api_pods, list):
+            why = "the Kubernetes API server was not read (%s)" % (api_pods or "no connection given")
+        elif p is None or (w.get("pod_uid") and p.get("uid") != w["pod_uid"]):
+            why = "the API server shows no pod %s with the uid its containers carry (%s)" % (w["pod"], w.get("pod_uid"))
+        elif p.get("refused"):
+            why = p["refused"]
+        elif p.get("owner") and not allow_owned:
+            why = ("owned by %s %s: once the move deletes it, that controller would start a fresh copy next to the "
+                   "restored one (orphan it first, or set gpuckpt_allow_owned=true once the controller will not "
+                   "replace it)" % (p["owner"].get("kind"), p["owner"].get("name")))
+        else:
+            why = None
+        extra = {"gpus_by_resource": (p or {}).get("gpus_by_resource") or {}, "pod_uid": (p or {}).get("uid", w.get("pod_uid"))}
+        if why:
+            extra["refused"] = why
+        out.append(dict(w, **extra))
+    moved = {w["pod"] for w in workloads if w["kind"] == "pod"}
+    idle = [p for p in known.values() if p["pod"] not in moved]
+    return out, idle

@@ -47,6 +47,9 @@ CRIU_SUBDIR = "checkpoint"
 ROOTFS_DIFF = "rootfs-diff.tar"
 RUNC_RUNTIME = "io.containerd.runc.v2"
 CRIU_CONFIG_ANNOTATION = "org.criu.config"
+KUBELET_NAMESPACE = "k8s.io"  # the containers of the kubelet's CRI (Kubernetes pods)
+KUBELET_LABELS = ("io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.pod.uid",
+                  "io.kubernetes.container.name", "io.cri-containerd.kind")
 RECORD_KEYS = ("labels", "image", "runtime", "runtime_options_url", "spec_url", "spec", "snapshotter",
                "snapshot_key", "snapshot_parent", "sandbox")  # what a restore needs of the container's record
 STOP_WAIT = 30  # seconds a killed task may take to stop before its removal is given up
@@ -93,8 +96,14 @@ class ContainerdBackend(ContainerBackend):
                 if namespace == "moby":
                     continue
                 api.namespace = namespace
-                out += [{"id": t["id"], "pid": t["pid"], "status": t["status"], "namespace": namespace}
-                        for t in api.tasks() if t["pid"] and t["status"] in ("running", "paused")]
+                tasks = [{"id": t["id"], "pid": t["pid"], "status": t["status"], "namespace": namespace}
+                         for t in api.tasks() if t["pid"] and t["status"] in ("running", "paused")]
+                if namespace == KUBELET_NAMESPACE and tasks:
+                    # The kubelet's labels say which pod each container belongs to: a drain moves a pod whole.
+                    labels = {c["id"]: c["labels"] for c in api.containers()}
+                    for t in tasks:
+                        t["labels"] = {k: v for k, v in (labels.get(t["id"]) or {}).items() if k in KUBELET_LABELS}
+                out += tasks
         finally:
             api.close()
         return out

@@ -183,3 +183,27 @@ def test_a_kubernetes_pods_container_is_no_workload_but_named_and_a_device_holde
     assert [c["id"] for c in workloads.pod_containers(facts)] == ["pod-ctr"]
     facts["driver"] = {"available": False}
     assert [w["key"] for w in workloads.from_facts(facts, tree_of, PROC)] == ["process:100"]
+
+
+def test_a_pods_containers_are_one_workload_named_by_the_kubelets_labels():
+    """Two CUDA containers of one pod move together (the pod path), with one tree over both; a pod's container
+    without the kubelet's labels is left, named, not moved as a plain container."""
+    def ctr(cid, pid, pod=None):
+        labels = {} if pod is None else {"io.kubernetes.pod.namespace": "ml", "io.kubernetes.pod.name": pod,
+                                         "io.kubernetes.pod.uid": "uid-" + pod}
+        return {"id": cid, "pid": pid, "runtime": "containerd", "namespace": "k8s.io", "pids": [pid, pid + 1],
+                "labels": labels, "cuda_processes": [{"pid": pid, "cuda_state": "running"}]}
+    facts = {"gpu_containers": [ctr("c2", 990, "trainer"), ctr("c1", 980, "trainer"), ctr("c3", 970)],
+             "cuda_processes": [], "driver": {"available": True}}
+    tree_of, calls = tree_of_recorder()
+    found = workloads.from_facts(facts, tree_of, PROC)
+    assert [w["key"] for w in found] == ["k8s_pod:ml/trainer"]
+    pod = found[0]
+    assert (pod["kind"], pod["runtime"], pod["pod"], pod["pod_uid"]) == ("pod", "k8s_pod", "ml/trainer", "uid-trainer")
+    assert pod["containers"] == ["c1", "c2"] and pod["root_pid"] == 980
+    assert calls[-1] == (980, [980, 981, 990, 991])
+    assert [c["id"] for c in workloads.pod_containers(facts)] == ["c3"]
+    chosen, unused = workloads.select(found, include=["ml/trainer"])
+    assert chosen == found
+    chosen, unused = workloads.select(found, exclude=["c2"])
+    assert chosen == []
