@@ -231,13 +231,28 @@ _UNKNOWN_DURATION = ("its duration is not known (no throughput measured from the
                      "unknown); allow it with gpuckpt_allow_unknown=[deadline]")
 
 
-def _in_batches(order, parallel, deadline):
-    """(the moves of ``order`` that end by the deadline, run ``parallel`` at a time, each with its ``batch`` and
+def _batches(order, parallel, room=None):
+    """``order`` cut into the batches that run together: at most ``parallel`` moves, whose images the node writes
+    at once into its image root, so together they must fit its free disk there (``room``: bytes, None when unknown;
+    each move alone was checked against it when placed)."""
+    out, batch, used = [], [], 0
+    for m in order:
+        size = m["image_estimate_bytes"] or 0
+        if batch and (len(batch) >= parallel or (room is not None and used + size > room)):
+            out.append(batch)
+            batch, used = [], 0
+        batch.append(m)
+        used += size
+    return out + ([batch] if batch else [])
+
+
+def _in_batches(order, parallel, deadline, room=None):
+    """(the moves of ``order`` that end by the deadline, run in batches (``_batches``), each with its ``batch`` and
     ``finish_s``; the others, each with its reason). A batch takes as long as its longest move."""
     run, late, clock = [], [], 0.0
-    for i in range(0, len(order), parallel):
+    for group in _batches(order, parallel, room):
         in_time = []
-        for b in order[i:i + parallel]:
+        for b in group:
             took = b["estimate"]["duration_s"]
             if took is None or clock + took <= deadline:
                 in_time.append(b)
@@ -253,15 +268,17 @@ def _in_batches(order, parallel, deadline):
     return run, late
 
 
-def schedule(moves, parallel=1, deadline=None, throughput=None, overhead=OVERHEAD_S, allow_unknown=()):
+def schedule(moves, parallel=1, deadline=None, throughput=None, overhead=OVERHEAD_S, allow_unknown=(), room=None):
     """(moves in the order they run, each with its ``estimate`` and ``batch``; moves that would not finish
-    by the deadline, each with its reason). Without a deadline the moves run in placement order."""
+    by the deadline, each with its reason). Without a deadline the moves run in placement order. A batch holds at
+    most ``parallel`` moves whose images fit the node's free disk together (``room``)."""
     parallel = max(1, int(parallel))
     for m in moves:
         m["estimate"] = estimate(m, throughput, overhead)
     if deadline is None:
-        for i, m in enumerate(moves):
-            m["batch"] = i // parallel
+        for i, batch in enumerate(_batches(moves, parallel, room)):
+            for m in batch:
+                m["batch"] = i
         return moves, []
     unknown = [m for m in moves if m["estimate"]["duration_s"] is None]
     known = sorted((m for m in moves if m["estimate"]["duration_s"] is not None),
@@ -269,7 +286,7 @@ def schedule(moves, parallel=1, deadline=None, throughput=None, overhead=OVERHEA
     late = []
     if "deadline" not in allow_unknown:
         late, unknown = [dict(m, reason=_UNKNOWN_DURATION % m["target"]) for m in unknown], []
-    run, past = _in_batches(known + unknown, parallel, deadline)
+    run, past = _in_batches(known + unknown, parallel, deadline, room)
     return run, late + past
 
 
@@ -281,7 +298,13 @@ def plan_drain(node, workloads, targets, source_path, target_paths, id_prefix, p
     ``rejected`` target with its reason."""
     placed, stays = place(node, workloads, targets, source_path, target_paths, allow_unknown, allow_driver_mismatch,
                           margin, throughput if deadline is not None else None)
-    moves, late = schedule(placed, parallel, deadline, throughput, overhead, allow_unknown)
+    room = (((node.get("disk") or {}).get(source_path)) or {}).get("free_bytes")
+    moves, late = schedule(placed, parallel, deadline, throughput, overhead, allow_unknown, room)
+    sizes = []
     for m in moves:
         m["migration_id"] = migration_id(id_prefix, m["workload"])
-    return {"moves": moves, "stays": stays + late}
+        if m["batch"] >= len(sizes):
+            sizes.append(0)
+        sizes[m["batch"]] += 1
+    # drain.yml runs the moves with Ansible's serial set to these sizes, so that its batches are the plan's.
+    return {"moves": moves, "stays": stays + late, "batch_sizes": sizes}

@@ -293,3 +293,29 @@ def test_the_pids_of_the_node_s_other_processes_are_not_this_workload_s_concern(
     moves, stays = place([a, b], {"hostb": host("hostb", pids_in_use=[5151])})
     assert [m["workload"]["key"] for m in moves] == ["process:4242"]
     assert "pid(s) 5151 are in use on hostb" in stays[0]["rejected"]["hostb"]
+
+
+@pytest.mark.parametrize("room_gb,deadline,batches", [
+    (None, None, [0, 0, 0]),  # the node's free disk unknown: parallel alone (each move was checked alone)
+    (1000, None, [0, 0, 0]),
+    (75, None, [0, 0, 1]),  # c (50 GB) and a (10 GB) fit together, b (20 GB) does not join them
+    (55, None, [0, 1, 1]),
+    (25, None, [0, 1, 2]),
+    (35, 1000, [0, 0, 1]),  # with a deadline (shortest first: a, b, c): a and b fit 35 GB together, c alone
+])
+def test_a_batch_holds_only_the_images_that_fit_the_nodes_disk_together(room_gb, deadline, batches):
+    """The node writes a batch's images at once into its image root: moves that would not fit together there run
+    in the next batch, and the plan's batch sizes (what drain.yml's serial runs) follow."""
+    moves = [move("c", size_s=50), move("a"), move("b", size_s=20)]
+    run, late = placement.schedule(moves, 3, deadline=deadline, throughput=TP,
+                                   room=None if room_gb is None else room_gb * 1e9)
+    assert late == [] and [m["batch"] for m in run] == batches
+
+
+def test_the_plan_says_its_batch_sizes_for_the_play():
+    w = [workload("runc:a", {0: 1}), workload("runc:b", {0: 1}, pid=1), workload("runc:c", {1: 1}, pid=2)]
+    node = dict(NODE, disk={ROOT: {"free_bytes": 8 * GIB}})  # each ~3.3 GiB image fits alone, two together, not three
+    plan = placement.plan_drain(node, w, {"hostb": host("hostb")}, ROOT, PATHS, "d", parallel=3)
+    assert plan["batch_sizes"] == [2, 1]
+    assert plan["batch_sizes"] == [sum(1 for m in plan["moves"] if m["batch"] == b) for b in range(len(plan["batch_sizes"]))]
+    assert sum(plan["batch_sizes"]) == len(plan["moves"]) == 3
