@@ -50,6 +50,7 @@ notes:
 attributes:
   check_mode:
     support: full
+    details: Reads the node and its pods; a cordon or uncordon is reported as it would change, and not made.
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.k8s_auth
