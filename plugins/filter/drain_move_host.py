@@ -80,7 +80,7 @@ def drain_move_host(node_vars, name, group, workload=None, **extra):
             out.update(container=workload["container"], runtime=workload["runtime"])
             if workload.get("namespace"):
                 out["containerd_namespace"] = workload["namespace"]
-    out.update(extra)
+    out.update({k: v for k, v in extra.items() if v is not None})  # an unset one stays undefined for the move
     return out
 
 

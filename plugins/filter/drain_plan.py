@@ -153,6 +153,20 @@ def _names(given):
     return [str(n) for n in (given if isinstance(given, (list, tuple)) else [given])]
 
 
+def _left_in_pods(node_facts, idle_pods):
+    """What a drain leaves of Kubernetes' work, with why: a k8s.io container whose labels name no pod, and a pod that
+    asks for GPUs but holds no CUDA context on the node."""
+    out = [{"key": "containerd:%s/%s" % (c.get("namespace"), c.get("id")), "kind": "container", "runtime": "containerd",
+            "container": c.get("id"), "namespace": c.get("namespace"), "root_pid": c.get("pid"), "tree": {},
+            "reason": "a container of containerd's namespace k8s.io (the kubelet's) whose labels name no pod: "
+                      "drain.yml moves Kubernetes pods whole, through the API server, and cannot name this one's"}
+           for c in node_workloads.pod_containers(node_facts)]
+    return out + [{"key": "k8s_pod:" + p["pod"], "kind": "pod", "runtime": "k8s_pod", "pod": p["pod"], "root_pid": None,
+                   "tree": {}, "reason": "asks for %d GPU(s) but none of its containers holds a CUDA context on the node: "
+                                         "nothing to checkpoint; evict or delete it yourself" % p["gpu_count"]}
+                  for p in idle_pods]
+
+
 def drain_plan(node_facts, targets, node, source_path, target_paths, id_prefix, parallel=1, deadline=None,
                throughput=None, overhead=placement.OVERHEAD_S, allow_unknown=None, allow_driver_mismatch=False,
                include=None, exclude=None, earlier=None, k8s_pods=None, k8s_nodes=None, allow_owned=False):
@@ -172,15 +186,7 @@ def drain_plan(node_facts, targets, node, source_path, target_paths, id_prefix, 
                                 id_prefix, parallel=int(parallel), deadline=None if deadline is None else float(deadline),
                                 throughput=throughput or {}, overhead=float(overhead), allow_unknown=tuple(allow),
                                 allow_driver_mismatch=bool(allow_driver_mismatch))
-    left_out += [{"key": "containerd:%s/%s" % (c.get("namespace"), c.get("id")), "kind": "container", "runtime": "containerd",
-                  "container": c.get("id"), "namespace": c.get("namespace"), "root_pid": c.get("pid"), "tree": {},
-                  "reason": "a container of containerd's namespace k8s.io (the kubelet's) whose labels name no pod: "
-                            "drain.yml moves Kubernetes pods whole, through the API server, and cannot name this one's"}
-                 for c in node_workloads.pod_containers(node_facts)]
-    left_out += [{"key": "k8s_pod:" + p["pod"], "kind": "pod", "runtime": "k8s_pod", "pod": p["pod"], "root_pid": None,
-                  "tree": {}, "reason": "asks for %d GPU(s) but none of its containers holds a CUDA context on the node: "
-                                        "nothing to checkpoint; evict or delete it yourself" % p["gpu_count"]}
-                 for p in idle_pods]
+    left_out += _left_in_pods(node_facts, idle_pods)
     plan["left_out"] = left_out
     earlier = earlier or {}
     plan["pending_before"] = report.unsettled(earlier.get("pending") or [], earlier.get("settled") or {})

@@ -40,12 +40,12 @@ def _less(d, key, n):
     return out
 
 
-def _reserve(facts, workload, node, plan, target_path):
+def _reserve(facts, workload, node, plan, target_path, gpu_map=None):
     """The target's facts with what this move takes there reserved."""
     out = dict(facts)
     sg, tg = planner.gpu_list(node) or [], [dict(g) for g in (planner.gpu_list(facts) or [])]
     for uuid, need in planner.gpu_needs(workload["tree"]) or []:
-        for g in planner.landing_gpus(uuid, sg, tg):
+        for g in planner.landing_gpus(uuid, sg, tg, gpu_map):
             g.update(_less(g, "memory_free_mib", need // planner.MIB))
     out["gpus"] = tg
     size = plan.image_estimate_bytes or 0
@@ -128,15 +128,50 @@ def _own_pids_only(workload, facts):
     return dict(facts, pids_in_use=[p for p in facts["pids_in_use"] if p in own])
 
 
+def _fits_in_place(needs, sg, tg):
+    """Whether each GPU's memory fits the free memory of the target GPU at its place (the restore's default)."""
+    for uuid, need in needs:
+        for g in planner.landing_gpus(uuid, sg, tg):
+            if g.get("memory_free_mib") is None or g["memory_free_mib"] * planner.MIB < need:
+                return False
+    return True
+
+
+def choose_gpu_map(workload, node, facts):
+    """{source GPU UUID: target GPU UUID} that puts a bare process's GPU memory on target GPUs of the same model with
+    room for it, one target GPU per source GPU, where the GPUs at its places have not the room; None when the places
+    do, when nothing could fit, or when the map is not the drain's to choose: a container's GPUs are its device
+    nodes, mapped place by place by its runtime, and a pod's are the device plugin's."""
+    by_gpu = workload["tree"].get("gpu_bytes_by_gpu")
+    sg, tg = planner.gpu_list(node) or [], planner.gpu_list(facts) or []
+    if workload["kind"] != "process" or not by_gpu or not sg or not tg:
+        return None
+    needs = sorted(by_gpu.items(), key=lambda kv: (-kv[1], kv[0]))
+    if _fits_in_place([(u, n) for u, n in needs if n], sg, tg):
+        return None
+    model = {g.get("uuid"): g.get("name") for g in sg}
+    index = {g.get("uuid"): g.get("index") for g in sg}
+    taken, out = set(), {}
+    for uuid, need in needs:
+        room = [g for g in tg if g.get("uuid") not in taken and g.get("name") == model.get(uuid)
+                and g.get("memory_free_mib") is not None and g["memory_free_mib"] * planner.MIB >= need]
+        if not room:
+            return None
+        best = min(room, key=lambda g: (g.get("index") != index.get(uuid), -g["memory_free_mib"], g.get("index")))
+        taken.add(best.get("uuid"))
+        out[uuid] = best.get("uuid")
+    return out
+
+
 def check_pair(workload, node, name, facts, source_path, target_path, allow_unknown=(), allow_driver_mismatch=False,
-               margin=planner.IMAGE_MARGIN):
+               margin=planner.IMAGE_MARGIN, gpu_map=None):
     """The Plan of moving ``workload`` from ``node`` (its facts) to the target ``name`` (``facts``).
     ``allow_unknown`` may also name the drain's own checks (``runtime``, ``deadline``)."""
     # The migration's planner refuses names that are not its checks; the verdict takes the drain's too.
     opts = planner.options(source_path=source_path, target_path=target_path,
                            allow_unknown=[n for n in allow_unknown or () if n in planner.CHECK_NAMES],
                            allow_driver_mismatch=allow_driver_mismatch, container=workload["kind"] != "process",
-                           same_pid_space=_one_pid_space(node, facts), margin=margin)
+                           same_pid_space=_one_pid_space(node, facts), margin=margin, gpu_map=gpu_map)
     checks = planner.check_target(workload["tree"], node, _own_pids_only(workload, facts), opts) + _drain_checks(workload, name, facts)
     return planner.verdict(checks, opts._replace(allow_unknown=tuple(allow_unknown or ())),
                            planner.image_estimate(workload["tree"], margin))
@@ -160,21 +195,23 @@ def _targets_for(w, node, targets, facts, source_path, target_paths, allow_unkno
     """({target: its Plan} for each target ``w`` fits on, {target: why not} for each other one)."""
     rejected = {n: "no facts: %s" % f for n, f in targets.items() if not isinstance(f, dict)}
     fits = {}
+    maps = {}
     for n in sorted(facts):
+        maps[n] = choose_gpu_map(w, node, facts[n])
         plan = check_pair(w, node, n, facts[n], source_path, target_paths.get(n), allow_unknown,
-                          allow_driver_mismatch, margin)
+                          allow_driver_mismatch, margin, maps[n])
         if plan.ok:
             fits[n] = plan
         else:
             rejected[n] = _why(plan)
-    return fits, rejected
+    return fits, rejected, maps
 
 
-def _landing_uuids(w, node, target_facts):
+def _landing_uuids(w, node, target_facts, gpu_map=None):
     """The UUIDs of the target's GPUs that the workload's GPU memory lands on."""
     tg = planner.gpu_list(target_facts) or []
     return sorted({g.get("uuid") for uuid, unused in planner.gpu_needs(w["tree"]) or []
-                   for g in planner.landing_gpus(uuid, planner.gpu_list(node) or [], tg)})
+                   for g in planner.landing_gpus(uuid, planner.gpu_list(node) or [], tg, gpu_map)})
 
 
 def place(node, workloads, targets, source_path, target_paths, allow_unknown=(), allow_driver_mismatch=False,
@@ -191,8 +228,8 @@ def place(node, workloads, targets, source_path, target_paths, allow_unknown=(),
         if w.get("refused"):  # a pod the API server says cannot move, wherever it would go
             stays.append({"workload": w, "reason": w["refused"], "rejected": {}})
             continue
-        fits, rejected = _targets_for(w, node, targets, facts, source_path, target_paths, allow_unknown,
-                                      allow_driver_mismatch, margin)
+        fits, rejected, maps = _targets_for(w, node, targets, facts, source_path, target_paths, allow_unknown,
+                                            allow_driver_mismatch, margin)
         if not fits:
             stays.append({"workload": w, "reason": "fits on no target", "rejected": rejected})
             continue
@@ -200,9 +237,9 @@ def place(node, workloads, targets, source_path, target_paths, allow_unknown=(),
         best = min(fits, key=lambda n: (_transfer_s(fits[n].image_estimate_bytes, (throughput or {}).get(n)),
                                         planned[n], -_free_gpu_mib(facts[n]), n))
         rejected.update({n: "fits too; %s was chosen (%s)" % (best, why_best) for n in fits if n != best})
-        moves.append({"workload": w, "target": best, "gpus": _landing_uuids(w, node, facts[best]),
-                      "image_estimate_bytes": fits[best].image_estimate_bytes, "rejected": rejected})
-        facts[best] = _reserve(facts[best], w, node, fits[best], target_paths.get(best))
+        moves.append({"workload": w, "target": best, "gpus": _landing_uuids(w, node, facts[best], maps[best]),
+                      "gpu_map": maps[best], "image_estimate_bytes": fits[best].image_estimate_bytes, "rejected": rejected})
+        facts[best] = _reserve(facts[best], w, node, fits[best], target_paths.get(best), maps[best])
         planned[best] += 1
     return moves, stays
 

@@ -35,7 +35,7 @@ def plan_lines(node, plan):
         est = m.get("estimate") or {}
         lines.append("  MOVE  %s [%s] -> %s%s (batch %s%s) id %s" % (
             describe(m["workload"]), _size(m["workload"], m.get("image_estimate_bytes")), m["target"],
-            " GPU " + ",".join(m["gpus"]) if m.get("gpus") else "", m.get("batch"),
+            (" GPU " + ",".join(m["gpus"]) + (" (mapped)" if m.get("gpu_map") else "")) if m.get("gpus") else "", m.get("batch"),
             ", est. %s, ends by %s" % (_secs(est.get("duration_s")), _secs(est.get("finish_s")))
             if est.get("duration_s") is not None else "", m.get("migration_id")))
     for s in plan["stays"]:

@@ -169,22 +169,25 @@ def with_pods(workloads, api_pods, allow_owned=False):
             out.append(w)
             continue
         p = known.get(w["pod"])
-        if not isinstance(api_pods, list):
-            why = "the Kubernetes API server was not read (%s)" % (api_pods or "no connection given")
-        elif p is None or (w.get("pod_uid") and p.get("uid") != w["pod_uid"]):
-            why = "the API server shows no pod %s with the uid its containers carry (%s)" % (w["pod"], w.get("pod_uid"))
-        elif p.get("refused"):
-            why = p["refused"]
-        elif p.get("owner") and not allow_owned:
-            why = ("owned by %s %s: once the move deletes it, that controller would start a fresh copy next to the "
-                   "restored one (orphan it first, or set gpuckpt_allow_owned=true once the controller will not "
-                   "replace it)" % (p["owner"].get("kind"), p["owner"].get("name")))
-        else:
-            why = None
         extra = {"gpus_by_resource": (p or {}).get("gpus_by_resource") or {}, "pod_uid": (p or {}).get("uid", w.get("pod_uid"))}
+        why = _pod_refusal(w, p, api_pods, allow_owned)
         if why:
             extra["refused"] = why
         out.append(dict(w, **extra))
     moved = {w["pod"] for w in workloads if w["kind"] == "pod"}
-    idle = [p for p in known.values() if p["pod"] not in moved]
-    return out, idle
+    return out, [p for p in known.values() if p["pod"] not in moved]
+
+
+def _pod_refusal(w, p, api_pods, allow_owned):
+    """Why the pod workload ``w`` cannot move wherever it would go (``p``: the API server's word on it), or None."""
+    if not isinstance(api_pods, list):
+        return "the Kubernetes API server was not read (%s)" % (api_pods or "no connection given")
+    if p is None or (w.get("pod_uid") and p.get("uid") != w["pod_uid"]):
+        return "the API server shows no pod %s with the uid its containers carry (%s)" % (w["pod"], w.get("pod_uid"))
+    if p.get("refused"):
+        return p["refused"]
+    if p.get("owner") and not allow_owned:
+        return ("owned by %s %s: once the move deletes it, that controller would start a fresh copy next to the "
+                "restored one (orphan it first, or set gpuckpt_allow_owned=true once the controller will not "
+                "replace it)" % (p["owner"].get("kind"), p["owner"].get("name")))
+    return None

@@ -138,5 +138,5 @@ def patch_node(api, node, patch):
     try:
         core_api(api).patch_node(node, patch, _content_type="application/merge-patch+json")
     except ApiException as exc:
-        raise api_error(exc, "changing node %s (%s)" % (node, "cordon" if (patch.get("spec") or {}).get("unschedulable")
-                                                          else "uncordon"))
+        change = "cordon" if (patch.get("spec") or {}).get("unschedulable") else "uncordon"
+        raise api_error(exc, "changing node %s (%s)" % (node, change))

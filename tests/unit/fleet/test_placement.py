@@ -319,3 +319,27 @@ def test_the_plan_says_its_batch_sizes_for_the_play():
     assert plan["batch_sizes"] == [2, 1]
     assert plan["batch_sizes"] == [sum(1 for m in plan["moves"] if m["batch"] == b) for b in range(len(plan["batch_sizes"]))]
     assert sum(plan["batch_sizes"]) == len(plan["moves"]) == 3
+
+
+def test_a_bare_process_is_mapped_onto_another_gpu_where_its_own_place_has_no_room():
+    """The node's GPU 0 holds 30 GiB of the job; the target's GPU 0 has 10 GiB free, its GPU 1 70: the plan maps the
+    job's GPU onto GPU 1 (the driver's restore map), reserves it there, and says so. A container is not mapped (its
+    runtime maps its device nodes place by place): it stays."""
+    node = host("node", free=(10, 10))
+    target = host("hostb", free=(10, 70))
+    w = workload("process:4242", {0: 30})
+    moves, stays = placement.place(node, [w], {"hostb": target}, ROOT, PATHS)
+    assert [m["gpu_map"] for m in moves] == [{"GPU-node-0": "GPU-hostb-1"}] and moves[0]["gpus"] == ["GPU-hostb-1"]
+    c = workload("runc:train", {0: 30})
+    moves, stays = placement.place(node, [c], {"hostb": target}, ROOT, PATHS)
+    assert moves == [] and "GPU 0" in stays[0]["rejected"]["hostb"]
+    # two 30 GiB jobs both fit GPU 1's 70 GiB; a 50 GiB one takes it first, and the 30 GiB one then fits nowhere
+    moves, stays = placement.place(node, [w, workload("process:5000", {0: 30}, pid=5000)], {"hostb": target}, ROOT, PATHS)
+    assert [m["gpus"] for m in moves] == [["GPU-hostb-1"], ["GPU-hostb-1"]] and stays == []
+    moves, stays = placement.place(node, [w, workload("process:5000", {0: 50}, pid=5000)], {"hostb": target}, ROOT, PATHS)
+    assert [m["workload"]["key"] for m in moves] == ["process:5000"] and stays[0]["workload"]["key"] == "process:4242"
+
+
+def test_no_map_where_the_gpu_at_its_place_has_room():
+    moves, unused = placement.place(host("node"), [workload("process:4242", {0: 5})], {"hostb": host("hostb")}, ROOT, PATHS)
+    assert moves[0]["gpu_map"] is None
