@@ -191,7 +191,8 @@ def _journal_action(journal, params):
         changed, msg = migration.rollback_source(journal, _image_backend(journal, params),
                                                  target_phase=params["target_phase"],
                                                  target_lost=params["target_lost"],
-                                                 libcuda_path=params["libcuda_path"], wait=params["wait"])
+                                                 libcuda_path=params["libcuda_path"], wait=params["wait"],
+                                                 keep_image=params["keep_image_on_rollback"])
     return changed, msg, {}
 
 

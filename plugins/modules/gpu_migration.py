@@ -43,7 +43,8 @@ options:
       - C(rollback) on the target is C(settle) that refuses to commit (it fails when the workload runs here). On the
         source it resumes the workload, or restores it from its own image when it exited, once the target is shown
         not to run it (O(target_phase=cleaned)), or when the image never left the source, or with O(target_lost).
-        It first fences the source, so a checkpoint of a controller that died stops at its next step.
+        It first fences the source, so a checkpoint of a controller that died stops at its next step. Once the source
+        runs, its image of this migration is removed unless O(keep_image_on_rollback).
     type: str
     choices: [status, begin, settle, commit, rollback]
     default: status
@@ -56,6 +57,13 @@ options:
     type: path
   remove_image:
     description: On commit, remove this host's image directory (only the one this migration created).
+    type: bool
+    default: false
+  keep_image_on_rollback:
+    description:
+      - For the source's C(rollback), keep this host's image of the migration once the source runs again. By default
+        it is removed then, as it is no way back any more (a next try checkpoints anew), and only after the source is
+        shown running; the journal names it (C(journal.image_removed)), or names the image kept (C(journal.image_kept)).
     type: bool
     default: false
   target_phase:
@@ -162,6 +170,7 @@ def main():
         journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
         image_dir=dict(type="path"),
         remove_image=dict(type="bool", default=False),
+        keep_image_on_rollback=dict(type="bool", default=False),
         target_phase=dict(type="str"),
         target_lost=dict(type="bool", default=False),
         wait=dict(type="float", default=RESTORE_WAIT),

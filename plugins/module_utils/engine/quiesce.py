@@ -20,7 +20,8 @@ this costs no downtime. Two ways:
   workload's to undo.
 
 The acknowledgement is read through /proc/<pid>/root without following a symlink and without
-blocking on a fifo: the workload writes it, so it is not trusted beyond its own JSON.
+blocking on a fifo: the workload writes it, so it is not trusted beyond its own JSON. Once read, it is
+removed (a regular file only): it answers one checkpoint, and nothing of one stays in the workload's /tmp.
 """
 from __future__ import annotations
 
@@ -104,6 +105,34 @@ def read_ack(pid):
     return ack if isinstance(ack, dict) else None
 
 
+def remove_ack(pid):
+    """Remove the acknowledgement ``pid`` wrote for this checkpoint, once read: it is written for one
+    checkpoint only, and a bare process writes it in the host's own /tmp. Only a regular file there is
+    removed, through /proc/<pid>/root, following no symlink on the way. True when one was removed."""
+    inner = ns_pid(pid) or pid
+    rel = ACK % inner
+    try:
+        root = os.open("/proc/%d/root" % pid, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError:
+        return False
+    try:
+        parent = open_beneath(root, os.path.dirname(rel), os.O_RDONLY | os.O_DIRECTORY)
+    except (OSError, UnsafePath):
+        return False
+    finally:
+        os.close(root)
+    name = os.path.basename(rel)
+    try:
+        if not stat.S_ISREG(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
+            return False
+        os.unlink(name, dir_fd=parent)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(parent)
+
+
 def by_signal(pids, signum, name, timeout, poll=0.02):
     """Send the signal to each of ``pids`` and wait (at most ``timeout`` s) for each one's new
     acknowledgement. Returns the report; never raises for a missing acknowledgement."""
@@ -131,6 +160,8 @@ def by_signal(pids, signum, name, timeout, poll=0.02):
              on_timeout="return")
     report = {"signal": name, "pids": list(pids), "seconds": round(time.monotonic() - started, 3),
               "acknowledged": {str(p): acked[p] for p in acked}}
+    for p in acked:  # read: nothing of this checkpoint stays in the workload's /tmp
+        remove_ack(p)
     missing = [p for p in pids if p not in acked]
     if missing:
         report["not_acknowledged"] = missing

@@ -257,11 +257,13 @@ def commit_source(journal, backend=None, target_phase=None, remove_image=False, 
 
 
 def rollback_source(journal, backend=None, target_phase=None, target_lost=False, libcuda_path=None,
-                    wait=RESTORE_WAIT):
+                    wait=RESTORE_WAIT, keep_image=False):
     """Bring the source back to running (rule 2 of the module doc): resume a held source, or restore
     it from its own image when it exited. Idempotent. ``target_phase``: what settle_target reported
     (cleaned proves the target cannot run it); ``target_lost``: an operator's word that the target is
-    gone for good."""
+    gone for good. Once the source runs again, its image of this migration is no way back any more
+    (the next try checkpoints anew): it is removed, and the message and the journal name it
+    (``image_removed``); ``keep_image`` keeps it, named too (``image_kept``)."""
     journal.fence("a rollback of migration %s" % journal.id)
     with journal.hold(wait=wait, purpose="the rollback of migration %s" % journal.id):
         doc = journal.read()
@@ -283,11 +285,33 @@ def rollback_source(journal, backend=None, target_phase=None, target_lost=False,
                      "-e gpuckpt_target_lost=true")
         with _source_image(doc) as img:
             changed, pids, how = _bring_source_back(doc, img, backend, libcuda_path)
+        # Only now, the source confirmed running (a resume or restore that fails raised above, the image kept).
+        image_note, how = _settle_source_image(doc, keep_image, how)
         try:
-            journal.transition("resumed", resumed_pids=pids, resumed_identities=identities(pids or []))
+            journal.transition("resumed", resumed_pids=pids, resumed_identities=identities(pids or []), **image_note)
         except (OSError, TransactionError) as exc:  # it runs; a full disk must not undo that
             how += " (its journal could not be written: %s)" % exc
     return changed, how
+
+
+def _settle_source_image(doc, keep_image, how):
+    """The source's image of a migration rolled back, once the source runs again: removed (the whole
+    directory when the checkpoint created it, else what it wrote there), or kept when asked. Returns
+    (what the journal records of it, ``how`` completed with it)."""
+    image_dir = doc.get("image_dir")
+    if not image_dir or not os.path.lexists(image_dir):
+        return {}, how
+    if keep_image:
+        return {"image_kept": image_dir}, how + "; its image is kept in %s (keep_image_on_rollback)" % image_dir
+    if not same_dir(image_dir, doc.get("image_dir_identity")):
+        return {"image_kept": image_dir}, how + ("; %s was left alone: it is not the directory this migration's "
+                                                 "checkpoint wrote" % image_dir)
+    try:
+        image.discard(image_dir, {"created": doc.get("image_dir_created", True),
+                                  "identity": doc.get("image_dir_identity")})
+    except OSError as exc:  # it runs; a file that cannot be removed must not fail the rollback
+        return {"image_kept": image_dir}, how + "; its image in %s could not be removed: %s" % (image_dir, exc)
+    return {"image_removed": image_dir}, how + "; its image %s was removed" % image_dir
 
 
 def _bring_source_back(doc, img, backend, libcuda_path):
@@ -300,7 +324,10 @@ def _bring_source_back(doc, img, backend, libcuda_path):
     if img is None:
         raise TransactionError("the source's processes are gone and no complete image of this migration is in %s: "
                                "cannot roll back" % doc.get("image_dir"), stage="rollback-source")
-    pids = restore(img, backend=backend, libcuda_path=libcuda_path, force=True).get("pids")
+    # The source's own image, written on this host by this migration and never sent anywhere: it is trusted as the
+    # host is. A signed one is restored without its key here, so that the way back never depends on a key that
+    # only the operator holds (a rollback that refused would leave the workload stopped).
+    pids = restore(img, backend=backend, libcuda_path=libcuda_path, force=True, allow_unverified_signature=True).get("pids")
     return True, pids, "source restored from its image %s (pids %s)" % (doc["image_dir"], pids)
 
 
