@@ -24,12 +24,31 @@ description:
     target, given C(sign_key). Without the key, that restore refuses it unless told C(allow_unverified_signature).
   - With O(migration_id), the receivers write only into the directory that the migration's target journal says
     the migration created, and the source's journal records C(delivering) before the manifest goes.
+  - With O(probe_mib), it measures the link instead (a drain's deadline estimates each move from it) with the
+    very transfer an image takes. It writes a scratch image of that many MiB of random bytes in O(src), sends it
+    to O(dest), timing the transfer alone, and returns the rate in RV(probe). Then it removes the scratch image
+    on both hosts, also when the transfer failed; on the target, the receiver removes only the directory that
+    it created for this probe.
 author: gpuckpt.fleet maintainers (@gpuckpt)
 options:
   src:
-    description: The image directory on this host (a complete image, with its manifest).
+    description:
+      - The image directory on this host (a complete image, with its manifest).
+      - With O(probe_mib), the directory to write the probe's scratch image in; it must not exist. It is created
+        (mode 0700, and its missing parents too, as for an image) and removed after the probe.
     type: path
     required: true
+  probe_mib:
+    description:
+      - When above 0, probe the link to the target with a scratch image of this many MiB instead of sending
+        O(src) (see the description). 0 sends O(src).
+      - The image goes as 64 MiB pieces spread over the streams, so a probe of at least 64 MiB per stream
+        measures what all the streams together move.
+      - O(dest) is then the scratch image's directory on the target, named C(.gpuckpt-probe-<something>) and new;
+        missing parents are created as for an image, and kept.
+      - It cannot be given with O(migration_id).
+    type: int
+    default: 0
   dest_inventory_host:
     description:
       - The target as an inventory host. The action plugin fills O(dest_host), O(dest_port), O(dest_user),
@@ -102,7 +121,7 @@ requirements:
   - "ssh from this host to O(dest_host), and python3 there."
 attributes:
   check_mode:
-    details: It reads the image and reports how many bytes it would send.
+    details: It reads the image and reports how many bytes it would send. With O(probe_mib), it probes nothing and returns RV(probe) null.
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.attributes
@@ -127,6 +146,14 @@ EXAMPLES = r"""
     dest_user: ckpt
     dest_become: true
     dest: /var/lib/gpuckpt/images/job-1
+
+- name: Measure the link to gpu-node-2 with 1 GiB, as an image would go there
+  gpuckpt.fleet.gpu_image_sync:
+    probe_mib: 1024
+    src: /var/lib/gpuckpt/images/.gpuckpt-probe-gpu-node-2
+    dest_inventory_host: gpu-node-2
+    dest: /var/lib/gpuckpt/images/.gpuckpt-probe-gpu-node-1
+  register: link
 """
 
 RETURN = r"""
@@ -154,19 +181,55 @@ streams:
   description: Parallel ssh streams used.
   returned: success
   type: int
+probe:
+  description:
+    - With O(probe_mib), what the probe measured; null in check mode. The seconds are those of the transfer alone
+      (its ssh connections, the target's answer of what it holds, the data, the manifest), retries included.
+  returned: when O(probe_mib) is above 0
+  type: dict
+  contains:
+    bytes:
+      description: Bytes sent (the scratch image and its manifest).
+      type: int
+    seconds:
+      description: Time the transfer took.
+      type: float
+    bytes_s:
+      description: The throughput, bytes per second (what a drain's C(throughput) takes for the target).
+      type: int
+    streams:
+      description: Parallel ssh streams used.
+      type: int
+    attempts:
+      description: Attempts it took.
+      type: int
+  sample: {"bytes": 1073742201, "seconds": 1.52, "bytes_s": 706409343, "streams": 4, "attempts": 1}
 """
 
 from ansible.module_utils.basic import AnsibleModule
 
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import PROGRESS_ARGS, check_path_arg
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
-    run_module, sync_image, transfer_target_spec)
+    run_module, sync_image, transfer_target, transfer_target_spec)
+
+
+def probe_link(params, check_mode):
+    """probe_mib: the link's throughput, measured with a scratch image (transfer.probe). The module's result."""
+    p = params
+    if check_mode:
+        return dict(changed=False, probe=None, msg="check mode: no probe was sent")
+    res = transfer.probe(p["src"], transfer_target(p, "dest_"), p["dest"], p["probe_mib"], streams=p["streams"],
+                         bwlimit_kbps=p["bwlimit"], retries=p["retries"], progress_file=p["progress_file"])
+    return dict(changed=False, probe=res, msg="probe: sent %d bytes in %.2fs (%.0f MB/s) over %d stream(s), %d attempt(s)"
+                % (res["bytes"], res["seconds"], (res["bytes_s"] or 0) / 1e6, res["streams"], res["attempts"]))
 
 
 def main():
     module = AnsibleModule(argument_spec=dict(
         src=dict(type="path", required=True),
+        probe_mib=dict(type="int", default=0),
         dest_inventory_host=dict(type="str"),
         bwlimit=dict(type="int", default=0),
         retries=dict(type="int", default=3),
@@ -183,9 +246,12 @@ def main():
     if not 0 <= p["streams"] <= 64:
         module.fail_json(msg="streams must be between 0 (automatic) and 64, got %d; nothing was sent" % p["streams"],
                          stage="transfer")
-    if p["bwlimit"] < 0 or p["retries"] < 0:
-        module.fail_json(msg="bwlimit and retries must not be negative; nothing was sent", stage="transfer")
-    run_module(module, sync_image, p, module.check_mode)
+    if p["bwlimit"] < 0 or p["retries"] < 0 or p["probe_mib"] < 0:
+        module.fail_json(msg="bwlimit, retries and probe_mib must not be negative; nothing was sent", stage="transfer")
+    if p["probe_mib"] and p["migration_id"]:
+        module.fail_json(msg="probe_mib measures the link outside any migration; it cannot be given with migration_id "
+                         "(%s); nothing was sent" % p["migration_id"], stage="preflight")
+    run_module(module, probe_link if p["probe_mib"] else sync_image, p, module.check_mode)
 
 
 if __name__ == "__main__":

@@ -364,3 +364,22 @@ def test_a_node_with_a_process_a_runc_container_and_a_containerd_task_is_emptied
             ctrd_job.cleanup()
         for name, unused in HOSTS:
             stop_on_host(hosts3, name, ctrd_dir(name))
+
+
+def test_with_a_deadline_a_target_never_measured_is_probed_before_the_plan_and_nothing_is_left(drain, hosts3, started):
+    """No throughput recorded or given: the deadline's plan has each target measured first, by scratch data sent
+    through the migration's own transfer (under --check too: it freezes nothing), and the estimates come from it.
+    The probe's scratch images are gone from both hosts afterwards."""
+    w = started()
+    set_gpus(hosts3)
+    record = hosts3.path("hosta", "journal", "throughput.json")
+    if os.path.exists(record):
+        os.unlink(record)
+    run = drain({"deadline": 600, "gpuckpt_drain_probe_mib": 64}, check=True)
+    assert run.rc == 0, run.stdout[-4000:]
+    plan = "\n".join(lines(run, "The plan"))
+    assert "MOVE  pid %d" % w.pid in plan and "est. " in plan, plan
+    for name in ("hosta", "hostb", "hostc"):
+        left = [p for root, dirs, files in os.walk(hosts3.path(name)) for p in dirs if p.startswith(".gpuckpt-probe-")]
+        assert left == [], (name, left)
+    assert w.one_copy_runs_intact()

@@ -14,6 +14,10 @@ the stream's first bytes, then the stream carries framed operations: a JSON head
   deliver  the manifest: checked, then written (atomically) as the image's last file
   end      done
 
+A probe of the link (gpu_image_sync's ``probe_mib``): config ``probe`` receives a scratch image like any
+other, into a new directory named ``.gpuckpt-probe-*`` whose mark says it is a probe's; config
+``remove_probe`` then removes that directory, and nothing else (see remove_probe_dir), and ends.
+
 What it refuses to do, whoever sends what:
 - write anywhere but below the image dir, which it opens once (O_NOFOLLOW) and checks: in a migration,
   the dir the target's journal says this migration created (same device and inode), while the journal
@@ -31,16 +35,21 @@ import json
 import os
 import stat
 import sys
+import time
 
 try:  # a package import; the receiver program defines these names before this code
     from . import image
-    from .fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json)
+    from .fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json,
+                         remove_tree)
     from .journal import Journal, process_identity
 except ImportError:  # pragma: no cover - only in the receiver program, where they are globals
     image = None
 
 RECEIVE_PHASES = ("receiving", "received", "restore_failed")
 TRANSFER_MARK = "transfer.json"  # outside a migration: which image this dir is receiving
+# The name of a probe's scratch image: a receiver removes a directory only when it is named so and marked
+# as the probe's that created it.
+PROBE_PREFIX = ".gpuckpt-probe-"
 # The exit status of a receiver that refused: the sender does not try again what would be refused again.
 REFUSED = 2
 
@@ -100,14 +109,16 @@ class Receiver(object):
             self.journal.record(receivers=receivers)
 
     def _open_for_image(self):
-        want = self.config.get("image_id")
+        want, probe = self.config.get("image_id"), bool(self.config.get("probe"))
+        if probe:
+            check_probe_dir(self.dest)
         try:
             create_private_dir(self.dest)
             self.dir_fd = open_dir(self.dest)
             os.mkdir(_image().STATE_DIR, 0o700, dir_fd=self.dir_fd)
             state = open_beneath(self.dir_fd, _image().STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                atomic_write(TRANSFER_MARK, {"image_id": want}, dir_fd=state)
+                atomic_write(TRANSFER_MARK, dict({"image_id": want}, **({"probe": True} if probe else {})), dir_fd=state)
             finally:
                 os.close(state)
             return
@@ -118,7 +129,9 @@ class Receiver(object):
         mark = read_json(os.path.join(_image().STATE_DIR, TRANSFER_MARK), dir_fd=self.dir_fd) or {}
         if st.st_uid != os.geteuid():
             raise Refused("%s belongs to uid %d; refusing to write an image into it" % (self.dest, st.st_uid))
-        if mark.get("image_id") != want and os.listdir(self.dir_fd):
+        ours = mark.get("image_id") == want and bool(mark.get("probe")) == probe
+        # (a probe writes only into the directory its first stream created: removing it later must remove nothing else)
+        if not ours and (probe or os.listdir(self.dir_fd)):
             raise Refused("%s holds something other than an unfinished transfer of image %s; refusing to mix them"
                           % (self.dest, want))
 
@@ -200,7 +213,22 @@ class Receiver(object):
             self.journal.transition("received", manifest_id=manifest.get("id"))
         self._reply({"delivered": True})
 
+    def remove_probe(self):
+        """Remove the probe's scratch image at dest (remove_probe_dir), reply, and wait for the end mark."""
+        try:
+            removed = remove_probe_dir(self.dest, self.config.get("image_id"))
+        except (Refused, UnsafePath, OSError) as exc:
+            self._reply({"ready": False, "error": str(exc)})
+            return REFUSED
+        self._reply({"ready": True, "removed": removed})
+        line = self.inp.readline()
+        if not line or json.loads(line).get("op") != "end":
+            raise StreamCut("the stream ended before its end mark")
+        return 0
+
     def run(self):
+        if self.config.get("remove_probe"):
+            return self.remove_probe()
         try:
             self.open()
         except (Refused, UnsafePath, OSError) as exc:
@@ -227,6 +255,39 @@ class Receiver(object):
                 os.close(fd)
         self.fds = {}
         self.receipt_fd = self.state_fd = self.dir_fd = None
+
+
+def check_probe_dir(path):
+    """Refuse a probe's directory that is not named as one (PROBE_PREFIX and something after it)."""
+    name = os.path.basename(os.path.normpath(path))
+    if not name.startswith(PROBE_PREFIX) or len(name) == len(PROBE_PREFIX):
+        raise Refused("%s is not named as a probe's scratch image (%s...)" % (path, PROBE_PREFIX))
+
+
+def remove_probe_dir(path, image_id):
+    """Remove the scratch image of probe ``image_id`` at ``path``: only a directory (never a symlink) named
+    as a probe's, ours, whose mark says a receiver created it for that probe. Returns False when it is not
+    there (the probe never reached this host). Raises Refused when something else stands there."""
+    check_probe_dir(path)
+    try:
+        dir_fd = open_dir(path)
+    except FileNotFoundError:
+        return False
+    try:
+        st = os.fstat(dir_fd)
+        mark = read_json(os.path.join(_image().STATE_DIR, TRANSFER_MARK), dir_fd=dir_fd) or {}
+    finally:
+        os.close(dir_fd)
+    if not image_id or st.st_uid != os.geteuid() or not mark.get("probe") or mark.get("image_id") != image_id:
+        raise Refused("%s is not the scratch image of probe %s; leaving it as it is" % (path, image_id))
+    for attempt in range(3):
+        try:
+            return remove_tree(path, identity(st))
+        except OSError:
+            if attempt == 2:
+                raise
+            time.sleep(1)  # a receiver of the probe cut a moment ago may still be creating a file there
+    return False
 
 
 def _split_checked(rel):
