@@ -24,6 +24,10 @@ from test_podman import PODMAN, podman_workload  # noqa: F401,F811
 from test_runc import RUNC, runc_workload  # noqa: F401,F811
 from test_runsc import RUNSC, sandbox  # noqa: F401,F811
 
+# pytest finds a fixture by its name in this module: these names are used, by pytest, as the tests' arguments.
+FIXTURES = (containerd, containerd_workload, loopback_containerds, dockerd, docker_workload, podman_workload,
+            runc_workload, sandbox)
+
 CHECKPOINT = "gpuckpt.fleet.checkpoint"
 RESTORE = "gpuckpt.fleet.restore"
 IGNORED = re.compile(os.environ.get("GPUCKPT_LEFTOVERS_IGNORE") or r"^pytest-of-")
