@@ -76,7 +76,7 @@ def test_a_container_given_only_the_cdi_spec_lists_the_gpus(tmp_path, record):
     subprocess.run(["runc", "spec", "--bundle", str(bundle)], check=True)
     with open(str(bundle / "config.json")) as fh:
         cfg = json.load(fh)
-    cfg["process"].update(terminal=False, args=[smi[0], "-L"])
+    cfg["process"].update(terminal=False, args=["/usr/bin/nvidia-smi", "-L"])
     cfg["process"].pop("rlimits", None)
     cfg["process"]["env"] = ["PATH=/usr/bin:/bin"]
     cfg["root"]["readonly"] = False

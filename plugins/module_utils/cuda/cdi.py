@@ -42,7 +42,10 @@ LIBRARIES = ("libcuda", "libcudadebugger", "libnvidia-ml", "libnvidia-ptxjitcomp
              "libnvidia-pkcs11-openssl3", "libnvidia-opticalflow", "libnvcuvid", "libnvidia-encode")
 BINARIES = ("nvidia-smi", "nvidia-debugdump", "nvidia-persistenced", "nvidia-cuda-mps-control",
             "nvidia-cuda-mps-server")
-BIN_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin", "/usr/local/sbin")
+# /usr/local/nvidia/bin: where GKE-style hosts (and the GPU machine this was tried on) keep the driver's tools, with a
+# shell wrapper of the same name in /usr/bin that would be useless inside a container.
+BIN_DIRS = ("/usr/bin", "/usr/sbin", "/bin", "/sbin", "/usr/local/bin", "/usr/local/sbin", "/usr/local/nvidia/bin")
+CONTAINER_BIN_DIR = "/usr/bin"  # where a container finds the tools (on any image's PATH)
 LDCONFIG = ("/sbin/ldconfig", "/usr/sbin/ldconfig")
 SOCKETS = ("/run/nvidia-persistenced/socket",)
 MOUNT_OPTIONS = ("ro", "nosuid", "nodev", "bind")
@@ -101,6 +104,15 @@ def _present(path):
     return os.path.exists(path) and not os.path.isdir(path)
 
 
+def _is_elf(path):
+    """Whether ``path`` is a program of its own (an ELF file), not a wrapper script that calls one elsewhere."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(4) == b"\x7fELF"
+    except OSError:
+        return False
+
+
 def _ldconfig_listing(ldconfig):
     for path in ([ldconfig] if ldconfig else LDCONFIG):
         if os.path.exists(path):
@@ -121,7 +133,7 @@ def gather(proc_dir=None, dev_dir="/dev", ldconfig=None, ldconfig_text=None, bin
     for name in BINARIES:
         for folder in BIN_DIRS if bin_dirs is None else bin_dirs:
             path = os.path.join(folder, name)
-            if os.path.isfile(path) and os.access(path, os.X_OK):
+            if os.path.isfile(path) and os.access(path, os.X_OK) and _is_elf(path):
                 binaries.append(path)
                 break
     return {
@@ -168,7 +180,7 @@ def build_spec(listing, kind=KIND, dev_dir="/dev", lib_dir=None):
             if os.path.join(folder, name) not in targets:
                 targets.add(os.path.join(folder, name))
                 mounts.append(_mount(lib["path"], os.path.join(folder, name)))
-    mounts.extend(_mount(path, path) for path in listing.get("binaries") or [])
+    mounts.extend(_mount(path, os.path.join(CONTAINER_BIN_DIR, os.path.basename(path))) for path in listing.get("binaries") or [])
     mounts.extend(_mount(path, path, ("noexec",)) for path in listing.get("sockets") or [])
     edits = {
         # the NVIDIA runtime's hook, where one is also installed, must not add the GPUs a second time

@@ -71,9 +71,12 @@ def _bins(tmp_path):
     folder.mkdir()
     for name in ("nvidia-smi", "nvidia-debugdump"):
         path = folder / name
-        path.write_text("#!/bin/sh\n")
+        path.write_bytes(b"\x7fELF stand-in")  # a program of its own (an ELF file)
         path.chmod(path.stat().st_mode | stat.S_IEXEC)
     (folder / "nvidia-persistenced").write_text("not executable")
+    wrapper = folder / "nvidia-cuda-mps-control"  # a shell wrapper that calls the tool elsewhere: useless in a container
+    wrapper.write_text("#!/bin/sh\nexec /usr/local/nvidia/bin/nvidia-cuda-mps-control \"$@\"\n")
+    wrapper.chmod(wrapper.stat().st_mode | stat.S_IEXEC)
     return str(folder)
 
 
@@ -108,7 +111,8 @@ def test_gather_lists_the_gpus_in_bus_order_the_present_control_nodes_the_driver
         ("libnvidia-nvvm.so.4", "libnvidia-nvvm.so." + VERSION), ("libcuda.so", "libcuda.so." + VERSION)]
     assert all(os.path.dirname(lib["path"]) == node["lib"] for lib in listing["libraries"])
     assert listing["binaries"] == [os.path.join(node["bins"], "nvidia-smi"),
-                                   os.path.join(node["bins"], "nvidia-debugdump")]  # persistenced: not executable
+                                   os.path.join(node["bins"], "nvidia-debugdump")]  # persistenced: not executable;
+    # mps-control: a wrapper script, not the tool
 
 
 def test_a_gpu_whose_node_is_missing_is_named(tmp_path):
@@ -148,7 +152,7 @@ def test_each_library_is_mounted_read_only_by_its_file_name_and_its_soname(node)
                                    (real, os.path.join(node["lib"], "libcuda.so"))])  # the file's own name once
     assert all(m["options"][:4] == ["ro", "nosuid", "nodev", "bind"] for m in mounts)
     smi = os.path.join(node["bins"], "nvidia-smi")
-    assert {"hostPath": smi, "containerPath": smi, "options": ["ro", "nosuid", "nodev", "bind"]} in mounts
+    assert {"hostPath": smi, "containerPath": "/usr/bin/nvidia-smi", "options": ["ro", "nosuid", "nodev", "bind"]} in mounts
 
 
 def test_lib_dir_puts_the_libraries_where_the_image_looks_for_them(node):
