@@ -164,6 +164,17 @@ def test_drain_move_host_copies_the_node_s_settings_but_not_the_drain_s_own_fact
                    "source": "gpu-node-7", "target": "hostb", "migration_id": "m-1"}
 
 
+def test_drain_move_host_copies_no_secret_and_leaves_unset_values_undefined():
+    """add_host shows the vars it is given (-v, an AWX job's log): the signing key and the API server's credentials
+    stay in the node's own hostvars, where the moves read them. A value not set (a move without a GPU map) is not
+    given at all, so that the move sees it undefined, not null."""
+    node = dict(NODE_VARS, gpuckpt_sign_key="s3cret", gpuckpt_k8s_auth={"api_key": "tok"})
+    out = drain_move_host(node, "m-1", group="g", source="n", gpuckpt_gpu_map=None)
+    assert "gpuckpt_sign_key" not in out and "gpuckpt_k8s_auth" not in out and "gpuckpt_gpu_map" not in out
+    assert "s3cret" not in repr(out) and "tok" not in repr(out)
+    assert drain_move_host({}, "m-1", group="g", workload={"kind": "pod", "pod": "ml/a"})["pod"] == "ml/a"
+
+
 @pytest.mark.parametrize("workload,given", [
     ({"kind": "process", "pid": 4242, "runtime": "process"}, {"pid": 4242}),
     ({"kind": "container", "container": "train-7", "runtime": "runc"}, {"container": "train-7", "runtime": "runc"}),
