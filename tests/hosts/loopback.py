@@ -43,6 +43,11 @@ def _descendants(root):
     return out
 
 
+def _ppid(pid):
+    with open("/proc/%d/stat" % pid) as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[1])
+
+
 def _wait_port(addr, port, timeout=15.0):
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -174,6 +179,54 @@ class LoopbackHosts(object):
         addr = dict(self.hosts)[name]
         self._spawn(name)
         _wait_port(addr, self.port)
+
+    def _listeners(self, name):
+        """The host's sshd listeners: its sshd processes whose parent is the namespace's init."""
+        root = self._init(name)
+        out = []
+        for p in _descendants(root):
+            try:
+                ppid = _ppid(p)
+                with open("/proc/%d/cmdline" % p, "rb") as fh:
+                    argv0 = fh.read().split(b"\0")[0]
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == root and (argv0.startswith(b"sshd:") or os.path.basename(argv0) == b"sshd"):  # (sshd renames itself)
+                out.append(p)
+        return out
+
+    def _init(self, name):
+        """The pid of the host's namespace init (nsinit.py), the child of the unshare we started."""
+        kids = [p for p in _descendants(self.pids[name]) if _ppid(p) == self.pids[name]]
+        assert len(kids) == 1, "host %s has no single namespace init: %s" % (name, kids)
+        return kids[0]
+
+    def cut_off(self, name):
+        """A partition: the host's sshd and its sessions end, and nothing reaches the host any more, while
+        everything else on it (its workloads) runs on. Needs the pid namespace (its init outlives sshd)."""
+        assert self.pidns, "cut_off needs the host's own pid namespace"
+        for listener in self._listeners(name):
+            for p in [listener] + _descendants(listener):
+                try:
+                    os.kill(p, signal.SIGKILL)
+                except OSError:
+                    pass
+        addr = dict(self.hosts)[name]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                socket.create_connection((addr, self.port), 0.5).close()
+                time.sleep(0.1)
+            except OSError:
+                return
+        raise RuntimeError("sshd of %s still answers after cut_off" % name)
+
+    def reconnect(self, name):
+        """The partition heals: a new sshd in the host's own namespaces (what ran there runs on)."""
+        d = self.path(name)
+        _sh(["nsenter", "--target", str(self._init(name)), "--pid", "--mount", "--", SSHD, "-e",
+             "-f", os.path.join(d, "sshd_config")])  # (no -D: it forks, and its listener is reparented to the init)
+        _wait_port(dict(self.hosts)[name], self.port)
 
     def ssh(self, name, command, check=True, timeout=120):
         """Run a shell command on a test host (inside its pid namespace)."""

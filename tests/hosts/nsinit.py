@@ -21,5 +21,5 @@ while True:
         break
     except InterruptedError:
         continue
-    if pid == child.pid:
-        break
+    # sshd's end is not the host's: a host cut off from the network (LoopbackHosts.cut_off) still runs its
+    # workloads, and a new sshd started in this namespace (reconnect) is reparented to us.

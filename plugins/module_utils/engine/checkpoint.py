@@ -169,7 +169,7 @@ def _manifest(c, files, clock):
     """The image's manifest: what was checkpointed, where, how, and every file's checksum."""
     host = dict(c.host)
     host.update(c.runtime_facts)
-    m = {"id": str(uuid.uuid4()), "created": now_iso(), "tool": "gpuckpt.fleet", "tool_version": COLLECTION_VERSION,
+    m = {"id": c.opts.image_id or str(uuid.uuid4()), "created": now_iso(), "tool": "gpuckpt.fleet", "tool_version": COLLECTION_VERSION,
          "host": host, "runtime": c.runtime_info,
          "target": {"workload": str(c.target), "root_pid": c.root, "pids": c.pids, "cuda_pids": c.cuda_pids,
                     "identities": c.identities, "states": c.states, "after": c.after,

@@ -30,7 +30,7 @@ class CheckpointOptions(object):
     def __init__(self, leave_running=False, leave_stopped=False, lock_timeout=30.0, libcuda_path=None,
                  check_mode=False, sign_key=None, parallel=True, progress_file=None, nonce=None,
                  journal_wait=30.0, host_huge_pages=False, quiesce_signal=None, quiesce_command=None,
-                 quiesce_timeout=30.0):
+                 quiesce_timeout=30.0, image_id=None):
         if leave_running and leave_stopped:
             raise InvalidTarget("leave_running and leave_stopped exclude each other", stage="preflight")
         if lock_timeout is None or float(lock_timeout) <= 0:
@@ -47,10 +47,22 @@ class CheckpointOptions(object):
         self.quiesce_signal = quiesce.signal_number(quiesce_signal) if quiesce_signal else None
         self.quiesce_command = list(quiesce_command) if quiesce_command else None
         self.quiesce_timeout = float(quiesce_timeout)
+        # The manifest's id, chosen by the caller when a receiver must know it before the image exists (a
+        # protected job's push to its replica checks it); a new uuid otherwise.
+        self.image_id = _checked_image_id(image_id)
 
     @property
     def after(self):
         return "running" if self.leave_running else "stopped" if self.leave_stopped else "exit"
+
+
+def _checked_image_id(image_id):
+    if image_id is None:
+        return None
+    text = str(image_id)
+    if not text or len(text) > 128 or not all(ch.isalnum() or ch in "._-" for ch in text) or text[0] in ".-":
+        raise InvalidTarget("image_id %r must be 1-128 letters, digits, '.', '_' or '-'" % (image_id,), stage="preflight")
+    return text
 
 
 class CheckpointContext(object):

@@ -1,0 +1,209 @@
+"""Protected jobs and failover (issue 30) on three sshd "hosts" on loopback (127.0.0.22-24), each in its own pid
+namespace: ``node`` runs the job, ``replica`` keeps its checkpoints, ``target`` takes it over when the node is lost.
+Real ssh, real CRIU, the protect role and failover.yml through ansible-playbook; the GPU stage runs against the
+libcuda TEST DOUBLE and each host's GPUs come from the nvidia-smi TEST DOUBLE.
+
+systemd does not run in the loopback hosts, so the role installs no units there (it says so), and the test runs the
+timer's command itself (the one the unit's ExecStart runs: ``gpuckpt-protect run``), at the moments it chooses.
+
+Each test ends with exactly one copy of the job running, its memory intact.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+
+from loopback import LoopbackHosts
+from loopback_workloads import RemoteWorkload, fakecuda_host_vars, processes
+
+PROTECT, FAILOVER, IMAGES = "gpuckpt.fleet.protect", "gpuckpt.fleet.failover", "gpuckpt.fleet.images"
+HOSTS = (("node", "127.0.0.22"), ("replica", "127.0.0.23"), ("target", "127.0.0.24"))  # apart from other tests' hosts
+FENCED_EXIT = 3
+
+
+@pytest.fixture(scope="module")
+def fleet(tmp_path_factory):
+    base = str(tmp_path_factory.mktemp("fleet"))
+    host_vars = fakecuda_host_vars(base, names=[n for n, unused in HOSTS])
+    for name in host_vars:
+        host_vars[name].update({
+            "gpuckpt_protect_dir": os.path.join(base, name, "protect"),
+            "gpuckpt_protect_lib_dir": os.path.join(base, name, "lib"),
+            "gpuckpt_protect_bin": os.path.join(base, name, "bin", "gpuckpt-protect"),
+            "gpuckpt_protect_image_root": os.path.join(base, name, "protect-images"),
+            "gpuckpt_protect_replica_root": os.path.join(base, name, "replicas")})
+    host_vars["node"]["gpuckpt_protect_replicas"] = ["replica"]
+    h = LoopbackHosts(base, hosts=HOSTS).start(host_vars)
+    h.host_vars = host_vars
+    yield h
+    time.sleep(1)
+    h.stop()
+
+
+def job_spec(w, name, keep=2):
+    return {"name": name, "pid_file": os.path.join(w.dir, "job.pid"), "interval": 60, "keep": keep,
+            "progress_file": os.path.join(w.dir, "parent.state"), "progress_key": "count"}
+
+
+@pytest.fixture
+def job(fleet, tmp_path):
+    """A counting job started on ``node`` with its pid file; killed wherever it runs at the end."""
+    made = []
+
+    def start(host="node"):
+        w = RemoteWorkload(fleet, host, str(tmp_path / ("job%d" % len(made))))
+        fleet.ssh(host, "echo %d > %s" % (w.pid, os.path.join(w.dir, "job.pid")))
+        made.append(w)
+        return w
+
+    yield start
+    for w in made:
+        w.kill()
+
+
+def run_timer(fleet, name, job_name, check=True):
+    """The protect timer's command, on host ``name``: returns (exit status, its last JSON line)."""
+    hv = fleet.host_vars[name]
+    command = "%s run --protect-dir %s --job %s" % (hv["gpuckpt_protect_bin"], hv["gpuckpt_protect_dir"], job_name)
+    res = fleet.ssh(name, command, check=False, timeout=300)
+    lines = [line for line in res.stdout.splitlines() if line.startswith("{")]
+    doc = json.loads(lines[-1]) if lines else {}
+    if check:
+        assert res.returncode == 0 and doc.get("result") == "ok", res.stdout
+    return res.returncode, doc, res.stdout
+
+
+def replica_images(fleet, job_name):
+    root = os.path.join(fleet.host_vars["replica"]["gpuckpt_protect_replica_root"], job_name)
+    out = {}
+    for d in sorted(os.listdir(root)):
+        mark = os.path.join(root, d, ".gpuckpt", "replica.json")
+        if os.path.isdir(os.path.join(root, d)) and os.path.exists(mark):
+            with open(mark) as fh:
+                out[d] = json.load(fh)
+    return out
+
+
+def protect(playbook, fleet, jobs):
+    return playbook(PROTECT, {"node": "node", "gpuckpt_protected_jobs": jobs}, inventory=fleet.path("inventory.yml"))
+
+
+def failover(playbook, fleet, job_name, jobs, **extra):
+    v = {"job": job_name, "lost_node": "node", "target": "target", "gpuckpt_protected_jobs": jobs}
+    v.update(extra)
+    return playbook(FAILOVER, v, inventory=fleet.path("inventory.yml"))
+
+
+def first_count_after(w, role, since):
+    """The first count ``role`` wrote after line ``since`` of its counts log."""
+    seen = w.counted(role)
+    assert len(seen) > since, "%s wrote nothing after the failover" % role
+    return seen[since]
+
+
+def set_driver(fleet, name, version):
+    smi = fleet.host_vars[name]["gpuckpt_environment"]["GPUCKPT_FAKE_NVIDIA_SMI"]
+    with open(smi) as fh:
+        spec = json.load(fh)
+    for gpu in spec["gpus"]:
+        gpu["driver_version"] = version
+    with open(smi, "w") as fh:
+        json.dump(spec, fh)
+
+
+def test_lost_node_fails_over_from_the_newest_verified_image(playbook, fleet, job):
+    """Three timer runs keep the newest two verified images; the node dies with its pid namespace; images.yml
+    says where each image can go (refused for another driver version); the newest image is corrupted on the
+    replica, so failover restores the one before it on the target, which counts on from that image's count with
+    its memory intact; a second failover is refused."""
+    w = job()
+    jobs = [job_spec(w, "train", keep=2)]
+    run = protect(playbook, fleet, jobs)
+    assert run.rc == 0, run.stdout
+    stalls = []
+    for unused in range(3):
+        rc, doc, out = run_timer(fleet, "node", "train")
+        assert doc["replicas"]["replica"] == "verified", out
+        assert doc["stall_s"] > 0, out
+        stalls.append(doc["stall_s"])
+        w.wait_counting(beyond=w.counts())
+    images = replica_images(fleet, "train")
+    assert len(images) == 2 and all(m["verified"] for m in images.values()), images  # retention: keep 2
+    assert w.is_counting()
+
+    # Where can they go? Not to a host whose driver differs from the checkpoint's; yes to a matching one.
+    set_driver(fleet, "target", "575.51.03")
+    listing = playbook(IMAGES, {"job": "train", "node": "node", "host": "target", "gpuckpt_protected_jobs": jobs},
+                       inventory=fleet.path("inventory.yml"))
+    assert listing.rc == 0, listing.stdout
+    assert "driver" in listing.stdout and "575.51.03" in listing.stdout, listing.stdout
+    set_driver(fleet, "target", "580.159.04")
+    listing = playbook(IMAGES, {"job": "train", "node": "node", "host": "target", "gpuckpt_protected_jobs": jobs},
+                       inventory=fleet.path("inventory.yml"))
+    assert listing.rc == 0, listing.stdout
+
+    # The newest image rots on the replica: failover must take the one before it.
+    newest, older = sorted(images, key=lambda i: images[i]["checkpoint_at"], reverse=True)
+    root = os.path.join(fleet.host_vars["replica"]["gpuckpt_protect_replica_root"], "train", newest)
+    pages = sorted((f for f in os.listdir(root) if f.startswith("pages-")), key=lambda f: -os.path.getsize(os.path.join(root, f)))
+    with open(os.path.join(root, pages[0]), "r+b") as fh:
+        fh.seek(4096)
+        byte = fh.read(1)
+        fh.seek(4096)
+        fh.write(bytes([byte[0] ^ 0xFF]))
+
+    fleet.crash("node")  # the node dies: its sshd and its whole pid namespace, the job with it
+    assert not processes(w.dir)
+    logged = len(w.counted("parent"))
+
+    run = failover(playbook, fleet, "train", jobs, lost_node_confirmed=True)
+    assert run.rc == 0, run.stdout
+    assert newest in run.stdout and older in run.stdout  # the corrupt one named as skipped, the older one restored
+    assert w.one_copy_runs_intact()
+    resumed = first_count_after(w, "parent", logged)
+    progress = images[older].get("progress") or {}
+    assert progress.get("before") is not None, images[older]
+    assert progress["before"] < resumed <= progress["after"] + 1, (resumed, progress)
+
+    again = failover(playbook, fleet, "train", jobs, lost_node_confirmed=True)
+    assert again.rc != 0 and "already" in again.stdout, again.stdout
+    assert w.one_copy_runs_intact()
+    w.kill()
+    fleet.boot("node")
+
+
+def test_partition_then_the_returning_node_stops_its_stale_copy(playbook, fleet, job):
+    """The node is cut off while its job runs on. failover.yml refuses without the operator's word; with it, the
+    job runs on the target. The node comes back: its timer fires first, the replica refuses that push (an older
+    epoch), and the timer stops the stale copy and itself; from then on exactly one copy runs."""
+    w = job()
+    jobs = [job_spec(w, "infer", keep=3)]
+    assert protect(playbook, fleet, jobs).rc == 0
+    for unused in range(2):
+        run_timer(fleet, "node", "infer")
+    node_pids = {p for p, unused in processes(w.dir)}
+
+    fleet.cut_off("node")
+    refused = failover(playbook, fleet, "infer", jobs)
+    assert refused.rc != 0 and "lost_node_confirmed" in refused.stdout, refused.stdout
+    assert {p for p, unused in processes(w.dir)} == node_pids  # nothing touched: the job runs on, on the node
+
+    run = failover(playbook, fleet, "infer", jobs, lost_node_confirmed=True)
+    assert run.rc == 0, run.stdout
+    assert len(processes(w.dir)) == 2 * len(w.roles)  # the stale copy runs on behind the partition
+
+    fleet.reconnect("node")
+    rc, doc, out = run_timer(fleet, "node", "infer", check=False)
+    assert rc == FENCED_EXIT and doc.get("result") == "fenced", out
+    assert "epoch" in out, out
+    deadline = time.monotonic() + 10
+    while node_pids & {p for p, unused in processes(w.dir)} and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not node_pids & {p for p, unused in processes(w.dir)}, "the node's stale copy still runs"
+    assert w.one_copy_runs_intact()
+    rc, doc, out = run_timer(fleet, "node", "infer", check=False)  # it stays fenced: the timer does nothing else
+    assert rc == FENCED_EXIT, out
+    assert w.one_copy_runs_intact()
