@@ -6,6 +6,11 @@ over part of its memory every tick and a full checksum of its GPU memory every -
 seconds. <dir>/<role>.state (JSON) holds count, the latest GPU digest and the count it was taken at;
 <role>.digest holds the digest taken right after filling. A changed digest writes <role>.corrupt.
 
+--train: each tick is also one step of a small deterministic training job (a seeded MLP, SGD, each step's batch
+drawn from a generator seeded by the step's number), its loss appended to <role>.losses as "step loss.hex()".
+--reference-losses N runs steps 1..N of that job alone in a fresh process and writes them the same way: a job
+restored from a checkpoint taken at step S must log, for every later step, the very bits of that run.
+
   torch_counter.py --dir D --gib 4 --daemon   # prints the root pid once every process has filled
 """
 import argparse
@@ -50,7 +55,44 @@ def fill(torch, dev, gib, seed):
     return buf, weights
 
 
+class Trainer(object):
+    """One deterministic training step per call: the same steps on the same GPU give the same bits."""
+
+    def __init__(self, torch, dev):
+        torch.use_deterministic_algorithms(True)
+        torch.manual_seed(1234)
+        self.torch, self.dev = torch, dev
+        self.model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)).to(dev)
+        self.opt = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+
+    def step(self, n):
+        torch = self.torch
+        gen = torch.Generator(device=self.dev)
+        gen.manual_seed(100000 + n)
+        x = torch.randn(256, 512, generator=gen, device=self.dev)
+        y = torch.randn(256, 1, generator=gen, device=self.dev)
+        loss = ((self.model(x) - y) ** 2).mean()
+        self.opt.zero_grad()
+        loss.backward()
+        self.opt.step()
+        return loss.item()
+
+
+def log_loss(path, step, loss):
+    with open(path, "a") as fh:
+        fh.write("%d %s\n" % (step, float.hex(loss)))
+
+
+def reference_losses(args):
+    import torch
+    trainer = Trainer(torch, torch.device("cuda", int(str(args.device).split(",")[0])))
+    path = os.path.join(args.dir, "reference.losses")
+    for n in range(1, args.reference_losses + 1):
+        log_loss(path, n, trainer.step(n))
+
+
 def run(role, args, on_ready):
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (deterministic cuBLAS, before its first use)
     import torch
     # --device 0,1: one process holding memory on each GPU named (a DataParallel job's shape), --gib
     # split between them unevenly (the k-th GPU named holds k+1 shares), so nvidia-smi tells where each
@@ -78,8 +120,11 @@ def run(role, args, on_ready):
     count, digest, digest_count, last_verify = 0, digest0, 0, time.monotonic()
     on_ready()
     probes = [buf[:2**20] for buf, _w in parts]
+    trainer = Trainer(torch, dev) if args.train else None
     while True:
         count += 1
+        if trainer is not None:
+            log_loss(os.path.join(args.dir, role + ".losses"), count, trainer.step(count))
         # a kernel on every GPU every tick: blocks while the driver holds the lock
         probe_sum = sum(int(probe.sum().item()) for probe in probes)
         if time.monotonic() - last_verify >= args.verify_every:
@@ -103,8 +148,13 @@ def main():
     ap.add_argument("--cache-gib", type=float, default=0, help="GiB freed after the fill, kept by the allocator")
     ap.add_argument("--quiesce", action="store_true", help="release the allocator's cache on SIGUSR1 (gpuckpt_quiesce)")
     ap.add_argument("--daemon", action="store_true")
+    ap.add_argument("--train", action="store_true", help="one deterministic training step per tick, its loss logged")
+    ap.add_argument("--reference-losses", type=int, default=0, help="run steps 1..N of the training alone, log them")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)
+    if args.reference_losses:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        return reference_losses(args)
     out_w = None
     if args.daemon:
         r, w = os.pipe()
