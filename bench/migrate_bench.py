@@ -194,6 +194,8 @@ def main():
                          "never goes through a disk-backed page cache, the pipelined floor's premise")
     ap.add_argument("--also-single-stream", action="store_true",
                     help="also time our migration with one ssh stream (one push stream during the dump), to show what the streams bring")
+    ap.add_argument("--cpusets", default="", help="'split': each loopback host its own half of the cores (as two "
+                    "machines), the floor's link measured between those halves in the same run")
     args = ap.parse_args()
     base = args.base or tempfile.mkdtemp(prefix="gpuckpt-mbench-")
     hv = {n: {"gpuckpt_environment": PASS_ENV} for n in ("hosta", "hostb")}
@@ -205,7 +207,8 @@ def main():
                         "gpuckpt-bench", mem_root], check=True)
         for n in hv:
             hv[n]["gpuckpt_image_root"] = os.path.join(mem_root, n)
-    hosts = LoopbackHosts(os.path.join(base, "hosts"), pid_namespaces=bool(args.pid_namespaces), python=PY).start(hv)
+    hosts = LoopbackHosts(os.path.join(base, "hosts"), pid_namespaces=bool(args.pid_namespaces), python=PY,
+                          cpusets=args.cpusets or None).start(hv)
 
     def settle(tag):  # end the variant's workload: an idle machine for the next one
         time.sleep(1)
@@ -258,6 +261,7 @@ def main():
                "stage1_s": stage1, "disk_GBps": disk / 1e9 if disk else None, "link_GBps": link / 1e9,
                "link_1_stream_GBps": link1 / 1e9 if link1 else None,
                "link_%d_streams_GBps" % args.streams: link_n / 1e9, "huge_pages": bool(args.only_huge_pages),
+               "cpusets": hosts.cpusets,
                "images_in_memory": bool(mem_root),
                "streams": args.streams, "ours_single_stream_s": single, "ours_after_dump_s": after_dump,
                "ours_late_restore_s": late, "plain_chain_s": chain,

@@ -43,6 +43,23 @@ def _descendants(root):
     return out
 
 
+def split_cpus(hosts, cpusets, cpus=None):
+    """{host name: cpu list for taskset}: ``cpusets`` "split" gives each host an equal share of this machine's
+    cores (what two machines would have: nothing of one host's ssh, receiver or hashing runs on the other's
+    cores); a dict names them; None or "" leaves every host on every core."""
+    if not cpusets:
+        return {}
+    if isinstance(cpusets, dict):
+        return dict(cpusets)
+    if cpusets != "split":
+        raise ValueError("cpusets must be 'split' or a dict of host -> cpu list, not %r" % (cpusets,))
+    allowed = sorted(os.sched_getaffinity(0)) if cpus is None else list(cpus)
+    share = len(allowed) // len(hosts)
+    if share < 1:
+        raise ValueError("%d cores cannot be split between %d hosts" % (len(allowed), len(hosts)))
+    return {name: ",".join(str(c) for c in allowed[i * share:(i + 1) * share]) for i, (name, unused) in enumerate(hosts)}
+
+
 def _ppid(pid):
     with open("/proc/%d/stat" % pid) as fh:
         return int(fh.read().rsplit(")", 1)[1].split()[1])
@@ -60,8 +77,9 @@ def _wait_port(addr, port, timeout=15.0):
 
 
 class LoopbackHosts(object):
-    def __init__(self, base, port=22, pid_namespaces=True, python="/usr/bin/python3", hosts=HOSTS):
+    def __init__(self, base, port=22, pid_namespaces=True, python="/usr/bin/python3", hosts=HOSTS, cpusets=None):
         self.hosts = tuple(hosts)  # (name, address): an IPv6 address as ::1, bare
+        self.cpusets = split_cpus(self.hosts, cpusets)
         self.base = os.path.abspath(base)
         self.port = port
         self.pidns = pid_namespaces
@@ -137,6 +155,8 @@ class LoopbackHosts(object):
     def _spawn(self, name):
         d = self.path(name)
         cmd = [SSHD, "-D", "-e", "-f", os.path.join(d, "sshd_config")]
+        if self.cpusets.get(name):  # the host's own cores: its sshd and all it starts inherit the affinity
+            cmd = ["taskset", "-c", self.cpusets[name]] + cmd
         if self.pidns:
             cmd = ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "unchanged",
                    self.python, os.path.join(HERE, "nsinit.py")] + cmd
@@ -224,8 +244,10 @@ class LoopbackHosts(object):
     def reconnect(self, name):
         """The partition heals: a new sshd in the host's own namespaces (what ran there runs on)."""
         d = self.path(name)
-        _sh(["nsenter", "--target", str(self._init(name)), "--pid", "--mount", "--", SSHD, "-e",
-             "-f", os.path.join(d, "sshd_config")])  # (no -D: it forks, and its listener is reparented to the init)
+        pin = ["taskset", "-c", self.cpusets[name]] if self.cpusets.get(name) else []
+        # (no -D: it forks, and its listener is reparented to the namespace's init)
+        sshd = [SSHD, "-e", "-f", os.path.join(d, "sshd_config")]
+        _sh(["nsenter", "--target", str(self._init(name)), "--pid", "--mount", "--"] + pin + sshd)
         _wait_port(dict(self.hosts)[name], self.port)
 
     def ssh(self, name, command, check=True, timeout=120):
