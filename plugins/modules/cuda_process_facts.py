@@ -86,13 +86,22 @@ options:
         is reported as C(drain) (null when this host is not draining); a planner places nothing on a draining host.
     type: path
     default: /var/lib/gpuckpt/journal
+  protect_dir:
+    description:
+      - Where the role gpuckpt.fleet.protect keeps this node's protected jobs. When it holds a job's config, the
+        fence check of gpuckpt.fleet.gpu_protect runs first. A job that was failed over to another host (its replicas
+        say so) has its copy here stopped, and its timer disabled, before the facts are read. C(protect_fenced)
+        lists the fenced jobs.
+    type: path
+    default: /etc/gpuckpt/protect
 notes:
-  - Changes nothing; supports check mode.
+  - Changes nothing, but for the fence of O(protect_dir) - a protected job's copy that was failed over elsewhere is
+    stopped (not in check mode).
 requirements:
   - "Root to see other users' processes and to ask the driver about them."
 attributes:
   check_mode:
-    details: It only reads the host.
+    details: It only reads the host, and the fence check of O(protect_dir) stops no copy (C(protect_fenced) still names it).
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.attributes
@@ -127,6 +136,9 @@ ansible_facts:
         - gpu_containers and container_errors (see O(list_containers)).
         - runtimes_present (the container runtimes that could restore a container here - a daemon that answers, or the binary
           of runc, runsc or Podman), drain (this host's drain mark, or null).
+        - protect_fenced - the protected jobs of O(protect_dir) that are fenced here (failed over to another host), each with
+          C(job), C(reason), C(epoch), C(replica_epoch), C(owner), C(stopped) (what the fence stopped; null in check mode)
+          and C(already) (fenced before this run). Empty when no job is fenced or none is protected here.
         - disk, tree, pids_in_use and workloads when asked for. C(tree) has gpu_bytes (null when unknown, as when neither NVML nor
           nvidia-smi reports the memory of each of its CUDA processes; never 0 for unknown), gpu_bytes_by_gpu,
           gpu_memory_source and gpu_memory_unknown_reason.
@@ -140,7 +152,7 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.run import find_binary
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import facts as host_facts
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import drain_mark, workloads as node_workloads
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import drain_mark, protect, workloads as node_workloads
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS, make_backend
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
     container_backends, container_tree, run_module)
@@ -177,11 +189,14 @@ def main():
         list_containers=dict(type="list", elements="str", choices=CONTAINER_RUNTIMES),
         workloads=dict(type="bool", default=False),
         journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
+        protect_dir=dict(type="path", default=protect.DEFAULT_PROTECT_DIR),
         **RUNTIME_ARGS
     ), mutually_exclusive=[("container", "tree_of")], supports_check_mode=True)
     p = module.params
 
     def gather():
+        # A protected job failed over to another host is stopped here before anything else (never two copies).
+        fence = [f for f in protect.fence_check_all(p["protect_dir"], act=not module.check_mode) if f.get("fenced")]
         tree_of, container, tree_pids = container_tree(p)
         facts = host_facts.facts(pids=p["pids"], libcuda_path=p["libcuda_path"], criu_path=p["criu_path"],
                                  check_criu=p["check_criu"], paths=p["paths"], tree_of=tree_of,
@@ -193,9 +208,10 @@ def main():
             container_backends(p, CONTAINER_RUNTIMES), facts["cuda_processes"], p["libcuda_path"])
         facts["runtimes_present"] = runtimes_available(p)
         facts["drain"] = drain_mark.read(p["journal_dir"])
+        facts["protect_fenced"] = fence
         if p["workloads"]:
             facts["workloads"] = node_workloads.discover(facts, p["libcuda_path"])
-        return {"changed": False, "ansible_facts": {"gpuckpt": facts}}
+        return {"changed": any(f.get("changed") for f in fence), "ansible_facts": {"gpuckpt": facts}}
 
     run_module(module, gather)
 

@@ -61,8 +61,12 @@ def split_cpus(hosts, cpusets, cpus=None):
 
 
 def _ppid(pid):
-    with open("/proc/%d/stat" % pid) as fh:
-        return int(fh.read().rsplit(")", 1)[1].split()[1])
+    """The parent of ``pid``, or None when it has exited meanwhile (a session ending while we walk)."""
+    try:
+        with open("/proc/%d/stat" % pid) as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _wait_port(addr, port, timeout=15.0):

@@ -49,7 +49,8 @@ def test_documentation_parses(kind, name):
 # What each module's check mode does, as its documentation must say (the shared fragment gpuckpt.fleet.common.attributes
 # says full; a module with less says so itself).
 CHECK_MODE = {"cuda_process_facts": "full", "gpu_checkpoint": "full", "gpu_restore": "full", "gpu_image_sync": "full",
-              "gpu_migration": "partial", "gpu_pod_info": "full", "gpu_k8s_node": "full", "gpu_cdi_spec": "full"}
+              "gpu_migration": "partial", "gpu_pod_info": "full", "gpu_k8s_node": "full", "gpu_cdi_spec": "full",
+              "gpu_replica": "full", "gpu_protect": "full"}
 
 
 @pytest.mark.parametrize("name", sorted(CHECK_MODE))

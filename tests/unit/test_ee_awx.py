@@ -77,6 +77,8 @@ def _playbook_options(playbook):
     if playbook == "playbooks/drain.yml":
         migrate = {k: v for k, v in _argspec_options().items() if k.startswith("gpuckpt_")}
         return dict(migrate, **_argspec_options("drain"))
+    if playbook == "playbooks/failover.yml":
+        return _argspec_options("failover")
     return None
 
 
@@ -115,7 +117,7 @@ def test_job_templates_follow_the_controller_format():
     doc = yaml.safe_load(open(os.path.join(REPO, "awx", "job_templates.yml")))
     templates = doc["controller_templates"]
     names = {"gpuckpt migrate", "gpuckpt recover", "gpuckpt drain", "gpuckpt checkpoint", "gpuckpt restore",
-             "gpuckpt provision"}
+             "gpuckpt provision", "gpuckpt protect", "gpuckpt images", "gpuckpt failover"}
     assert {t["name"] for t in templates} == names
     for t in templates:
         assert set(t) <= JOB_TEMPLATE_FIELDS, set(t) - JOB_TEMPLATE_FIELDS
@@ -131,7 +133,7 @@ def test_job_templates_follow_the_controller_format():
             seen.add(q["variable"])
             if options is not None:
                 assert q["variable"] in options, (t["name"], q["variable"])
-            if t["playbook"] == "playbooks/drain.yml":
+            if t["playbook"] in ("playbooks/drain.yml", "playbooks/failover.yml"):
                 _check_question_fits_the_option(t["playbook"], q, options[q["variable"]])
     assert doc["controller_execution_environments"][0]["name"] == templates[0]["execution_environment"]
 

@@ -85,7 +85,7 @@ def log_loss(path, step, loss):
 
 def reference_losses(args):
     import torch
-    trainer = Trainer(torch, torch.device("cuda", int(str(args.device).split(",")[0])))
+    trainer = Trainer(torch, torch.device("cuda", int(str(args.device).split(",", 1)[0])))
     path = os.path.join(args.dir, "reference.losses")
     for n in range(1, args.reference_losses + 1):
         log_loss(path, n, trainer.step(n))

@@ -14,6 +14,12 @@ the stream's first bytes, then the stream carries framed operations: a JSON head
   deliver  the manifest: checked, then written (atomically) as the image's last file
   end      done
 
+A push into a replica store (core/replica.py; config ``replica``: {"root", "job", "epoch", "node"}) is an image
+push whose dest must be <root>/<job>/<image_id>: the store's check_push runs before the directory is created
+(a fenced copy's push is refused, with ``fenced`` in the reply) and again, under the job's lock, before the
+manifest is written. Config ``replica_op`` ("check", "commit", "list") runs that operation of the store instead
+and replies one JSON line.
+
 A probe of the link (gpu_image_sync's ``probe_mib``): config ``probe`` receives a scratch image like any
 other, into a new directory named ``.gpuckpt-probe-*`` whose mark says it is a probe's; config
 ``remove_probe`` then removes that directory, and nothing else (see remove_probe_dir), and ends.
@@ -38,12 +44,13 @@ import sys
 import time
 
 try:  # a package import; the receiver program defines these names before this code
-    from . import image
+    from . import image, replica
+    from .errors import GpuCkptError
     from .fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json,
                          remove_tree)
     from .journal import Journal, process_identity
 except ImportError:  # pragma: no cover - only in the receiver program, where they are globals
-    image = None
+    image = replica = None
 
 RECEIVE_PHASES = ("receiving", "received", "restore_failed")
 TRANSFER_MARK = "transfer.json"  # outside a migration: which image this dir is receiving
@@ -65,7 +72,7 @@ class StreamCut(Exception):
 class Receiver(object):
     def __init__(self, config, inp, out):
         self.config, self.inp, self.out = config, inp, out
-        self.dest = os.path.abspath(config["dest"])
+        self.dest = os.path.abspath(config["dest"]) if config.get("dest") else None  # none for a replica_op
         self.chunk = int(config.get("chunk") or _image().CHUNK)
         _image().CHUNK = self.chunk  # the sender's chunks are the manifest's: hash the same ranges
         self.fds, self.fixed = {}, {}
@@ -77,7 +84,10 @@ class Receiver(object):
         if self.config.get("migration_id"):
             self._open_for_migration()
         else:
+            self._check_replica()
             self._open_for_image()
+            if self.config.get("replica"):
+                _replica().check_image_parent(self.config["replica"]["root"], self.config["replica"]["job"], self.dir_fd)
         try:
             os.mkdir(_image().STATE_DIR, 0o700, dir_fd=self.dir_fd)
         except FileExistsError:
@@ -108,8 +118,25 @@ class Receiver(object):
             receivers[str(os.getpid())] = process_identity(os.getpid())
             self.journal.record(receivers=receivers)
 
+    def _check_replica(self):
+        """A push into a replica store: into <root>/<job>/<image_id> alone, and only while the store takes it."""
+        r = self.config.get("replica")
+        if not r:
+            return
+        if not isinstance(r, dict) or not r.get("root"):
+            raise Refused("a push into a replica store names its root, job, epoch and node")
+        want = os.path.join(os.path.abspath(r["root"]), _replica().check_job(r.get("job")),
+                            _replica().check_image_id(self.config.get("image_id")))
+        if self.dest != want:
+            raise Refused("a push into the replica store goes to %s, not %s" % (want, self.dest))
+        _replica().check_push(r["root"], r["job"], r.get("epoch"), r.get("node"))
+
     def _open_for_image(self):
         want, probe = self.config.get("image_id"), bool(self.config.get("probe"))
+        mark = {"image_id": want}
+        mark.update({"probe": True} if probe else {})
+        if self.config.get("replica"):  # who pushed it, for a listing of an image whose push was cut
+            mark["replica"] = {k: self.config["replica"].get(k) for k in ("epoch", "node")}
         if probe:
             check_probe_dir(self.dest)
         try:
@@ -118,7 +145,7 @@ class Receiver(object):
             os.mkdir(_image().STATE_DIR, 0o700, dir_fd=self.dir_fd)
             state = open_beneath(self.dir_fd, _image().STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                atomic_write(TRANSFER_MARK, dict({"image_id": want}, **({"probe": True} if probe else {})), dir_fd=state)
+                atomic_write(TRANSFER_MARK, mark, dir_fd=state)
             finally:
                 os.close(state)
             return
@@ -195,7 +222,7 @@ class Receiver(object):
         if self.journal is None:
             if manifest.get("id") != self.config.get("image_id"):
                 raise Refused("the manifest is of image %s, not %s" % (manifest.get("id"), self.config.get("image_id")))
-            atomic_write(_image().MANIFEST, data, dir_fd=self.dir_fd)
+            self._write_manifest(data)
             self._reply({"delivered": True})
             return
         nonce = (manifest.get("migration") or {}).get("nonce")
@@ -213,6 +240,33 @@ class Receiver(object):
             self.journal.transition("received", manifest_id=manifest.get("id"))
         self._reply({"delivered": True})
 
+    def _write_manifest(self, data):
+        """The manifest of an image outside a migration; into a replica store only while the push is still taken
+        (under the job's lock, so that no failover comes between the check and the write)."""
+        r = self.config.get("replica")
+        if not r:
+            atomic_write(_image().MANIFEST, data, dir_fd=self.dir_fd)
+            return
+        try:
+            with _replica().push_guard(r["root"], r["job"], r["epoch"], r["node"]):
+                atomic_write(_image().MANIFEST, data, dir_fd=self.dir_fd)
+        except GpuCkptError as exc:
+            self._reply(_refusal(exc))
+            raise Refused(str(exc))
+
+    def replica_op(self):
+        """Run the replica store's operation of the config, reply, and wait for the end mark."""
+        try:
+            reply = dict(_replica().run_op(self.config), ready=True)
+        except (GpuCkptError, UnsafePath, OSError, KeyError, TypeError, ValueError) as exc:
+            self._reply(_refusal(exc))
+            return REFUSED
+        self._reply(reply)
+        line = self.inp.readline()
+        if not line or json.loads(line).get("op") != "end":
+            raise StreamCut("the stream ended before its end mark")
+        return 0
+
     def remove_probe(self):
         """Remove the probe's scratch image at dest (remove_probe_dir), reply, and wait for the end mark."""
         try:
@@ -229,10 +283,12 @@ class Receiver(object):
     def run(self):
         if self.config.get("remove_probe"):
             return self.remove_probe()
+        if self.config.get("replica_op"):
+            return self.replica_op()
         try:
             self.open()
-        except (Refused, UnsafePath, OSError) as exc:
-            self._reply({"ready": False, "error": str(exc)})
+        except (Refused, UnsafePath, OSError, GpuCkptError) as exc:
+            self._reply(_refusal(exc))
             return REFUSED
         self._reply({"ready": True, "pid": os.getpid()})
         while True:
@@ -255,6 +311,14 @@ class Receiver(object):
                 os.close(fd)
         self.fds = {}
         self.receipt_fd = self.state_fd = self.dir_fd = None
+
+
+def _refusal(exc):
+    """The reply of a receiver that refused; ``fenced`` when a replica store refused a fenced copy (StaleEpoch)."""
+    reply = {"ready": False, "error": str(exc)}
+    if getattr(exc, "fenced", False):
+        reply["fenced"] = True
+    return reply
 
 
 def check_probe_dir(path):
@@ -299,6 +363,13 @@ def _image():
     """The image module: imported in the package, this program's own globals in the receiver."""
     if image is not None:
         return image
+    return sys.modules["__main__"]
+
+
+def _replica():
+    """The replica store's module: imported in the package, this program's own globals in the receiver."""
+    if replica is not None:
+        return replica
     return sys.modules["__main__"]
 
 

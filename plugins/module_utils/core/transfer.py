@@ -29,6 +29,7 @@ import json
 import os
 import queue
 import re
+import select
 import shlex
 import subprocess
 import tempfile
@@ -43,6 +44,7 @@ from . import image
 from . import journal
 from . import procfs
 from . import receiver
+from . import replica
 from . import wait
 from .errors import GpuCkptError, InvalidTarget, TransactionError
 from .progress import BytesProgress
@@ -51,7 +53,7 @@ CHUNK = image.CHUNK
 FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
 GROWING = image.GROWING
 # The receiver program: these modules' sources, in this order (each needs only those before it).
-RECEIVER_MODULES = (errors, fsutil, wait, procfs, journal, image, receiver)
+RECEIVER_MODULES = (errors, fsutil, wait, procfs, journal, image, replica, receiver)
 HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\[\]-]+$")
 USER_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")
@@ -200,7 +202,7 @@ class Stream(object):
         except ValueError:
             raise self.failure("the receiver answered %r while %s" % (line[:200], what))
         if doc.get("error"):
-            raise self.failure("the receiver refused (%s)" % doc["error"], retryable=False)
+            raise self.failure("the receiver refused (%s)" % doc["error"], retryable=False, fenced=doc.get("fenced"))
         return doc
 
     def wait_ready(self):
@@ -230,9 +232,9 @@ class Stream(object):
         self.err.seek(0)
         return self.err.read().decode("utf-8", "replace").strip()[-3000:]
 
-    def failure(self, msg, retryable=True):
-        """The TransferError of this stream, with the receiver's own words; not retryable when the
-        target's disk is full or the receiver exited refusing (receiver.REFUSED)."""
+    def failure(self, msg, retryable=True, fenced=False):
+        """The TransferError of this stream, with the receiver's own words; not retryable when the target's disk
+        is full or the receiver exited refusing (receiver.REFUSED); details.fenced: a replica store's StaleEpoch."""
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
@@ -246,7 +248,7 @@ class Stream(object):
         return TransferError("transfer to %s, stream %d: %s%s" % (self.target, self.index, msg,
                                                                   ": the target's disk is full" if disk_full else ""),
                              retryable=retryable, stage="transfer", cmd=self.cmd[:-1] + ["<receiver>"],
-                             rc=self.proc.returncode,
+                             rc=self.proc.returncode, details={"fenced": True} if fenced else None,
                              stderr=err, hint="free space on the target" if disk_full else
                              "check that this host reaches %s over ssh and that its Python 3 runs" % self.target)
 
@@ -484,6 +486,27 @@ def send_image(image_dir, target, dest, receiver=None, streams=0, bwlimit_kbps=0
         progress.close()
     last.msg = "transfer to %s:%s failed after %d attempt(s): %s" % (target, dest, attempts, last.msg)
     raise last
+
+
+def replica_call(target, config, timeout=60):
+    """A replica store's operation ({"replica_op": "check"|"commit"|"list", ...}: replica.run_op) run by a receiver on
+    ``target``: its reply. A fence comes back as {"ready": False, "fenced": True, "error"}; a failure raises."""
+    try:
+        stream = Stream(target, config, receiver_program(), 0)
+    except OSError as exc:
+        raise TransferError("the replica store on %s could not start: %s" % (target, exc), stage="transfer")
+    try:
+        ready = select.select([stream.proc.stdout], [], [], timeout)[0]
+        line = stream.proc.stdout.readline() if ready else b""
+        doc = json.loads(line) if line.startswith(b"{") else {}
+        if not (doc.get("ready") or doc.get("fenced")):
+            raise stream.failure("the replica store %s" % ("refused (%s)" % doc["error"] if doc.get("error") else
+                                 "did not answer within %s s" % timeout if not ready else "ended without an answer"))
+        if doc.get("ready"):
+            stream.close(timeout)
+        return doc
+    finally:
+        stream.kill()
 
 
 # -- a probe of the link: the same transfer, of a scratch image made for it, then removed on both hosts ----

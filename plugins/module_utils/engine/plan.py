@@ -10,6 +10,7 @@ or its runtime cannot go through is refused here with InvalidTarget, before anyt
 from __future__ import annotations
 
 import os
+import re
 import socket
 
 from ..core import image
@@ -22,6 +23,8 @@ from ..cuda import processes as gpu_procs
 from ..cuda import usage as gpu_usage
 from ..runtimes.base import network_lock_problem
 from . import quiesce
+
+IMAGE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
 
 
 class CheckpointOptions(object):
@@ -60,7 +63,7 @@ def _checked_image_id(image_id):
     if image_id is None:
         return None
     text = str(image_id)
-    if not text or len(text) > 128 or not all(ch.isalnum() or ch in "._-" for ch in text) or text[0] in ".-":
+    if not IMAGE_ID_RE.match(text):
         raise InvalidTarget("image_id %r must be 1-128 letters, digits, '.', '_' or '-'" % (image_id,), stage="preflight")
     return text
 

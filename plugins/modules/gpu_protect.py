@@ -1,0 +1,185 @@
+#!/usr/bin/python
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+from __future__ import annotations
+
+DOCUMENTATION = r"""
+---
+module: gpu_protect
+short_description: A node's protected jobs - their checkpoints, a checkpoint now, and the fence of a failed-over copy
+version_added: "0.6.0"
+description:
+  - Runs on a node where the role gpuckpt.fleet.protect protects jobs. Each job is checkpointed every interval with
+    the job left running, and each image is pushed to the job's replica hosts while it is written. The role installs
+    a timer per job that does this. This module reads and acts on the same jobs.
+  - Every state first runs the fence check of each job. It asks the job's replicas whether this node still owns
+    the job. When a replica says the job was failed over to another host (its epoch was raised), the copy on this
+    node is stale. Its whole process tree (a pid file's job) or its container is stopped, its timer disabled, and
+    C(fenced.json) written in the job's state. From then on every command on the job says so and does nothing else.
+    A replica that does not answer is no fence.
+  - C(status) returns each job's last checkpoints, the job's stall per checkpoint (from the CUDA lock to the unlock
+    after the dump), what that stall costs at the job's interval and at 5, 15 and 60 minutes, the images each
+    replica held verified after its last commit, and whether it is fenced.
+  - C(checkpoint_now) checkpoints one job at once, outside its schedule (a spot instance's notice, a GPU reporting
+    Xid errors). It returns, from the job's recorded checkpoints, how long it was expected to take and whether
+    that fits in O(within). Then it returns whether it did. A checkpoint of the job that is already running is
+    waited for, up to O(within) seconds.
+  - C(fence_check) runs the fence check alone (recover.yml and drain.yml run it on the node first).
+author: gpuckpt.fleet maintainers (@gpuckpt)
+options:
+  state:
+    description: What to do (see the description).
+    type: str
+    choices: [status, checkpoint_now, fence_check]
+    default: status
+  protect_dir:
+    description: Where the role wrote the jobs' configs (its C(gpuckpt_protect_dir)).
+    type: path
+    default: /etc/gpuckpt/protect
+  job:
+    description:
+      - The protected job. Required for C(checkpoint_now).
+      - Default, for C(status) and C(fence_check), is every job configured in O(protect_dir).
+    type: str
+  within:
+    description:
+      - For C(checkpoint_now), the seconds left before the node goes (a spot notice's 30 to 120 s).
+      - The result says whether the checkpoint was expected to finish within it, and whether it did.
+    type: float
+notes:
+  - The job's config carries the environment its checkpoints run with (the C(gpuckpt_environment) of the node), which
+    this module applies before it loads the driver.
+requirements:
+  - "Root on the node, ssh from the node to the replicas (the node's root key, as the role's timer uses it)."
+attributes:
+  check_mode:
+    support: full
+    details: >-
+      It asks the replicas and reports. It stops no fenced copy (RV(fence) says what it would stop) and takes no
+      checkpoint (RV(expected) says what it would expect).
+extends_documentation_fragment:
+  - ansible.builtin.action_common_attributes
+  - gpuckpt.fleet.common.attributes
+seealso:
+  - module: gpuckpt.fleet.gpu_replica
+"""
+
+EXAMPLES = r"""
+- name: How are the protected jobs of this node doing?
+  gpuckpt.fleet.gpu_protect:
+    state: status
+  register: protected
+
+- name: A spot notice came with 90 s left - checkpoint the job now
+  gpuckpt.fleet.gpu_protect:
+    state: checkpoint_now
+    job: train-llama
+    within: 90
+
+- name: Stop a copy that was failed over elsewhere, before anything else runs here
+  gpuckpt.fleet.gpu_protect:
+    state: fence_check
+    protect_dir: /etc/gpuckpt/protect
+"""
+
+RETURN = r"""
+fence:
+  description:
+    - The fence check of each job - C(job), C(fenced), and when fenced C(reason) (the replica's words, with the
+      job's epoch there), C(replica), C(replica_epoch), C(owner), C(stopped) (the pids stopped, or what was found),
+      C(timer), C(already) (fenced before this run).
+    - C(unreachable) names the replicas that did not answer (no fence).
+  returned: always
+  type: list
+  elements: dict
+fenced:
+  description: The jobs that are fenced on this node.
+  returned: always
+  type: list
+  elements: str
+jobs:
+  description:
+    - For C(status), each job's summary - C(workload), C(interval_s), C(keep), C(epoch), C(replicas),
+      C(last_runs) (the history lines of its last 5 attempts), C(last_ok), C(stall_s) (C(last), C(max), C(mean),
+      C(runs)), C(overhead) (per interval - C(interval_s), C(configured), C(fraction) of the job's time stalled at
+      the mean stall, C(worst_fraction) at the largest, C(percent)), C(expected_s), C(verified_images) (per replica,
+      as its last commit said), C(running), C(fenced).
+  returned: when O(state=status)
+  type: list
+  elements: dict
+expected:
+  description:
+    - For C(checkpoint_now), what was expected before it started - C(expected_s) (the longest of the job's last 5
+      successful checkpoints, null without one), C(within_s), C(expected_to_finish) (null when unknown).
+  returned: when O(state=checkpoint_now)
+  type: dict
+checkpoint:
+  description:
+    - For C(checkpoint_now), the attempt as the job's history records it - C(result) (ok, failed, skipped, fenced),
+      C(reason), C(image_id), C(stall_s), C(duration_s), C(bytes), C(replicas) (per replica, C(verified) or why
+      not), C(retention) (per replica, the images C(kept) and C(removed)), C(progress) (C(before) and C(after), the
+      job's own), C(finished_within).
+  returned: when O(state=checkpoint_now) and not in check mode
+  type: dict
+"""
+
+from ansible.module_utils.basic import AnsibleModule
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import protect, protect_history
+
+
+def checkpoint_now(p, check_mode):
+    """C(checkpoint_now): the expectation, then (not in check mode) the checkpoint. (failed, the result)."""
+    expected = []
+    if check_mode:
+        cfg = protect.load_config(p["protect_dir"], p["job"])
+        folder = protect_history.state_dir(p["protect_dir"], p["job"])
+        fence = protect.check_fence(cfg, folder, act=False)
+        exp = dict(protect_history.expectation(protect_history.read_history(folder), p["within"]), job=p["job"])
+        return False, dict(changed=False, fence=[fence], fenced=[p["job"]] if fence["fenced"] else [], expected=exp,
+                           msg="check mode: would checkpoint job %s now" % p["job"])
+    line, code = protect.run(p["protect_dir"], p["job"], trigger="now", within=p["within"], announce=expected.append)
+    fenced = line.get("result") == "fenced"
+    out = dict(changed=line.get("result") in ("ok", "failed") or fenced, checkpoint=line,
+               expected=expected[0] if expected else None, fence=[line] if fenced else [],
+               fenced=[p["job"]] if fenced else [])
+    if code != protect.EXIT_OK:
+        out["msg"] = "checkpoint of job %s: %s: %s" % (p["job"], line.get("result"), line.get("reason"))
+        return True, out
+    why = " (%s)" % line["reason"] if line.get("reason") else ""
+    out["msg"] = "checkpoint of job %s: %s%s" % (p["job"], line.get("result"), why)
+    return False, out
+
+
+def main():
+    module = AnsibleModule(argument_spec=dict(
+        state=dict(type="str", choices=["status", "checkpoint_now", "fence_check"], default="status"),
+        protect_dir=dict(type="path", default=protect.DEFAULT_PROTECT_DIR),
+        job=dict(type="str"),
+        within=dict(type="float"),
+    ), required_if=[("state", "checkpoint_now", ("job",))], supports_check_mode=True)
+    p = module.params
+    act = not module.check_mode
+    try:
+        if p["state"] == "checkpoint_now":
+            failed, out = checkpoint_now(p, module.check_mode)
+            if failed:
+                module.fail_json(**out)
+            module.exit_json(**out)
+        if p["state"] == "status":
+            jobs = protect.status_all(p["protect_dir"], p["job"], act=act)
+            fence = [dict(j["fenced"], job=j["job"]) for j in jobs if j.get("fenced")]
+            module.exit_json(changed=any(f.get("changed") for f in fence), jobs=jobs, fence=fence,
+                             fenced=[f["job"] for f in fence])
+        fence = protect.fence_check_all(p["protect_dir"], p["job"], act=act)
+        fenced = [f["job"] for f in fence if f.get("fenced")]
+        module.exit_json(changed=any(f.get("changed") for f in fence), fence=fence, fenced=fenced,
+                         msg="fenced on this node: %s" % ", ".join(fenced) if fenced else "no job is fenced here")
+    except GpuCkptError as exc:
+        module.fail_json(**exc.to_dict())
+
+
+if __name__ == "__main__":
+    main()
