@@ -181,7 +181,7 @@ epoch:
     - For C(adopt), the epoch recorded.
   returned: for failover, fence and adopt
   type: int
-skipped:
+skipped_images:
   description: For C(failover), the candidates that did not verify, each with C(id) and C(reason), in the order tried.
   returned: for failover
   type: list
@@ -218,7 +218,8 @@ def replica_step(p, check_mode):
         res = replica.failover_verified(p["root"], p["job"], p["lost_node"], p["target"], p["candidates"], p["reason"],
                                         write=not check_mode)
         changed = not check_mode
-        out.update(image_id=res["image_id"], image_path=res["image_path"], epoch=res["epoch"], skipped=res["skipped"],
+        out.update(image_id=res["image_id"], image_path=res["image_path"], epoch=res["epoch"],
+                   skipped_images=res["skipped"],
                    msg="job %s %s from %s to %s with image %s (%d skipped)" % (
                        p["job"], "would fail over" if check_mode else "failed over", p["lost_node"], p["target"],
                        res["image_id"], len(res["skipped"])))

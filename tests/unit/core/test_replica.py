@@ -354,7 +354,7 @@ def test_the_module_lists_verifies_fails_over_and_adopts(tmp_path, capsys):
     assert not res["changed"] and res["image_id"] == "img-1" and res["epoch"] is None and res["record"]["epoch"] == 1
     res = _run(capsys, root=str(root), job=JOB, state="failover", lost_node="node-a", target="node-b",
                candidates=["img-2", "img-1"], reason="spot reclaim")
-    assert res["changed"] and res["image_id"] == "img-1" and res["epoch"] == 2 and res["skipped"][0]["id"] == "img-2"
+    assert res["changed"] and res["image_id"] == "img-1" and res["epoch"] == 2 and res["skipped_images"][0]["id"] == "img-2"
     assert res["image_path"] == str(root / JOB / "img-1") and res["record"]["owner"] == "node-b"
     res = _run(capsys, root=str(root), job=JOB, state="failover", lost_node="node-a", target="node-c")
     assert res["failed"] and "already failed over" in res["msg"]
