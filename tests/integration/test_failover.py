@@ -152,6 +152,7 @@ def test_lost_node_fails_over_from_the_newest_verified_image(playbook, fleet, jo
         assert doc["stall_s"] > 0, out
         stalls.append(doc["stall_s"])
         w.wait_counting(beyond=w.counts())
+    print("STALLS of the test workload's periodic checkpoints (s):", stalls)  # (docs/benchmarks, CI kind)
     images = replica_images(fleet, "train")
     assert len(images) == 2 and all(m["verified"] for m in images.values()), images  # retention: keep 2
     assert w.is_counting()
@@ -206,6 +207,7 @@ def test_partition_then_the_returning_node_stops_its_stale_copy(playbook, fleet,
     assert protect(playbook, fleet, jobs).rc == 0
     for unused in range(2):
         run_timer(fleet, "node", "infer")
+        w.wait_counting(beyond=w.counts())  # every process of the job runs on after each checkpoint
     node_pids = {p for p, unused in processes(w.dir)}
 
     fleet.cut_off("node")

@@ -23,7 +23,10 @@ import time
 
 
 def write_atomic(path, text):
-    tmp = "%s.tmp.%d" % (path, os.getpid())
+    # A random part, not the pid alone: two copies of a job (a failover's restored copy and the stale one behind a
+    # partition) run with the same pids in their own namespaces and write into one directory (the loopback hosts
+    # share the filesystem); with pid-named temporaries one copy renamed the other's away and died of it.
+    tmp = "%s.tmp.%d.%s" % (path, os.getpid(), os.urandom(4).hex())
     with open(tmp, "w") as fh:
         fh.write(text)
     os.rename(tmp, path)
