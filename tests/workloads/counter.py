@@ -10,6 +10,9 @@ sync once per tick, so a lock freezes the counting exactly as a real CUDA call w
 With --serve PORT the parent is an inference server in miniature: it listens on 127.0.0.1:PORT and
 answers each line a client sends, on connections it keeps open, with "<count> <digest> <pid>".
 
+With --print-counts each process also writes "<role> <count>" to its stdout once per tick (a container's
+log: `docker logs` shows where it counts).
+
   counter.py --dir D --daemon   # double-forks (reparented to init, no zombie), prints the root pid
 """
 import argparse
@@ -107,6 +110,8 @@ def run(role, args):
         write_atomic(os.path.join(args.dir, role + ".state"),
                      json.dumps({"count": count, "digest": digest, "pid": os.getpid(), "t": time.time()}))
         os.write(counts, b"%d\n" % count)
+        if args.print_counts:
+            os.write(1, b"%s %d\n" % (role.encode(), count))  # unbuffered: the log shows each count as it is made
         if server is not None:
             clients = serve(server, clients, b"%d %s %d\n" % (count, digest.encode(), os.getpid()))
         time.sleep(args.interval)
@@ -123,6 +128,7 @@ def main():
     ap.add_argument("--fakecuda")
     ap.add_argument("--listen", help="the parent listens on this abstract unix socket name")
     ap.add_argument("--serve", type=int, help="the parent answers requests on this TCP port of 127.0.0.1")
+    ap.add_argument("--print-counts", action="store_true", help="also write '<role> <count>' to stdout each tick")
     ap.add_argument("--daemon", action="store_true")
     args = ap.parse_args()
     os.makedirs(args.dir, exist_ok=True)

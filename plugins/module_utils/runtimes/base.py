@@ -8,6 +8,7 @@ which host pids make up the workload, how to write RAM+CPU state to an image dir
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -20,6 +21,30 @@ from ..cuda import devices as gpu_devices
 from .criu import Criu
 from ..core.errors import GpuCkptError, InvalidTarget
 from ..core.run import find_binary, run
+
+
+def read_oci_spec(path):
+    """An OCI spec (config.json) read from ``path``; None when it cannot be read."""
+    try:
+        with open(path) as fh:
+            spec = json.load(fh)
+        return spec if isinstance(spec, dict) else None
+    except (OSError, ValueError):
+        return None
+
+
+def shim_bundle_spec(pid):
+    """The OCI spec that the container whose init is ``pid`` was started under by a containerd shim (Docker's
+    containers): config.json in the shim's bundle, the directory containerd starts each shim in (its cwd),
+    the shim being the init's parent. None when it cannot be read (no shim parent, a vanished process)."""
+    ppid = (procfs.read_stat(pid) or {}).get("ppid")
+    if not ppid:
+        return None
+    try:
+        bundle = os.readlink("/proc/%d/cwd" % int(ppid))
+    except OSError:
+        return None
+    return read_oci_spec(os.path.join(bundle, "config.json"))
 
 
 def map_by_ns_pid(manifest, new_pids):
@@ -357,6 +382,26 @@ class ContainerBackend(Backend):
         if not rt["gpus"] and not new:
             return None
         return gpu_devices.placement_pairs(rt["gpus"], new, "%s container %s" % (self.name, self.container))
+
+    def adopt_restored(self, manifest, pid, tree, spec):
+        """For a runtime that makes the container's spec itself at its restore (Docker, Podman: the GPUs and
+        device numbers of the host it is restored on): the container restored, with ``spec`` the spec it now
+        runs under, is put onto its GPUs (placement, adopt_devices). Refused (another count of GPUs, a spec
+        that cannot be read while the image records GPUs): the restored container is removed, so that no copy
+        keeps running, and the error says so."""
+        try:
+            if spec is None:
+                if ((manifest.get("runtime") or {}).get("gpus")) and (manifest.get("target") or {}).get("cuda_pids"):
+                    raise InvalidTarget("the restored %s container %s's OCI spec could not be read, so the GPUs it "
+                                        "was given here are unknown" % (self.name, self.container),
+                                        stage="runtime-restore")
+                return
+            pairs = self.placement(manifest, spec)
+            self.adopt_devices(pid, tree, spec, pairs, sync=gpu_devices.lists_nvidia_devices(spec))
+        except GpuCkptError as exc:
+            self.remove()
+            exc.msg = "%s; the restored container was removed, nothing of it runs here" % exc.msg
+            raise
 
     def adopt_devices(self, pid, tree, spec, pairs, sync):
         """After the runtime's restore of the container whose init is ``pid`` (its processes ``tree``), before

@@ -12,6 +12,13 @@ it is first created again, under the same name, from the Config and HostConfig t
 
 As with the other containers, the CUDA stage stays the engine's, on the container's host pids.
 Docker, like Podman, checkpoints only a running container, so leave_stopped is refused.
+
+GPUs: dockerd makes the container's spec on the host it is created on, so a container created again on a
+target has that host's device numbers for the GPUs it asks for (CDI names, --device paths, --gpus), while
+CRIU brings its /dev back as it was. The GPUs it had are recorded at the checkpoint from the spec dockerd
+made (config.json in its containerd shim's bundle); after ``docker start --checkpoint``, before the GPU
+memory comes back, its processes are put onto the GPUs of the new spec place by place and its /dev made
+to match that spec (ContainerBackend.adopt_restored).
 """
 from __future__ import annotations
 
@@ -25,7 +32,8 @@ import uuid
 from ..core import procfs
 from ..core.errors import CommandError, InvalidTarget
 from ..core.run import find_binary, run
-from .base import ContainerBackend
+from ..cuda import devices as gpu_devices
+from .base import ContainerBackend, shim_bundle_spec
 from .docker_cleanup import RESTORE_ID, remove_containerd_copies
 
 CHECKPOINT = "gpuckpt"
@@ -140,6 +148,12 @@ class DockerBackend(ContainerBackend):
         pid = int(state["Pid"])
         tree = procfs.process_tree(pid)
         self._ns = {str(p): procfs.ns_pid(p) for p in tree}
+        # its GPUs, as the spec dockerd made for it names them (CDI's device nodes, --device, --gpus): what a
+        # restore on another host, whose dockerd gives it that host's GPUs and numbers, maps from. A spec that
+        # cannot be read records nothing (unknown), not "no GPU".
+        spec = shim_bundle_spec(pid)
+        self._gpus = None if spec is None else [{"uuid": g["uuid"], "minor": g["minor"]}
+                                                for g in gpu_devices.spec_gpus(spec)]
         return pid, tree
 
     def dump(self, target, image_dir, work_dir, after):
@@ -160,7 +174,7 @@ class DockerBackend(ContainerBackend):
         return {"backend": self.name, "container": self.container, "container_id": info["Id"],
                 "root_pid": int(target), "ns_pids": self._ns, "checkpoint": CHECKPOINT,
                 "create": {"Config": info.get("Config"), "HostConfig": info.get("HostConfig")},
-                "criu_seconds": round(res.seconds, 6)}
+                "criu_seconds": round(res.seconds, 6), **({} if self._gpus is None else {"gpus": self._gpus})}
 
     def _create(self, manifest):
         spec = dict((manifest.get("runtime") or {}).get("create", {}).get("Config") or {})
@@ -214,7 +228,12 @@ class DockerBackend(ContainerBackend):
             raise CommandError("docker start --checkpoint exited with rc=%d" % res.rc, stage="runtime-restore",
                                cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:], stderr=res.stderr[-4000:])
         info = self.inspect(cid)
-        return procfs.process_tree(int(info["State"]["Pid"]))
+        pid = int(info["State"]["Pid"])
+        tree = procfs.process_tree(pid)
+        # dockerd made the container's spec here (this host's GPUs and device numbers); CRIU brought its /dev
+        # back as it was on the source
+        self.adopt_restored(manifest, pid, tree, shim_bundle_spec(pid))
+        return tree
 
     def remove(self):
         run(self._cmd("rm", "--force", self.container), stage="cleanup", check=False)

@@ -13,6 +13,12 @@ after a restore the CUDA processes are found again by their pid inside the conta
   SIGSTOPped one hangs CRIU on the cgroup freezer (tried with Podman 4.3.1). A migration of a Podman
   container therefore lets the source exit, and rolls back by restoring the source's own image.
 The export is uncompressed: GPU memory does not compress, and gzip would cost downtime.
+
+GPUs: the GPUs the container had are recorded at the checkpoint from the spec Podman made for it. Podman
+restores under the spec its export carries, so an export whose spec names other device numbers than this
+host's is imported from a copy given this host's numbers (podman_export.py); after the restore, before the
+GPU memory comes back, the processes go onto this host's GPUs of the same places and the container's /dev is
+made to match its spec (ContainerBackend.adopt_restored).
 """
 from __future__ import annotations
 
@@ -23,7 +29,9 @@ import re
 from ..core import procfs
 from ..core.errors import CommandError, InvalidTarget
 from ..core.run import find_binary, run
-from .base import ContainerBackend, ns_pid
+from ..cuda import devices as gpu_devices
+from .base import ContainerBackend, ns_pid, read_oci_spec
+from .podman_export import retarget_export
 
 EXPORT = "container.tar"
 
@@ -89,6 +97,11 @@ class PodmanBackend(ContainerBackend):
         pid = int(state["Pid"])
         tree = procfs.process_tree(pid)
         self._ns = {str(p): ns_pid(p) for p in tree}
+        # its GPUs, as the spec Podman made for it names them (CDI, --device): what a restore onto other GPUs
+        # maps from; a spec that cannot be read records nothing (unknown), not "no GPU"
+        spec = read_oci_spec(info.get("OCIConfigPath") or "")
+        self._gpus = None if spec is None else [{"uuid": g["uuid"], "minor": g["minor"]}
+                                                for g in gpu_devices.spec_gpus(spec)]
         return pid, tree
 
     def dump(self, target, image_dir, work_dir, after):
@@ -113,7 +126,8 @@ class PodmanBackend(ContainerBackend):
             run(self._cmd("container", "rm", "--force", self.container), stage="runtime-dump", check=False)
         return {"backend": self.name, "container": self.container, "container_id": self._id,
                 "root_pid": int(target), "podman_root": self.root, "ns_pids": self._ns, "export": EXPORT,
-                "criu_options": self.extra, "auto_flags": list(self.auto_flags), "criu_seconds": round(res.seconds, 6)}
+                "criu_options": self.extra, "auto_flags": list(self.auto_flags), "criu_seconds": round(res.seconds, 6),
+                **({} if self._gpus is None else {"gpus": self._gpus})}
 
     def restore(self, image_dir, work_dir, manifest):
         self.bind(manifest)
@@ -122,14 +136,24 @@ class PodmanBackend(ContainerBackend):
             raise InvalidTarget("a podman container %s already exists on this host (%s); refusing to start a second "
                                 "copy" % (self.container, (existing.get("State") or {}).get("Status")),
                                 stage="preflight", hint="remove it (podman rm) if it is a leftover, or restore elsewhere")
-        args = ["container", "restore", "--import", os.path.join(image_dir, EXPORT)] + self.criu_flags(manifest)
-        res = run(self._cmd(*args), stage="runtime-restore", timeout=self.timeout, check=False)
+        export, retargeted = retarget_export(os.path.join(image_dir, EXPORT), work_dir)
+        try:
+            args = ["container", "restore", "--import", export] + self.criu_flags(manifest)
+            res = run(self._cmd(*args), stage="runtime-restore", timeout=self.timeout, check=False)
+        finally:
+            if export != os.path.join(image_dir, EXPORT):
+                os.unlink(export)
         if res.rc != 0:
-            raise CommandError("podman container restore exited with rc=%d" % res.rc, stage="runtime-restore",
+            raise CommandError("podman container restore exited with rc=%d%s" % (res.rc, "" if not retargeted else (
+                " (imported from a copy of the export with this host's device numbers: %s)" % ", ".join(retargeted))),
+                               stage="runtime-restore",
                                cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:],
                                stderr=_with_criu_log(res.stderr)[-6000:])
         info = self.inspect(self.container)
-        return procfs.process_tree(int(info["State"]["Pid"]))
+        pid = int(info["State"]["Pid"])
+        tree = procfs.process_tree(pid)
+        self.adopt_restored(manifest, pid, tree, read_oci_spec(info.get("OCIConfigPath") or ""))
+        return tree
 
     def bind(self, manifest):
         super(PodmanBackend, self).bind(manifest)
