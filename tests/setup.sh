@@ -99,14 +99,12 @@ fi
 criu_ok || { log "CRIU $CRIU_VERSION is not installed at $CRIU_PREFIX/sbin/criu"; exit 1; }
 "$CRIU_PREFIX/sbin/criu" check >/dev/null 2>&1 || { "$CRIU_PREFIX/sbin/criu" check; exit 1; }
 
-# containerd 2.x: Debian sid's build needs only glibc 2.34 (checked below with objdump), so it runs on
-# bookworm's 2.36. Its .deb is fetched with a private apt state (sid's binary lists never reach the
-# system's apt) and unpacked into $CTRD_PREFIX, apart from anything installed by packages. The
-# containerd backend talks to containerd's API through python3-grpcio on the managed hosts.
-# One .deb of another Debian suite, fetched with a private apt state (that suite's lists never reach the
-# system's apt) and unpacked into a temporary dir, whose path is printed. Usage: fetch_deb SUITE PKG=VERSION*
+# .debs of another Debian suite, fetched with a private apt state (that suite's lists never reach the
+# system's apt) and unpacked together into a temporary dir, whose path is printed.
+# Usage: fetch_deb SUITE PKG=VERSION* [PKG=VERSION* ...]
 fetch_deb() {
-  local suite=$1 want=$2 mirror aptdir
+  local suite=$1 mirror aptdir deb
+  shift
   mirror=$(sed -n 's/^URIs: *//p' /etc/apt/sources.list.d/debian.sources 2>/dev/null | head -n1)
   [ -n "$mirror" ] || mirror=$(awk '$1=="deb"{print $2; exit}' /etc/apt/sources.list 2>/dev/null)
   aptdir=$(mktemp -d /tmp/gpuckpt-apt.XXXXXX)
@@ -116,8 +114,8 @@ fetch_deb() {
   local aptopts=(-o "Dir::Etc::SourceList=$aptdir/suite.sources" -o Dir::Etc::SourceParts=/nonexistent
                  -o "Dir::State::Lists=$aptdir/lists" -o "Dir::Cache=$aptdir/cache" -o Dir::State::status=/dev/null)
   apt-get "${aptopts[@]}" update -qq >&2
-  (cd "$aptdir" && apt-get "${aptopts[@]}" download -qq "$want") >/dev/null 2>&1
-  dpkg -x "$aptdir"/*.deb "$aptdir/x"
+  (cd "$aptdir" && apt-get "${aptopts[@]}" download -qq "$@") >/dev/null 2>&1
+  for deb in "$aptdir"/*.deb; do dpkg -x "$deb" "$aptdir/x"; done
   echo "$aptdir"
 }
 
@@ -139,6 +137,33 @@ if ! ctrd_ok; then
   done
   rm -rf "$aptdir"
   ctrd_ok || { log "containerd $CTRD_VERSION did not install"; exit 1; }
+fi
+
+# Docker 26 (Debian trixie's docker.io and docker-cli): Docker 25+ gives containers devices from CDI specs
+# (`--device nvidia.com/gpu=0`), Docker 20.10 (bookworm's, /usr/bin, still tested) does not. trixie's build
+# needs only glibc 2.34 (checked below), so it runs here, unpacked into $DOCKER26_PREFIX (tests/docker_daemon.py
+# starts it); it uses the system's containerd 1.6, runc and docker-init.
+DOCKER26_VERSION=26.1.5+dfsg1-9+deb13u1+b1
+DOCKER26_PREFIX=/usr/local/lib/gpuckpt-docker26
+docker26_ok() {
+  local b v
+  for b in dockerd docker; do
+    v=$("$DOCKER26_PREFIX/bin/$b" --version 2>/dev/null) || return 1
+    [[ "$v" == "Docker version ${DOCKER26_VERSION%%+*}+"* ]] || return 1
+  done
+  [ -x "$DOCKER26_PREFIX/bin/docker-proxy" ] && [ "$(cat "$DOCKER26_PREFIX/version" 2>/dev/null)" = "$DOCKER26_VERSION" ]
+}
+if ! docker26_ok; then
+  log "fetching Docker $DOCKER26_VERSION from Debian trixie"
+  aptdir=$(fetch_deb trixie "docker.io=$DOCKER26_VERSION" "docker-cli=$DOCKER26_VERSION")
+  for b in usr/sbin/dockerd usr/sbin/docker-proxy usr/bin/docker; do
+    need=$(objdump -T "$aptdir/x/$b" | grep -o 'GLIBC_2\.[0-9]*' | sort -t. -k2 -n | tail -n1)
+    [ "${need#GLIBC_2.}" -le 36 ] || { log "$b needs $need, more than this machine's glibc"; exit 1; }
+    install -D -m 0755 "$aptdir/x/$b" "$DOCKER26_PREFIX/bin/${b##*/}"
+  done
+  echo "$DOCKER26_VERSION" >"$DOCKER26_PREFIX/version"  # --version names the release, not Debian's revision
+  rm -rf "$aptdir"
+  docker26_ok || { log "Docker $DOCKER26_VERSION did not install"; exit 1; }
 fi
 
 # gVisor's runsc, from bookworm-backports: a static binary. Not sid's or trixie's build of the same
