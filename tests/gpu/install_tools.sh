@@ -37,7 +37,9 @@ for py in /usr/bin/python3 "${GPUCKPT_WORKLOAD_PYTHON:-python3}"; do
   fi
   env -u PYTHONPATH "$py" -c 'import grpc, sys, google.protobuf as pb; print(sys.executable, "grpc", grpc.__version__, "protobuf", pb.__version__)' || true
 done
+# Docker 26 and Podman, where tests/gpu/prepare_docker_carry.sh carried them (a call of their own: see there).
+bash "$repo/tests/gpu/install_engines.sh"
 id sshd >/dev/null 2>&1 || useradd -r -M -d /run/sshd -s /usr/sbin/nologin sshd 2>/dev/null || \
   echo 'sshd:x:995:65534::/run/sshd:/usr/sbin/nologin' >> /etc/passwd
 mkdir -p /run/sshd && chmod 0755 /run/sshd
-for b in criu sshd ssh rsync runc; do printf '%s=%s ' "$b" "$(command -v $b)"; done; echo
+for b in criu sshd ssh rsync runc podman; do printf '%s=%s ' "$b" "$(command -v $b)"; done; echo

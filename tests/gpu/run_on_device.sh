@@ -2,6 +2,8 @@
 # Runs the GPU suite on the GPU machine in one call. Prepare here first: bash tests/gpu/prepare_carry.sh
 # Then, through the device tool (carry .carry and .whl):
 #   bash tests/gpu/run_on_device.sh [pytest -k expression]
+# Docker and Podman (tests/gpu/test_gpu_docker.py) travel in a call of their own before it: see
+# tests/gpu/prepare_docker_carry.sh.
 # Results: $OUT/results.jsonl (one JSON object per measurement), $OUT/pytest.log, $OUT/env.txt.
 set -uo pipefail
 repo=$(cd "$(dirname "$0")/../.." && pwd)
@@ -23,6 +25,7 @@ mkdir -p .build/collections/ansible_collections/gpuckpt && ln -sfn "$repo" .buil
   nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader
   uname -r; python3 --version; /usr/local/sbin/criu --version | head -n1
   python3 -c 'import torch; print("torch", torch.__version__)'
+  /usr/local/lib/gpuckpt-docker26/bin/dockerd --version; podman --version  # (carried: prepare_docker_carry.sh)
   nproc; free -g | sed -n 2p; df -h /tmp | tail -n1
   echo "cgroup fs: $(stat -fc %T /sys/fs/cgroup)"
 } 2>&1 | tee "$OUT/env.txt"

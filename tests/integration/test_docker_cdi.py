@@ -243,7 +243,7 @@ def test_docker26_cdi_restore_given_another_gpu_count_is_refused_and_leaves_noth
         tmp_path, playbook, docker_cdi, fakecuda, gpu_node):
     node, make = docker_cdi
     w = make()
-    image_dir, _ = _docker_checkpoint_on_gpu0(playbook, gpu_node, w, tmp_path)
+    image_dir = _docker_checkpoint_on_gpu0(playbook, gpu_node, w, tmp_path)[0]
     node.as_target_with_two()
     run = playbook(RESTORE, _docker_vars(w, image_dir), env=gpu_node)
     assert run.rc != 0

@@ -4,12 +4,22 @@ result does not name. One small workload per runtime (the counting workload of e
 tests, with the libcuda TEST DOUBLE), reusing those tests' fixtures.
 
 What a result names and is kept on purpose is left out of the comparison: a checkpoint's image (the
-result's image_dir), and the journals (each migration's record). On a machine shared with other test
-runs, GPUCKPT_LEFTOVERS_IGNORE (a regular expression) leaves their names in /tmp out too."""
+result's image_dir), and the journals (each migration's record). So is what a restored container owns
+while it runs, named one by one (Docker: its network namespace, and CRIU's restore log and runc's restore
+stats in its containerd task's dir; all go with the container). On a machine shared with other test
+runs, GPUCKPT_LEFTOVERS_IGNORE (a regular expression) leaves their names in /tmp out too.
+
+Docker's containerd unpacks each restore's checkpoint into a ``ctrd-checkpoint*`` directory of its temporary
+directory and never removes it (runtimes/docker_cleanup.py does): every Docker test here also checks
+each containerd's temporary directory, as that containerd sees it."""
 from __future__ import annotations
 
+import json
 import os
 import re
+import subprocess
+import tempfile
+import time
 
 import pytest
 
@@ -74,22 +84,37 @@ def _numbered_snapshots(paths):
 
 
 def _store_dir(path):
-    return os.path.basename(path) in STORE_DIRS and os.path.isdir(path) and not os.listdir(path)
+    """An empty directory of containerd's content store (blobs, blobs/sha256, ingest): its layout, made once
+    on first use. (A checkpoint's content lives there until dockerd deletes it and containerd's GC runs.)"""
+    if os.path.basename(path) not in STORE_DIRS or os.path.islink(path) or not os.path.isdir(path):
+        return False
+    return all(_store_dir(os.path.join(path, n)) for n in os.listdir(path))
 
 
 class Watch(object):
-    """The state dirs of one operation: ``leftovers()`` is what is new in them since it began."""
+    """The state dirs of one operation: ``leftovers()`` is what is new in them since it began. A dir is
+    {name: (path, depth)}, or (path, depth, prefix) to watch only the names that begin with ``prefix``."""
 
     def __init__(self, dirs, kept=()):
-        self.dirs = dict(dirs, tmp=("/tmp", 1), var_tmp=("/var/tmp", 1))
+        self.dirs = {name: (tuple(d) + ("",))[:3] for name, d in dict(dirs, tmp=("/tmp", 1), var_tmp=("/var/tmp", 1)).items()}
         self.kept = set(kept)
-        self.before = {name: listing(path, depth) for name, (path, depth) in self.dirs.items()}
+        self.before = {name: listing(path, depth) for name, (path, depth, unused) in self.dirs.items()}
 
-    def leftovers(self):
+    def leftovers(self, settle=0.0):
+        """What is new; with ``settle``, asked again for up to that many seconds until nothing is (for
+        what a runtime removes on its own shortly after: containerd's GC of a content blob)."""
+        deadline = time.monotonic() + settle
+        new = self._new()
+        while new and time.monotonic() < deadline:
+            time.sleep(0.5)
+            new = self._new()
+        return new
+
+    def _new(self):
         new = {}
-        for name, (path, depth) in self.dirs.items():
+        for name, (path, depth, prefix) in self.dirs.items():
             added = sorted(p for p in listing(path, depth) - self.before[name]
-                           if not (name in ("tmp", "var_tmp") and IGNORED.search(p))
+                           if p.startswith(prefix) and not (name in ("tmp", "var_tmp") and IGNORED.search(p))
                            and os.path.join(path, p) not in self.kept and not _store_dir(os.path.join(path, p))
                            and not any(os.path.join(path, p).startswith(k + "/") for k in self.kept))
             if added:
@@ -97,8 +122,9 @@ class Watch(object):
         return new
 
 
-def _checkpoint_restore(playbook, env, tmp_path, vars_for, dirs):
-    """A checkpoint, then its restore, each watched: nothing new but the checkpoint's image."""
+def _checkpoint_restore(playbook, env, tmp_path, vars_for, dirs, owned=None, settle=0.0):
+    """A checkpoint, then its restore, each watched: nothing new but the checkpoint's image (and, after the
+    restore, what ``owned()`` names: what the restored container owns while it runs)."""
     images = str(tmp_path / "images")
     os.makedirs(images, exist_ok=True)
     image_dir = os.path.join(images, "img")
@@ -109,11 +135,12 @@ def _checkpoint_restore(playbook, env, tmp_path, vars_for, dirs):
     kept = [t for t in run.results if t.get("image_dir")]
     assert kept and kept[0]["image_dir"] == image_dir  # the result names the image it keeps
     watch.kept.add(image_dir)
-    assert watch.leftovers() == {}
+    assert watch.leftovers(settle) == {}
     run = playbook(RESTORE, vars_for(image_dir, restore=True), env=env)
     assert run.rc == 0, run.stdout
     # The same container runs again: its runtime's state is as it was before the checkpoint, no more.
-    assert watch.leftovers() == {}
+    watch.kept.update(owned() if owned else ())
+    assert watch.leftovers(settle) == {}
 
 
 def _rolled_back(run, host="hosta"):
@@ -188,7 +215,22 @@ def test_a_runc_container_leaves_nothing(tmp_path, playbook, runc_workload, fake
     _checkpoint_restore(playbook, fakecuda.env, tmp_path, v, {"runc_root": (w.root, 2)})
 
 
-@pytest.mark.xfail(strict=False, reason="runc leaves <runc root>/<id>/checkpoint in a held container's state dir after its resume (not fixed yet)")
+@pytest.mark.skipif(RUNC is None, reason="runc is not installed")
+def test_a_runc_container_left_running_leaves_nothing(tmp_path, playbook, runc_workload, fakecuda):  # noqa: F811 (the fixture imported above)
+    """runc marks each dump with an empty file ``checkpoint`` in the container's state dir, removed only by a
+    restore: a container that runs on after its checkpoint would keep it."""
+    w = runc_workload()
+    images = str(tmp_path / "images")
+    os.makedirs(images)
+    image_dir = os.path.join(images, "img")
+    watch = Watch({"runc_root": (w.root, 2), "images": (images, 1)}, kept=[image_dir])
+    run = playbook(CHECKPOINT, {"gpuckpt_image_dir": image_dir, "gpuckpt_runc_root": w.root,
+                                "gpuckpt_container": w.id, "gpuckpt_leave_running": True}, env=fakecuda.env)
+    assert run.rc == 0, run.stdout
+    assert w.is_counting()
+    assert watch.leftovers() == {}
+
+
 @pytest.mark.skipif(RUNC is None, reason="runc is not installed")
 def test_a_runc_rollback_leaves_nothing(playbook, hosts, tmp_path):
     w = RemoteRuncWorkload(hosts, str(tmp_path / "rw"))
@@ -220,7 +262,6 @@ def test_a_containerd_task_leaves_nothing(tmp_path, playbook, containerd_workloa
     _checkpoint_restore(playbook, fakecuda.env, tmp_path, v, dirs)
 
 
-@pytest.mark.xfail(strict=False, reason='an ansible_*cuda_process_facts_payload_* dir was seen left in /tmp once (a killed module run; not traced yet)')
 @pytest.mark.skipif(not containerd_available(), reason="containerd 2.x and python3-grpcio needed")
 def test_a_containerd_rollback_leaves_nothing(playbook, hosts, loopback_containerds, tmp_path):  # noqa: F811 (the fixture imported above)
     w = RemoteContainerdWorkload(hosts, str(tmp_path / "cw"))
@@ -243,13 +284,50 @@ def test_a_containerd_rollback_leaves_nothing(playbook, hosts, loopback_containe
 
 
 # ---- Docker -------------------------------------------------------------------------------------
+DOCKER_SETTLE = 10.0  # seconds: dockerd deletes a checkpoint's content blob, containerd's GC removes it soon after
+CONTAINERD_COPY_PREFIX = "ctrd-checkpoint"  # containerd's copy of a checkpoint handed to it, in its temp dir
+
+
 def _docker_dirs(base, prefix=""):
     return {prefix + "docker_data": (os.path.join(base, "data"), 7),
             prefix + "docker_exec": (os.path.join(base, "exec"), 7)}
 
 
-@pytest.mark.xfail(strict=False, reason="dockerd 20.10 leaves the checkpoint it uploads in its containerd's content "
-                   "store until containerd's GC runs (not fixed yet)")
+def _containerd_temp_dirs(docker_dir, prefix=""):
+    """{name: (dir, 1, the copies' prefix)}: the temporary directory of the containerd that the dockerd under ``docker_dir`` runs
+    (Go's os.MkdirTemp: its XDG_RUNTIME_DIR, else TMPDIR, else /tmp), seen through that containerd's root."""
+    out = {}
+    for pid in (d for d in os.listdir("/proc") if d.isdigit()):
+        try:
+            with open("/proc/%s/comm" % pid) as fh:
+                comm = fh.read().strip()
+            with open("/proc/%s/cmdline" % pid, "rb") as fh:
+                argv = fh.read().decode("utf-8", "replace").split("\0")
+            with open("/proc/%s/environ" % pid, "rb") as fh:
+                env = dict(kv.partition("=")[::2] for kv in fh.read().decode("utf-8", "replace").split("\0") if kv)
+        except OSError:
+            continue
+        if comm == "containerd" and any(a.startswith(docker_dir.rstrip("/") + "/") for a in argv):
+            where = env.get("XDG_RUNTIME_DIR") or env.get("TMPDIR") or "/tmp"
+            out[prefix + "containerd_tmp_" + pid] = ("/proc/%s/root/%s" % (pid, where.lstrip("/")), 1, CONTAINERD_COPY_PREFIX)
+    assert out, "no containerd of the dockerd under %s runs" % docker_dir
+    return out
+
+
+def _docker_owned(inspect, docker_dir):
+    """What a running Docker container owns in its dockerd's dirs, all gone with it: its network namespace
+    (its SandboxKey: libnetwork removes the one of the container checkpointed within a minute), and in its
+    containerd task's dir the restore's CRIU log and runc's stats (removed with the task)."""
+    info = json.loads(inspect)[0]
+    tasks = os.path.join(docker_dir, "data", "containerd", "daemon", "io.containerd.runtime.v2.task")
+    out = [info["NetworkSettings"]["SandboxKey"]]
+    for ns in os.listdir(tasks):
+        task = os.path.join(tasks, ns, info["Id"])
+        if os.path.isdir(task):
+            out += [os.path.join(task, "restore.log"), os.path.join(task, "stats-restore")]
+    return out
+
+
 @pytest.mark.skipif(DOCKERD is None, reason="dockerd is not installed")
 def test_a_docker_container_leaves_nothing(tmp_path, playbook, docker_workload, fakecuda):  # noqa: F811 (the fixture imported above)
     w = docker_workload()
@@ -258,25 +336,99 @@ def test_a_docker_container_leaves_nothing(tmp_path, playbook, docker_workload, 
         out = {"gpuckpt_image_dir": image_dir, "gpuckpt_docker_host": w.host}
         return out if restore else dict(out, gpuckpt_container=w.name, gpuckpt_runtime="docker")
     base = os.path.dirname(w.host[len("unix://"):])
-    _checkpoint_restore(playbook, fakecuda.env, tmp_path, v, _docker_dirs(base))
+    dirs = dict(_docker_dirs(base), **_containerd_temp_dirs(base))
+    _checkpoint_restore(playbook, fakecuda.env, tmp_path, v, dirs, settle=DOCKER_SETTLE,
+                        owned=lambda: _docker_owned(w.docker("container", "inspect", w.name).stdout, base))
 
 
-@pytest.mark.xfail(strict=False, reason="as for a docker restore; and the restored container's own runtime state "
-                   "(netns, restore.log) is not told apart from leftovers yet")
+def _fake_copy(where, maker):
+    """A containerd copy of a Docker restore's checkpoint as it looks when its restore never removed it (its
+    module killed): a ``ctrd-checkpoint*`` dir of root's holding a restore id that names its maker."""
+    path = tempfile.mkdtemp(prefix=CONTAINERD_COPY_PREFIX, dir=where)
+    with open(os.path.join(path, "gpuckpt-restore-id"), "w") as fh:
+        fh.write(maker + "\n")
+    return path
+
+
+def _maker(pid, starttime, boot=None):
+    with open("/proc/sys/kernel/random/boot_id") as fh:
+        this_boot = fh.read().strip()
+    return "%s %s %s %d %d" % ("0" * 32, boot or this_boot, os.readlink("/proc/self/ns/pid"), pid, starttime)
+
+
+def _starttime(pid):
+    with open("/proc/%d/stat" % pid) as fh:
+        return int(fh.read().rsplit(")", 1)[1].split()[19])
+
+
+@pytest.mark.skipif(DOCKERD is None, reason="dockerd is not installed")
+def test_a_docker_restore_removes_the_copies_of_restores_cut_off(tmp_path, playbook, docker_workload, fakecuda):  # noqa: F811
+    """A restore killed before it removed containerd's copy leaves it: the next Docker restore on that host
+    removes it, once the process that made it is gone (another boot's too); a copy whose maker still runs
+    (a restore going on) is left alone."""
+    w = docker_workload()
+    base = os.path.dirname(w.host[len("unix://"):])
+    where = sorted(_containerd_temp_dirs(base).values())[0][0]
+    done = subprocess.Popen(["true"])
+    started = _starttime(done.pid)
+    done.wait()
+    gone = [_fake_copy(where, _maker(done.pid, started)),
+            _fake_copy(where, _maker(os.getpid(), _starttime(os.getpid()), boot="00000000-0000-0000-0000-000000000000"))]
+    going_on = _fake_copy(where, _maker(os.getpid(), _starttime(os.getpid())))
+    try:
+        image_dir = str(tmp_path / "img")
+        run = playbook(CHECKPOINT, {"gpuckpt_image_dir": image_dir, "gpuckpt_docker_host": w.host,
+                                    "gpuckpt_container": w.name, "gpuckpt_runtime": "docker"}, env=fakecuda.env)
+        assert run.rc == 0, run.stdout
+        assert all(os.path.isdir(p) for p in gone + [going_on])
+        run = playbook(RESTORE, {"gpuckpt_image_dir": image_dir, "gpuckpt_docker_host": w.host}, env=fakecuda.env)
+        assert run.rc == 0, run.stdout
+        assert [p for p in gone if os.path.exists(p)] == []
+        assert os.path.isdir(going_on)
+    finally:
+        for p in gone + [going_on]:
+            subprocess.run(["rm", "-rf", p], check=False)
+
+
+def _loopback_docker_dirs(hosts, hosts_of_docker=("hosta", "hostb")):
+    dirs = {}
+    for h in hosts_of_docker:
+        dirs.update(_docker_dirs(hosts.host_vars[h]["gpuckpt_docker_dir"], h + "_"))
+    for h in ("hosta", "hostb"):
+        dirs.update(_containerd_temp_dirs(hosts.host_vars[h]["gpuckpt_docker_dir"], h + "_"))
+    return dirs
+
+
+@pytest.mark.skipif(DOCKERD is None, reason="dockerd is not installed")
+def test_a_docker_migration_leaves_no_containerd_copy(playbook, hosts, tmp_path):
+    """A Docker container moves from hosta to hostb (each host its own dockerd and containerd, in its own pid
+    namespace): no ``ctrd-checkpoint*`` copy is left in /tmp or in either containerd's temporary directory,
+    and hosta's Docker holds nothing new. (hostb's Docker holds the moved container now: not watched.)"""
+    w = RemoteDockerWorkload(hosts, str(tmp_path / "dw"))
+    try:
+        watch = Watch(_host_dirs(hosts, **_loopback_docker_dirs(hosts, ("hosta",))))
+        run = playbook(MIGRATE, {"source": "hosta", "target": "hostb", "container": w.name, "runtime": "docker",
+                                 "migration_id": "t-left-dk-ok"}, inventory=hosts.path("inventory.yml"))
+        assert run.rc == 0, run.stdout
+        assert w.state("hostb") == "running" and w.state("hosta") == "exited"
+        assert watch.leftovers(DOCKER_SETTLE) == {}
+    finally:
+        w.cleanup()
+
+
 @pytest.mark.skipif(DOCKERD is None, reason="dockerd is not installed")
 def test_a_docker_rollback_leaves_nothing(playbook, hosts, tmp_path):
     w = RemoteDockerWorkload(hosts, str(tmp_path / "dw"))
     try:
         w.docker("hostb", ["create", "--name", w.name, SKELETON_IMAGE, "/usr/bin/true"])
-        dirs = {}
-        for h in ("hosta", "hostb"):
-            dirs.update(_docker_dirs(hosts.host_vars[h]["gpuckpt_docker_dir"], h + "_"))
-        watch = Watch(_host_dirs(hosts, **dirs))
+        watch = Watch(_host_dirs(hosts, **_loopback_docker_dirs(hosts)))
         run = playbook(MIGRATE, {"source": "hosta", "target": "hostb", "container": w.name, "runtime": "docker",
                                  "migration_id": "t-left-dk"}, inventory=hosts.path("inventory.yml"))
         _rolled_back(run)
         assert w.state("hosta") == "running"
-        assert watch.leftovers() == {}
+        watch.kept.update(_docker_owned(w.docker("hosta", ["container", "inspect", w.name]).stdout,
+                                        hosts.host_vars["hosta"]["gpuckpt_docker_dir"]))
+        assert watch.leftovers(DOCKER_SETTLE) == {}
     finally:
         w.cleanup()
 

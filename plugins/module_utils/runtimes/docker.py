@@ -27,14 +27,13 @@ import json
 import os
 import shutil
 import socket
-import uuid
 
 from ..core import procfs
 from ..core.errors import CommandError, InvalidTarget
 from ..core.run import find_binary, run
 from ..cuda import devices as gpu_devices
 from .base import ContainerBackend, shim_bundle_spec
-from .docker_cleanup import RESTORE_ID, remove_containerd_copies
+from .docker_cleanup import RESTORE_ID, new_restore_id, remove_containerd_copies
 
 CHECKPOINT = "gpuckpt"
 
@@ -209,7 +208,7 @@ class DockerBackend(ContainerBackend):
         dest = os.path.join(root, "containers", cid, "checkpoints", CHECKPOINT)
         shutil.rmtree(dest, ignore_errors=True)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
-        restore_id = uuid.uuid4().hex
+        restore_id = new_restore_id()
         try:
             shutil.copytree(os.path.join(image_dir, rt.get("checkpoint", CHECKPOINT)), dest, copy_function=_link_or_copy)
             # Docker 20.10 uploads this folder to containerd as a tar; a tar equal to one containerd already

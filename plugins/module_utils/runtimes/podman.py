@@ -144,9 +144,9 @@ class PodmanBackend(ContainerBackend):
             if export != os.path.join(image_dir, EXPORT):
                 os.unlink(export)
         if res.rc != 0:
-            raise CommandError("podman container restore exited with rc=%d%s" % (res.rc, "" if not retargeted else (
-                " (imported from a copy of the export with this host's device numbers: %s)" % ", ".join(retargeted))),
-                               stage="runtime-restore",
+            copied = "" if not retargeted else (
+                " (imported from a copy of the export with this host's device numbers: %s)" % ", ".join(retargeted))
+            raise CommandError("podman container restore exited with rc=%d%s" % (res.rc, copied), stage="runtime-restore",
                                cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:],
                                stderr=_with_criu_log(res.stderr)[-6000:])
         info = self.inspect(self.container)

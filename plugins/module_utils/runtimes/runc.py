@@ -20,11 +20,17 @@ names (where runc put CRIU, and where ``runc pause``/``delete`` act). With an ab
 (``cgroup-root`` in a CRIU configuration file named by CRIU_CONFIG_FILE, which runc's CRIU inherits).
 A destination cgroup that is frozen (a paused container of the same path on this host) would freeze
 the restored process inside CRIU and hang the restore: that is refused before anything is restored.
+
+runc marks each dump with an empty file ``checkpoint`` in the container's state dir (runc 1.1 and later, on CRIU's
+post-dump notification) and removes it only when a restore of that container starts; no runc command depends on it.
+A container left running (after=running), or held and later resumed (a rolled-back migration), would
+keep it for the rest of its life: it is removed after such a dump.
 """
 from __future__ import annotations
 
 import json
 import os
+import stat
 import subprocess
 
 from ..core import procfs
@@ -34,6 +40,8 @@ from ..core.run import find_binary, run, run_detaching
 from .base import ContainerBackend, mount_hint
 
 CGROUP2_ROOT = "/sys/fs/cgroup"  # the unified hierarchy; tests point this elsewhere
+DEFAULT_ROOT = "/run/runc"  # runc's own default --root for root
+DUMP_MARKER = "checkpoint"  # runc's empty marker of a dump, in <root>/<container id>/
 
 
 def cgroup2_path(pid):
@@ -144,6 +152,8 @@ class RuncBackend(ContainerBackend):
             if after == "stopped":
                 run(self._cmd("resume", self.container), stage="runtime-dump", check=False)
             raise
+        if after in ("running", "stopped"):  # the container lives on here, and so would runc's marker
+            self.remove_dump_marker()
         return {"backend": self.name, "container": self.container, "root_pid": int(target),
                 "bundle": self._bundle_seen, "runc_root": self.root, "ns_pids": self._ns,
                 # the container's GPUs, by UUID: what a restore into a bundle that names others maps from
@@ -242,6 +252,22 @@ class RuncBackend(ContainerBackend):
     def resume(self, pids):
         if self.container:
             run(self._cmd("resume", self.container), stage="resume-source", check=False)
+            self.remove_dump_marker()  # a container held by an earlier version still has it
+
+    def remove_dump_marker(self):
+        """Remove runc's marker of a dump (see the module's doc) from the container's state dir: only
+        that empty regular file, nothing else. Returns its path when it was removed."""
+        if not self.container or os.sep in self.container or self.container in (".", ".."):
+            return None
+        path = os.path.join(self.root or DEFAULT_ROOT, self.container, DUMP_MARKER)
+        try:
+            st = os.lstat(path)
+            if not stat.S_ISREG(st.st_mode) or st.st_size:
+                return None
+            os.unlink(path)
+        except OSError:
+            return None
+        return path
 
     def remove(self):
         run(self._cmd("delete", "--force", self.container), stage="cleanup", check=False)
