@@ -396,9 +396,9 @@ class ContainerWorkload(TorchWorkload):
         dev = "/proc/%d/root/dev" % self.pid()
         out = {}
         for n in os.listdir(dev):
-            if n.startswith("nvidia"):
-                rdev = os.stat(os.path.join(dev, n)).st_rdev
-                out[n] = (os.major(rdev), os.minor(rdev))
+            st = os.stat(os.path.join(dev, n), follow_symlinks=False)
+            if n.startswith("nvidia") and stat.S_ISCHR(st.st_mode):  # (not the nvidia-caps directory)
+                out[n] = (os.major(st.st_rdev), os.minor(st.st_rdev))
         return out
 
     def went_on_intact(self, before):
