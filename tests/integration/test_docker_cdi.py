@@ -19,9 +19,11 @@ import uuid
 
 import pytest
 
+from test_docker import DockerWorkload
+from test_podman import PodmanWorkload
 from docker_daemon import DOCKER26_DIR, daemon_config, docker26_installed, dockerd_command, wait_until_up
-from helpers import (COUNTER, FAKE_LIBCUDA, REPO, SKELETON_IMAGE, CountingWorkload, podman_run_args, podman_skeleton,
-                     skeleton_tar, tree, workload_processes, write_nvidia_proc)
+from helpers import (COUNTER, FAKE_LIBCUDA, REPO, SKELETON_IMAGE, podman_run_args, podman_skeleton,
+                     skeleton_tar, workload_processes, write_nvidia_proc)
 
 CHECKPOINT = "gpuckpt.fleet.checkpoint"
 RESTORE = "gpuckpt.fleet.restore"
@@ -124,10 +126,9 @@ def dockerd26():
         shutil.rmtree(base, ignore_errors=True)
 
 
-class Docker26Workload(CountingWorkload):
+class Docker26Workload(DockerWorkload):
     """test_docker.py's counting workload (a parent and a child, on the skeleton image with this machine's
     /usr and /etc), run by Docker 26 with ``--device <kind>=0``."""
-    roles = ("parent", "child1")
 
     def __init__(self, host, base, fakecuda, device):
         self.host, self.dir = host, os.path.join(base, "w")
@@ -145,16 +146,6 @@ class Docker26Workload(CountingWorkload):
     def docker(self, *args, check=True):
         return subprocess.run([DOCKER26, "--host", self.host] + list(args), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, universal_newlines=True, check=check)
-
-    def state(self):
-        res = self.docker("container", "inspect", self.name, check=False)
-        return json.loads(res.stdout)[0]["State"] if res.returncode == 0 else None
-
-    def host_pids(self):
-        return tree(int(self.state()["Pid"]))
-
-    def stop(self):
-        self.docker("rm", "--force", self.name, check=False)
 
 
 @pytest.fixture
@@ -254,9 +245,8 @@ def test_docker26_cdi_restore_given_another_gpu_count_is_refused_and_leaves_noth
     assert not [ln for ln in fakecuda.calls_log() if ln.startswith("restore-pairs")]
 
 
-class PodmanCdiWorkload(CountingWorkload):
+class PodmanCdiWorkload(PodmanWorkload):
     """test_podman.py's counting workload in an isolated Podman storage, run with ``--device <kind>=0``."""
-    roles = ("parent", "child1")
 
     def __init__(self, base, fakecuda, device):
         self.base, self.dir = base, os.path.join(base, "w")
@@ -271,14 +261,6 @@ class PodmanCdiWorkload(CountingWorkload):
         at = args.index(image)
         self.podman(*(args[:at] + ["--device", device] + args[at:]))
         self.wait_counting()
-
-    def podman(self, *args, check=True):
-        return subprocess.run([PODMAN] + self.storage + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              universal_newlines=True, check=check)
-
-    def state(self):
-        res = self.podman("container", "inspect", "--format", "json", self.name, check=False)
-        return json.loads(res.stdout)[0]["State"] if res.returncode == 0 else None
 
     def stop(self):
         self.podman("container", "rm", "--force", "--time", "0", self.name, check=False)  # (no 10 s wait for SIGTERM)

@@ -20,7 +20,7 @@ import os
 import shutil
 import tarfile
 
-from ..core.errors import InvalidTarget
+from ..core.errors import GpuCkptError, InvalidTarget
 from ..cuda import devices as gpu_devices
 
 SPEC_MEMBER = "spec.dump"
@@ -67,10 +67,19 @@ def retarget_export(export, work_dir):
         raise InvalidTarget("the export's spec.dump cannot be given this host's device numbers (%s) in place"
                             % ", ".join(moved), stage="preflight")
     copy = os.path.join(work_dir, os.path.basename(export))
-    _copy(export, copy)
-    with open(copy, "r+b") as fh:
-        fh.seek(member.offset_data)
-        fh.write(data + b" " * (member.size - len(data)))
-        fh.flush()
-        os.fsync(fh.fileno())
+    try:
+        _copy(export, copy)
+        with open(copy, "r+b") as fh:
+            fh.seek(member.offset_data)
+            fh.write(data + b" " * (member.size - len(data)))
+            fh.flush()
+            os.fsync(fh.fileno())
+    except OSError as exc:
+        try:
+            os.unlink(copy)  # a partial copy is of no use, and as large as what filled the disk
+        except OSError:
+            pass
+        raise GpuCkptError("could not copy the Podman export to give its spec this host's device numbers (%s): %s; "
+                           "nothing was restored" % (", ".join(moved), exc), stage="runtime-restore",
+                           hint="the copy needs the image's size free in the restore's work dir")
     return copy, moved

@@ -130,3 +130,21 @@ def test_a_podman_export_with_this_hosts_numbers_or_no_spec_is_imported_as_it_is
         info = tarfile.TarInfo("config.dump")
         tf.addfile(info, io.BytesIO(b""))
     assert podman_export.retarget_export(str(tmp_path / "bare.tar"), str(tmp_path)) == (str(tmp_path / "bare.tar"), [])
+
+
+def test_a_podman_export_that_cannot_be_copied_fails_with_the_reason_and_leaves_no_partial_copy(tmp_path, monkeypatch):
+    export, work = str(tmp_path / "container.tar"), tmp_path / "work"
+    work.mkdir()
+    _export(export, _spec(("/dev/nvidia-uvm", 235, 0)))
+    monkeypatch.setattr(podman_export.gpu_devices, "retarget_spec_devices", lambda spec, host_root="/": ["uvm 235:0 -> 236:0"])
+
+    def disk_full(src, dst):
+        with open(dst, "wb") as fh:
+            fh.write(b"partial")
+        raise OSError(28, "No space left on device")
+    monkeypatch.setattr(podman_export, "_copy", disk_full)
+    with pytest.raises(podman_export.GpuCkptError) as err:
+        podman_export.retarget_export(export, str(work))
+    assert "No space left on device" in str(err.value) and err.value.stage == "runtime-restore"
+    assert "image's size free in the restore's work dir" in str(err.value)
+    assert os.listdir(str(work)) == []
