@@ -194,6 +194,14 @@ def main():
                          "never goes through a disk-backed page cache, the pipelined floor's premise")
     ap.add_argument("--also-single-stream", action="store_true",
                     help="also time our migration with one ssh stream (one push stream during the dump), to show what the streams bring")
+    ap.add_argument("--only-quiesced", action="store_true",
+                    help="time our migration with huge pages and quiesce_signal=SIGUSR1 only (the speed options "
+                         "as one would run a big job)")
+    ap.add_argument("--also-source-in-memory", action="store_true",
+                    help="also time our migration as the headline one, with the source's image in memory "
+                         "(gpuckpt_image_in_memory: a tmpfs of its own, no disk on the source)")
+    ap.add_argument("--no-chain", default="", metavar="WHY",
+                    help="skip the plain chain, saying why (its image on both hosts' disk at once)")
     ap.add_argument("--cpusets", default="", help="'split': each loopback host its own half of the cores (as two "
                     "machines), the floor's link measured between those halves in the same run")
     args = ap.parse_args()
@@ -228,18 +236,23 @@ def main():
     try:
         if args.warmup:
             variant("warmup")
-        if args.only_huge_pages:  # the huge pages variant is the one reported as ours
-            down, size, stage1, res = variant("thp", extra={"gpuckpt_host_huge_pages": True})
-        else:
-            down, size, stage1, res = variant("ours")
+        headline = {}
+        if args.only_huge_pages or args.only_quiesced:  # the huge pages variant is the one reported as ours
+            headline = {"gpuckpt_host_huge_pages": True}
+        if args.only_quiesced:
+            headline["quiesce_signal"] = "SIGUSR1"
+        down, size, stage1, res = variant("ours", extra=headline)
+        mem = variant("mem", extra=dict(headline, gpuckpt_image_in_memory=True)) if args.also_source_in_memory else None
         single = variant("single", streams=1)[0] if args.also_single_stream else None
         after_dump = variant("after", during_dump=False)[0] if args.also_after_dump else None
         late = variant("late", restore_early=False)[0] if args.also_late_restore else None
         thp = variant("thp", extra={"gpuckpt_host_huge_pages": True}) if args.also_huge_pages else None
         quiet = variant("quiesced", extra={"gpuckpt_host_huge_pages": True, "quiesce_signal": "SIGUSR1"}) \
             if args.also_quiesce else None
-        chain, chain_size, chain_steps = plain_chain(hosts, args, base)
-        settle("chain")
+        chain, chain_size, chain_steps = None, None, {"skipped": args.no_chain}
+        if not args.no_chain:
+            chain, chain_size, chain_steps = plain_chain(hosts, args, base)
+            settle("chain")
         fast_chain = None
         if args.also_fast_chain:
             fast_chain, _s, fast_chain_steps = plain_chain(hosts, args, base, fast_cipher=True, tag="fchain")
@@ -253,14 +266,17 @@ def main():
         def measured(v):
             if v is None:
                 return None
-            d, b, st1, _r = v
+            d, b, st1, r = v
             return {"downtime_s": d, "image_bytes": b, "stage1_s": st1, "pipelined_floor_s": st1 + b / link,
-                    "ratio_to_pipelined_floor": d / (st1 + b / link), "chain_over_it": chain / d}
+                    "ratio_to_pipelined_floor": d / (st1 + b / link), "chain_over_it": chain / d if chain else None,
+                    "stages": {"checkpoint": r["ck"]["timings"], "push": r["ck"].get("push"),
+                               "image_in_memory": r["ck"].get("image_in_memory"), "restore": r["rs"]["timings"]}}
         out = {"kind": "migration_downtime", "workload": ("torch %g GiB" % args.torch_gib) if args.torch_gib else
                ("cpu 2x%d MiB" % args.mb), "image_bytes": size, "downtime_s": down, "floor_s": floor,
                "stage1_s": stage1, "disk_GBps": disk / 1e9 if disk else None, "link_GBps": link / 1e9,
                "link_1_stream_GBps": link1 / 1e9 if link1 else None,
-               "link_%d_streams_GBps" % args.streams: link_n / 1e9, "huge_pages": bool(args.only_huge_pages),
+               "link_%d_streams_GBps" % args.streams: link_n / 1e9, "huge_pages": bool(args.only_huge_pages or args.only_quiesced),
+               "quiesced": bool(args.only_quiesced),
                "cpusets": hosts.cpusets,
                "images_in_memory": bool(mem_root),
                "streams": args.streams, "ours_single_stream_s": single, "ours_after_dump_s": after_dump,
@@ -268,9 +284,10 @@ def main():
                "plain_chain_bytes": chain_size, "plain_chain_steps": chain_steps,
                "fast_chain_s": fast_chain, "fast_chain_steps": fast_chain_steps if fast_chain else None,
                "fast_chain_over_ours": fast_chain / down if fast_chain else None,
-               "ours_over_floor": down / floor if floor else None, "chain_over_ours": chain / down,
+               "ours_over_floor": down / floor if floor else None, "chain_over_ours": chain / down if chain else None,
                "pipelined_floor_s": pipelined, "ratio_to_pipelined_floor": down / pipelined,
                "ours_huge_pages": measured(thp), "ours_huge_pages_quiesced": measured(quiet),
+               "ours_source_in_memory": measured(mem),
                "ours_stages": {"checkpoint": res["ck"]["timings"], "push": res["ck"].get("push"),
                                "transfer_s": res["sync"].get("seconds"),
                                "transfer_streams": res["sync"].get("streams"),
@@ -280,13 +297,15 @@ def main():
         if os.environ.get("GPUCKPT_RESULTS"):
             with open(os.environ["GPUCKPT_RESULTS"], "a") as fh:
                 fh.write(json.dumps(out) + "\n")
-        print("| %s | %.2f GB | pipelined floor %.2f s | %.2f s | %.2f s | %.2fx of it | chain %.2fx slower |" % (
-            out["workload"], size / 1e9, pipelined, down, chain, down / pipelined, chain / down))
-        for name, v in (("huge pages", out["ours_huge_pages"]), ("huge pages + quiesce", out["ours_huge_pages_quiesced"])):
+        print("| %s | %.2f GB | pipelined floor %.2f s | %.2f s | %s | %.2fx of it | chain %s |" % (
+            out["workload"], size / 1e9, pipelined, down, "%.2f s" % chain if chain else "-", down / pipelined,
+            "%.2fx slower" % (chain / down) if chain else "skipped: " + args.no_chain))
+        for name, v in (("huge pages", out["ours_huge_pages"]), ("huge pages + quiesce", out["ours_huge_pages_quiesced"]),
+                        ("source image in memory", out["ours_source_in_memory"])):
             if v:
-                print("| %s, %s | %.2f GB | pipelined floor %.2f s | %.2f s | %.2fx of it | chain %.2fx slower |" % (
+                print("| %s, %s | %.2f GB | pipelined floor %.2f s | %.2f s | %.2fx of it | chain %s |" % (
                     out["workload"], name, v["image_bytes"] / 1e9, v["pipelined_floor_s"], v["downtime_s"],
-                    v["ratio_to_pipelined_floor"], v["chain_over_it"]))
+                    v["ratio_to_pipelined_floor"], "%.2fx slower" % v["chain_over_it"] if v["chain_over_it"] else "-"))
     finally:
         hosts.stop()
         if mem_root:

@@ -69,10 +69,18 @@ options:
     elements: str
     default: []
     choices: [workload, checkpoint_api, driver_version, cuda_api_version, cuda_running, gpu_model, gpu_count,
-              gpu_memory, criu, disk, host_ram, pids]
+              gpu_memory, criu, disk, host_ram, source_ram, pids, not_draining]
   gpu_map:
     description: Source GPU UUID to target GPU UUID, where the restore puts each GPU's memory (by default, the same index).
     type: dict
+  image_in_memory:
+    description:
+      - The source keeps the image in memory (gpuckpt.fleet.gpu_checkpoint's O(gpuckpt.fleet.gpu_checkpoint#module:image_in_memory)),
+        not on its disk. The disk check counts only the target. The V(source_ram) check adds the source's
+        MemAvailable against three things. These are the image, the GPU memory that stage 1 brings into host
+        RAM, and a reserve of 5 % of its RAM, at least 1 GiB.
+    type: bool
+    default: false
 """
 
 EXAMPLES = r"""
@@ -136,13 +144,13 @@ def _check_names(given):
 
 def migration_preflight(src, tgt, source_path, target_path, allow_driver_mismatch=False, check_gpus=True,
                         same_pid_space=False, margin=planner.IMAGE_MARGIN, container=False, allow_unknown=None,
-                        gpu_map=None):
+                        gpu_map=None, image_in_memory=False):
     """The planner's verdict on moving the source's tree to the target, as rows and a table for people."""
     try:
         opts = planner.options(source_path=source_path, target_path=target_path, allow_unknown=_check_names(allow_unknown),
                                allow_driver_mismatch=bool(allow_driver_mismatch), check_gpus=bool(check_gpus),
                                same_pid_space=bool(same_pid_space), container=bool(container), margin=float(margin),
-                               gpu_map=gpu_map or None)
+                               gpu_map=gpu_map or None, image_in_memory=bool(image_in_memory))
     except ValueError as exc:
         raise AnsibleFilterError("migration_preflight: %s" % exc)
     plan = planner.plan_move(src.get("tree"), src, tgt, opts)

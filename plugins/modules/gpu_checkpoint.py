@@ -79,6 +79,28 @@ options:
     description: Directory to write the image to. Created with mode 0700; must be new or empty.
     type: path
     required: true
+  image_in_memory:
+    description:
+      - Keep the image in memory, off the disk. A tmpfs of the image's own, sized to it, is
+        mounted on O(image_dir), which must not exist yet. It is mounted before anything is frozen,
+        and only when this host's RAM holds three things on top of what runs now. These are the
+        image, the GPU memory that stage 1 brings into host RAM, and a reserve of 5 % of the RAM
+        (at least 1 GiB). Otherwise it is refused, and nothing is frozen.
+      - The tmpfs is sized to the tree's host RSS plus its GPU memory, times 1.10, plus 256 MiB, or to
+        O(image_memory_bytes). A dump that outgrows it fails (no space) and is undone. When the GPU
+        memory cannot be read (no NVML, no nvidia-smi), it is refused unless O(image_memory_bytes) is given.
+      - Meant for a migration's source (gpuckpt.fleet.migrate with C(gpuckpt_image_in_memory)). The image
+        is needed only until the target runs, and its settlement removes it. A kept image stays in
+        memory until it is removed; removing its directory unmounts the tmpfs. A reboot loses it.
+      - Needs root (mounting a tmpfs needs CAP_SYS_ADMIN).
+    type: bool
+    default: false
+  image_memory_bytes:
+    description:
+      - With O(image_in_memory), the size of the image's tmpfs in bytes, instead of the estimate. The
+        host RAM check counts it as the image's size, and as the GPU memory stage 1 brings in when
+        that memory is unknown.
+    type: int
   leave_running:
     description:
       - Keep the workload running after the checkpoint. It is frozen only while the image is being written.
@@ -271,6 +293,16 @@ image_dir:
   description: Absolute path of the image.
   returned: always
   type: str
+image_in_memory:
+  description:
+    - With O(image_in_memory), the image's tmpfs. C(size_bytes) is its size, and C(used_bytes) what the image
+      took. Also returned are the figures the host RAM check used. These are C(rss_bytes) and C(gpu_bytes)
+      (None when unknown), C(stage1_bytes), C(reserve_bytes) and C(available_bytes).
+  returned: with O(image_in_memory)
+  type: dict
+  sample: {"size_bytes": 6710886400, "used_bytes": 5882181632, "rss_bytes": 1288490188, "gpu_bytes": 4399824896,
+           "gpu_memory_source": "nvml", "stage1_bytes": 4399824896, "reserve_bytes": 6871947673,
+           "available_bytes": 128849018880}
 pids:
   description: Pids of the process tree, root first.
   returned: success
@@ -349,6 +381,8 @@ def main():
         pod_uid=dict(type="str"),
         pod_containers=dict(type="list", elements="str"),
         image_dir=dict(type="path", required=True),
+        image_in_memory=dict(type="bool", default=False),
+        image_memory_bytes=dict(type="int"),
         leave_running=dict(type="bool", default=False),
         leave_stopped=dict(type="bool", default=False),
         lock_timeout=dict(type="float", default=30),
@@ -375,7 +409,7 @@ def main():
     sender = push_sender(module, p, engine_checkpoint.push_hooks(journal))
     options = {k: p[k] for k in ("leave_running", "leave_stopped", "lock_timeout", "libcuda_path", "sign_key",
                                  "parallel", "progress_file", "nonce", "host_huge_pages", "quiesce_signal",
-                                 "quiesce_timeout")}
+                                 "quiesce_timeout", "image_in_memory", "image_memory_bytes")}
     options["quiesce_command"] = command_argv(module, "quiesce_command", p["quiesce_command"])
     run_engine(module, lambda: engine_checkpoint.checkpoint(
         p["pid"] if p["runtime"] == "process" else p["pod"] if p["runtime"] == "k8s_pod" else p["container"],

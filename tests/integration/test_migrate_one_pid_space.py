@@ -64,3 +64,23 @@ def test_one_pid_space_failed_restore_rolls_back_from_the_source_image(playbook,
     again = migrate(playbook, flat_hosts, w, "flat-fail")
     assert again.rc == 0 and changed_tasks(again) == []
     assert w.one_copy_runs_intact()
+
+
+def test_one_pid_space_failed_restore_rolls_back_from_the_source_image_in_memory(playbook, flat_hosts, flat_workload):
+    """The source exits after its dump here, so its image is the way back: kept in memory
+    (gpuckpt_image_in_memory, issue 32), it is there until the settlement restores the source from it."""
+    w = flat_workload()
+    inject = flat_hosts.path("hostb", "fakecuda", "inject")
+    with open(inject, "w") as fh:
+        fh.write("restore 0 2\n")
+    try:
+        run = migrate(playbook, flat_hosts, w, "flat-mem-fail", gpuckpt_image_in_memory=True)
+    finally:
+        os.unlink(inject)
+    assert run.rc != 0
+    assert run.task("Stage 1/3")["image_in_memory"]["used_bytes"] > 0
+    back = run.task("Resume the source")
+    assert back["changed"] is True and "restored from its image" in back["msg"]
+    assert w.one_copy_runs_intact()
+    mounts = flat_hosts.ssh("hosta", "cat /proc/self/mountinfo").stdout
+    assert "flat-mem-fail" not in mounts and not os.path.exists(flat_hosts.path("hosta", "images", "flat-mem-fail"))

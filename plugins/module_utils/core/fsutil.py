@@ -12,7 +12,8 @@
   ``atomic_write``). With ``reserve``, a write that meets a full disk first gives up a spare file
   kept for that moment, so a rollback can still record what it did.
 - Removed only when it is what we created: ``remove_tree`` checks the directory's identity (device and
-  inode, recorded when it was created) before removing anything.
+  inode, recorded when it was created) before removing anything; an image directory kept in memory
+  (a tmpfs of its own, memdir.py) is emptied and unmounted.
 
 Plain Python with the standard library only: it is also sent, as source, to the receiving end of a
 transfer (see transfer.receiver_program).
@@ -24,6 +25,11 @@ import json
 import os
 import shutil
 import stat
+
+try:  # a package import; the transfer's receiver program defines these names before this code
+    from .memdir import is_image_mount, unmount
+except ImportError:
+    pass
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600
@@ -244,5 +250,18 @@ def remove_tree(path, ident):
     Returns True when something was removed."""
     if not same_dir(path, ident):
         return False
+    if is_image_mount(path):  # an image kept in memory (memdir.py): its identity is its tmpfs's root
+        for entry in os.listdir(path):
+            p = os.path.join(path, entry)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p)
+            else:
+                os.unlink(p)
+        unmount(path)
+        try:
+            os.rmdir(path)  # the directory it was mounted on, created with it (empty: refused otherwise)
+        except OSError:
+            pass
+        return True
     shutil.rmtree(path)
     return True

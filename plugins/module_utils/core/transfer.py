@@ -42,6 +42,7 @@ from . import errors
 from . import fsutil
 from . import image
 from . import journal
+from . import memdir
 from . import procfs
 from . import receiver
 from . import replica
@@ -53,7 +54,7 @@ CHUNK = image.CHUNK
 FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
 GROWING = image.GROWING
 # The receiver program: these modules' sources, in this order (each needs only those before it).
-RECEIVER_MODULES = (errors, fsutil, wait, procfs, journal, image, replica, receiver)
+RECEIVER_MODULES = (errors, memdir, fsutil, wait, procfs, journal, image, replica, receiver)
 HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\[\]-]+$")
 USER_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
 PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")

@@ -20,13 +20,14 @@ import uuid
 
 from ..core import hugepages
 from ..core import image
+from ..core import memdir
 from ..core import procfs
 from ..core.errors import GpuCkptError, InvalidTarget
 from ..core.journal import process_identity
 from ..core.progress import StageProgress
 from ..cuda import processes as gpu_procs
 from ..runtimes.process import ProcessBackend
-from . import quiesce
+from . import in_memory, quiesce
 from .delivery import deliver
 from .plan import CheckpointOptions, plan_checkpoint
 from .restore import restore_from
@@ -44,13 +45,22 @@ class _Steps(object):
         self.drv, self.opts, self.backend = ctx.drv, ctx.opts, ctx.backend
 
     def make_dir(self, c):
+        memory = None
+        if self.opts.image_in_memory:  # checked before the directory is made: a refusal touches nothing
+            if os.path.lexists(c.image_dir):
+                raise InvalidTarget("image_in_memory needs a new image_dir, and %s exists; nothing was frozen"
+                                    % c.image_dir, stage="preflight", hint="give a path that does not exist yet")
+            memory = in_memory.plan(c.pids, c.cuda_pids, self.opts.image_memory_bytes)
         c.made = image.prepare_dir(c.image_dir)
+        if memory is not None:
+            in_memory.mount(c.image_dir, c.made, memory["size_bytes"])
+            c.in_memory = memory
         c.work = image.state_dir(c.image_dir)
         c.journal_data["planned"] = {
             "pids": c.pids, "cuda_pids": c.cuda_pids, "identities": c.identities, "states": c.states,
             "image_dir": c.image_dir, "image_dir_identity": c.made["identity"], "image_dir_created": c.made["created"],
             "after": c.after, "nonce": self.opts.nonce, "runtime": self.backend.name, "container": self.backend.container,
-            "pod": self.backend.pod, "owner": process_identity(os.getpid())}
+            "pod": self.backend.pod, "owner": process_identity(os.getpid()), "image_in_memory": memory}
 
     def discard_dir(self, c):
         if not c.keep_image:
@@ -98,7 +108,11 @@ class _Steps(object):
         if sender is not None:
             sender.watch(c.image_dir)  # the page files' completed pieces go while the dump writes them
         c.hasher = image.ChunkHasher(c.image_dir).follow()  # and are hashed while it writes them
-        c.runtime_info = self.backend.dump(c.root, c.image_dir, c.work, c.after)
+        try:
+            c.runtime_info = self.backend.dump(c.root, c.image_dir, c.work, c.after)
+        except GpuCkptError as exc:
+            in_memory.explain_full(exc, c.image_dir, c.in_memory)
+            raise
         self.clock.stop("runtime_dump")
         if sender is not None:
             sender.complete(c.image_dir)  # the rest goes while the checksums are taken
@@ -237,6 +251,13 @@ def _already_checkpointed(target, image_dir, opts, journal, result):
     return None
 
 
+def _tmpfs_usage(image_dir):
+    try:
+        return {"used_bytes": memdir.usage(image_dir)["used_bytes"]}
+    except OSError:
+        return {}
+
+
 def push_hooks(journal):
     """The hooks of a checkpoint's push, for the transfer.Sender that its caller builds (``fence`` and
     ``before_deliver``): in a migration a recovery's fence stops the push, and the source's journal
@@ -305,6 +326,8 @@ def _checkpoint(target, image_dir, opts, backend, journal, sender, progress):
         result["push"] = push_report
     if ctx.quiesce is not None:
         result["quiesce"] = ctx.quiesce
+    if ctx.in_memory is not None:
+        result["image_in_memory"] = dict(ctx.in_memory, **_tmpfs_usage(image_dir))
     result.update(changed=True, manifest_id=ctx.manifest["id"], timings=dict(clock.stages), frozen_at=ctx.frozen_at,
                   driver_call_seconds=ctx.manifest["driver_call_seconds"],
                   image_bytes=ctx.manifest["sizes"]["image_bytes"],

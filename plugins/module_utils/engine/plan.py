@@ -33,7 +33,7 @@ class CheckpointOptions(object):
     def __init__(self, leave_running=False, leave_stopped=False, lock_timeout=30.0, libcuda_path=None,
                  check_mode=False, sign_key=None, parallel=True, progress_file=None, nonce=None,
                  journal_wait=30.0, host_huge_pages=False, quiesce_signal=None, quiesce_command=None,
-                 quiesce_timeout=30.0, image_id=None):
+                 quiesce_timeout=30.0, image_id=None, image_in_memory=False, image_memory_bytes=None):
         if leave_running and leave_stopped:
             raise InvalidTarget("leave_running and leave_stopped exclude each other", stage="preflight")
         if lock_timeout is None or float(lock_timeout) <= 0:
@@ -53,6 +53,9 @@ class CheckpointOptions(object):
         # The manifest's id, chosen by the caller when a receiver must know it before the image exists (a
         # protected job's push to its replica checks it); a new uuid otherwise.
         self.image_id = _checked_image_id(image_id)
+        # The image in a tmpfs of its own (in_memory.py), sized to ``image_memory_bytes`` or to the estimate.
+        self.image_in_memory = bool(image_in_memory)
+        self.image_memory_bytes = int(image_memory_bytes) if image_memory_bytes else None
 
     @property
     def after(self):
@@ -83,6 +86,7 @@ class CheckpointContext(object):
         self.pid_map = {}
         self.calls0 = 0
         self.journal_data = {}
+        self.in_memory = None  # the image's tmpfs (in_memory.plan), with image_in_memory
         self.__dict__.update(kw)
 
 

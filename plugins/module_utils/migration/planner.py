@@ -20,6 +20,8 @@ from __future__ import annotations
 import math
 from collections import namedtuple
 
+from ..core import memdir
+
 OK, FAILS, UNKNOWN = "ok", "fails", "unknown"
 GIB = 2.0**30
 MIB = 2**20
@@ -27,7 +29,7 @@ IMAGE_MARGIN = 1.10
 
 # The names a caller may accept unknown (allow_unknown), in the order of the checks.
 CHECK_NAMES = ("workload", "checkpoint_api", "driver_version", "cuda_api_version", "cuda_running", "gpu_model",
-               "gpu_count", "gpu_memory", "criu", "disk", "host_ram", "pids", "not_draining")
+               "gpu_count", "gpu_memory", "criu", "disk", "host_ram", "source_ram", "pids", "not_draining")
 
 Check = namedtuple("Check", "name label source target status reason")
 Check.__doc__ = """One check: ``name`` (stable, what allow_unknown names), ``label`` (for people), what the source
@@ -39,9 +41,10 @@ the image's estimated size (None: unknown), and the names of the checks that fai
 unknown but accepted."""
 
 Options = namedtuple("Options", "source_path target_path allow_unknown allow_driver_mismatch check_gpus "
-                                "same_pid_space container margin gpu_map")
+                                "same_pid_space container margin gpu_map image_in_memory")
 DEFAULTS = {"source_path": None, "target_path": None, "allow_unknown": (), "allow_driver_mismatch": False,
-            "check_gpus": True, "same_pid_space": False, "container": False, "margin": IMAGE_MARGIN, "gpu_map": None}
+            "check_gpus": True, "same_pid_space": False, "container": False, "margin": IMAGE_MARGIN, "gpu_map": None,
+            "image_in_memory": False}
 
 
 def options(**given):
@@ -53,7 +56,8 @@ def options(**given):
     - ``same_pid_space``: the two hosts are one pid space (the workload's own pids are in use there);
     - ``container``: the workload keeps its pids in its own pid namespace (no pid check);
     - ``margin``: the image estimate's factor over host RSS + GPU memory;
-    - ``gpu_map``: {source GPU UUID: target GPU UUID}, where the restore puts each GPU's memory."""
+    - ``gpu_map``: {source GPU UUID: target GPU UUID}, where the restore puts each GPU's memory;
+    - ``image_in_memory``: the source keeps its image in memory (engine/in_memory.py), not on its disk."""
     wrong = set(given) - set(DEFAULTS)
     if wrong:
         raise ValueError("unknown planner options: %s" % ", ".join(sorted(wrong)))
@@ -281,10 +285,11 @@ def _disk(tree, source, target, opts):
     def free(facts, path):
         return ((facts.get("disk") or {}).get(path) or {}).get("free_bytes")
     label = "free disk for the image (~%s)" % gib(image_estimate(tree, opts.margin))
-    return [_room_for_image("disk", label, [("%s:%s" % (_host(source, "source"), opts.source_path),
-                                             free(source, opts.source_path)),
-                                            ("%s:%s" % (_host(target, "target"), opts.target_path),
-                                             free(target, opts.target_path))], tree, source, opts)]
+    roots = [] if opts.image_in_memory else [("%s:%s" % (_host(source, "source"), opts.source_path),
+                                              free(source, opts.source_path))]
+    roots.append(("%s:%s" % (_host(target, "target"), opts.target_path), free(target, opts.target_path)))
+    check = _room_for_image("disk", label, roots, tree, source, opts)
+    return [check._replace(source="in memory") if opts.image_in_memory else check]
 
 
 def _host_ram(tree, source, target, opts):
@@ -293,6 +298,25 @@ def _host_ram(tree, source, target, opts):
     check = _room_for_image("host_ram", "host RAM for the restore (MemAvailable)",
                             [(_host(target, "target"), avail)], tree, source, opts)
     return [check._replace(source="-")]
+
+
+def _source_ram(tree, source, target, opts):
+    """With the image in memory, the source holds it on top of the job, whose host RAM grows by its GPU
+    memory in stage 1, and a reserve (engine/in_memory.py checks the same again before the freeze)."""
+    if not opts.image_in_memory:
+        return []
+    label = "host RAM on the source for the image in memory (MemAvailable)"
+    mem = source.get("memory") or {}
+    avail, total = mem.get("available_bytes"), mem.get("total_bytes")
+    need, gpu = image_estimate(tree, opts.margin), tree.get("gpu_bytes")
+    if need is None:
+        return [_unknown("source_ram", label, gib(avail), "-", _why_size_unknown(tree, source))]
+    if avail is None or total is None:
+        return [_unknown("source_ram", label, "?", "-", "not reported by %s" % _host(source, "source"))]
+    need += (gpu if tree.get("cuda_pids") else 0) + memdir.reserve_bytes(total)
+    return [_check("source_ram", label, gib(avail), "-", avail >= need,
+                   "%s has %s available, the image in memory needs %s with the GPU memory stage 1 brings into host RAM "
+                   "and a reserve; leave gpuckpt_image_in_memory off" % (_host(source, "source"), gib(avail), gib(need)))]
 
 
 def _pids(tree, source, target, opts):
@@ -325,7 +349,7 @@ def _not_draining(tree, source, target, opts):
 
 ALWAYS = (_workload,)
 ON_GPU = (_checkpoint_api, _versions, _cuda_running, _gpus)
-HOSTS = (_criu, _disk, _host_ram, _pids, _not_draining)
+HOSTS = (_criu, _disk, _host_ram, _source_ram, _pids, _not_draining)
 
 
 def check_target(workload, source_facts, target_facts, opts):
