@@ -38,9 +38,11 @@ if [ "${GPUCKPT_TESTS:-1}" = 1 ]; then
   rc=${PIPESTATUS[0]}
 fi
 # Benchmarks (issue 4): GPUCKPT_BENCH_SIZES="4,16" (GiB); GPUCKPT_BENCH_FLOORS=0 skips the floors.
+# GPUCKPT_BENCH_SAME_SIZE_FLOORS=1 (issue 32): each size's own floors and ratios; =direct: the cold write with O_DIRECT.
 if [ -n "${GPUCKPT_BENCH_SIZES:-}" ]; then
   python3 bench/gpu_bench.py --sizes "$GPUCKPT_BENCH_SIZES" $([ "${GPUCKPT_BENCH_FLOORS:-1}" = 0 ] && echo --no-floors) \
     $([ "${GPUCKPT_BENCH_THP:-0}" = 1 ] && echo --thp) \
+    $(case "${GPUCKPT_BENCH_SAME_SIZE_FLOORS:-0}" in 0) ;; direct) echo --same-size-floors direct ;; *) echo --same-size-floors ;; esac) \
     2>&1 | tee "$OUT/bench.log" | grep -E "RESULT|Error|error" || rc=1
 fi
 # Migration downtime against its floor and the plain chain (issue 3): GPUCKPT_MIGRATE_BENCH_GIB=4
