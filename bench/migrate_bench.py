@@ -197,6 +197,8 @@ def main():
     ap.add_argument("--only-quiesced", action="store_true",
                     help="time our migration with huge pages and quiesce_signal=SIGUSR1 only (the speed options "
                          "as one would run a big job)")
+    ap.add_argument("--source-in-memory", action="store_true",
+                    help="our migration (the headline one) with the source's image in memory (gpuckpt_image_in_memory)")
     ap.add_argument("--also-source-in-memory", action="store_true",
                     help="also time our migration as the headline one, with the source's image in memory "
                          "(gpuckpt_image_in_memory: a tmpfs of its own, no disk on the source)")
@@ -241,6 +243,8 @@ def main():
             headline = {"gpuckpt_host_huge_pages": True}
         if args.only_quiesced:
             headline["quiesce_signal"] = "SIGUSR1"
+        if args.source_in_memory:
+            headline["gpuckpt_image_in_memory"] = True
         down, size, stage1, res = variant("ours", extra=headline)
         mem = variant("mem", extra=dict(headline, gpuckpt_image_in_memory=True)) if args.also_source_in_memory else None
         single = variant("single", streams=1)[0] if args.also_single_stream else None
@@ -276,7 +280,7 @@ def main():
                "stage1_s": stage1, "disk_GBps": disk / 1e9 if disk else None, "link_GBps": link / 1e9,
                "link_1_stream_GBps": link1 / 1e9 if link1 else None,
                "link_%d_streams_GBps" % args.streams: link_n / 1e9, "huge_pages": bool(args.only_huge_pages or args.only_quiesced),
-               "quiesced": bool(args.only_quiesced),
+               "quiesced": bool(args.only_quiesced), "source_in_memory": bool(args.source_in_memory),
                "cpusets": hosts.cpusets,
                "images_in_memory": bool(mem_root),
                "streams": args.streams, "ours_single_stream_s": single, "ours_after_dump_s": after_dump,
