@@ -41,8 +41,7 @@ import time
 from . import errors
 from . import fsutil
 from . import image
-from . import journal
-from . import memdir
+from . import journal, memdir
 from . import procfs
 from . import receiver
 from . import replica
