@@ -2,6 +2,7 @@
 host, where its processes are, and running migrate.yml."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -86,6 +87,19 @@ def migrate(playbook, hosts, w, mid, **extra):
     v = {"source": "hosta", "target": "hostb", "pid": w.pid, "migration_id": mid}
     v.update(extra)
     return playbook(MIGRATE, v, inventory=hosts.path("inventory.yml"))
+
+
+@contextlib.contextmanager
+def restore_fails_on(hosts, host="hostb"):
+    """Every driver restore on ``host`` fails (CUDA_ERROR_OUT_OF_MEMORY, the libcuda TEST DOUBLE's inject
+    file) while the block runs: a target whose restore fails after the image arrived."""
+    inject = hosts.path(host, "fakecuda", "inject")
+    with open(inject, "w") as fh:
+        fh.write("restore 0 2\n")
+    try:
+        yield
+    finally:
+        os.unlink(inject)
 
 
 def changed_tasks(run):

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import os
 
-from loopback_workloads import changed_tasks, migrate
+from loopback_workloads import changed_tasks, migrate, restore_fails_on
 
 MOUNT_SOURCE = "gpuckpt-image"
 
@@ -50,13 +50,8 @@ def test_the_source_image_stays_in_memory_and_goes_with_the_commit(playbook, hos
 
 def test_a_failed_target_restore_resumes_the_held_source_and_frees_the_memory(playbook, hosts, remote_workload):
     w = remote_workload(mb=32)
-    inject = hosts.path("hostb", "fakecuda", "inject")
-    with open(inject, "w") as fh:
-        fh.write("restore 0 2\n")  # CUDA_ERROR_OUT_OF_MEMORY on every restore on the target only
-    try:
+    with restore_fails_on(hosts):
         run = migrate(playbook, hosts, w, "t-mem-fail", gpuckpt_image_in_memory=True)
-    finally:
-        os.unlink(inject)
     assert run.rc != 0
     final = run.task("Migration failed and was rolled back")
     assert "runs on hosta" in final["msg"] and "CUDA_ERROR_OUT_OF_MEMORY" in final["msg"]

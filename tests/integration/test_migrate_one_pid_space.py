@@ -12,7 +12,7 @@ import os
 import pytest
 
 from loopback import LoopbackHosts
-from loopback_workloads import RemoteWorkload, changed_tasks, fakecuda_host_vars, migrate
+from loopback_workloads import RemoteWorkload, changed_tasks, fakecuda_host_vars, migrate, restore_fails_on
 
 
 @pytest.fixture(scope="module")
@@ -70,13 +70,8 @@ def test_one_pid_space_failed_restore_rolls_back_from_the_source_image_in_memory
     """The source exits after its dump here, so its image is the way back: kept in memory
     (gpuckpt_image_in_memory, issue 32), it is there until the settlement restores the source from it."""
     w = flat_workload()
-    inject = flat_hosts.path("hostb", "fakecuda", "inject")
-    with open(inject, "w") as fh:
-        fh.write("restore 0 2\n")
-    try:
+    with restore_fails_on(flat_hosts):
         run = migrate(playbook, flat_hosts, w, "flat-mem-fail", gpuckpt_image_in_memory=True)
-    finally:
-        os.unlink(inject)
     assert run.rc != 0
     assert run.task("Stage 1/3")["image_in_memory"]["used_bytes"] > 0
     back = run.task("Resume the source")

@@ -48,7 +48,9 @@ def plan(pids, cuda_pids, size_bytes=None):
     size_bytes = int(size_bytes)
     if size_bytes <= 0:
         raise InvalidTarget("image_memory_bytes must be positive, got %s" % size_bytes, stage="preflight")
-    stage1 = (gpu_bytes if gpu_bytes is not None else size_bytes) if cuda_pids else 0
+    # Whatever of the tree holds GPU memory brings it into host RAM in stage 1, also where the runtime runs
+    # that stage itself (its CUDA pids are not the engine's); unknown counts as the whole image.
+    stage1 = gpu_bytes if gpu_bytes is not None else size_bytes
     mem = procfs.meminfo()
     total, avail = mem["total_bytes"], mem["available_bytes"]
     out = {"size_bytes": size_bytes, "rss_bytes": rss, "gpu_bytes": gpu_bytes,

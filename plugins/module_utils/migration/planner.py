@@ -313,7 +313,7 @@ def _source_ram(tree, source, target, opts):
         return [_unknown("source_ram", label, gib(avail), "-", _why_size_unknown(tree, source))]
     if avail is None or total is None:
         return [_unknown("source_ram", label, "?", "-", "not reported by %s" % _host(source, "source"))]
-    need += (gpu if tree.get("cuda_pids") else 0) + memdir.reserve_bytes(total)
+    need += gpu + memdir.reserve_bytes(total)  # (gpu is known here: the estimate is)
     return [_check("source_ram", label, gib(avail), "-", avail >= need,
                    "%s has %s available, the image in memory needs %s with the GPU memory stage 1 brings into host RAM "
                    "and a reserve; leave gpuckpt_image_in_memory off" % (_host(source, "source"), gib(avail), gib(need)))]

@@ -31,9 +31,11 @@ def test_the_tmpfs_is_sized_to_rss_and_gpu_memory_with_a_margin(host):
     assert out["stage1_bytes"] == 20 * GIB and out["reserve_bytes"] == int(128 * GIB * 0.05)
 
 
-def test_without_cuda_nothing_comes_in_with_stage1(host):
+def test_stage1_brings_in_what_the_tree_holds_on_gpus(host):
     host["gpu"] = 0
     assert in_memory.plan([1], [])["stage1_bytes"] == 0
+    host["gpu"] = 3 * GIB  # a runtime that runs stage 1 itself: no CUDA pids of the engine's, GPU memory all the same
+    assert in_memory.plan([1], [])["stage1_bytes"] == 3 * GIB
 
 
 def test_a_host_that_cannot_hold_it_is_refused_with_its_figures(host):
