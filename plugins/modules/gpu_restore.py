@@ -38,6 +38,8 @@ options:
   verify:
     description:
       - Verify every file's checksums before restoring. Turn it off only for an image that was just verified.
+      - A bare process's page files of 256 MiB or more are verified beside CRIU's restore, which holds what it
+        restored until they check out (RV(pages_verified_beside_restore)); nothing restored runs before then.
       - The manifest's signature (O(sign_key), O(allow_unverified_signature)) is checked even when it is off.
     type: bool
     default: true
@@ -162,6 +164,20 @@ driver_call_seconds:
   description: Seconds spent inside the driver's own calls.
   returned: when changed
   type: dict
+verify_seconds:
+  description: Seconds spent on the image's checksums (null with O(verify=false)).
+  returned: when changed
+  type: float
+pages_verified_beside_restore:
+  description:
+    - True when the image's page files (256 MiB or more of them) were checked beside CRIU's restore rather than
+      before it. CRIU holds the restored processes, not yet run, at its post-restore action until they check out.
+      Pages that differ make CRIU kill what it restored, and the restore fails naming them in RV(bad_files), as before.
+    - The rest of the image (CRIU's metadata) is always checked before CRIU starts.
+    - Only the bare process runtime restores this way, and only where a directory that allows exec holds CRIU's
+      action script (the system temp dir, /run, /var/tmp or /dev/shm).
+  returned: when changed
+  type: bool
 gpu_pairs:
   description:
     - The (old, new) GPU UUID pairs passed to the driver.

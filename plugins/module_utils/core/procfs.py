@@ -89,6 +89,27 @@ def meminfo():
     return {"total_bytes": fields.get("MemTotal"), "available_bytes": fields.get("MemAvailable")}
 
 
+def usable_cpus(cgroup_root="/sys/fs/cgroup"):
+    """The cores this process may run on: its CPU affinity (a cpuset, taskset, a container's cpus), cut
+    to the CPU quota (cpu.max) of its cgroup v2 and every ancestor's, rounded up. os.cpu_count() is the
+    host's, which oversizes a pool in a container or a per-host cpuset."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    path = unified_cgroup("self")
+    while path:
+        try:
+            with open(os.path.join(cgroup_root, path.lstrip("/"), "cpu.max")) as fh:
+                quota, period = (fh.read().split() + ["100000"])[:2]
+            if quota != "max" and int(period) > 0:
+                cpus = min(cpus, -(-int(quota) // int(period)))
+        except (OSError, ValueError):
+            pass
+        path = None if path == "/" else os.path.dirname(path.rstrip("/")) or "/"
+    return max(1, cpus)
+
+
 def cmdline(pid):
     try:
         with open("/proc/%d/cmdline" % pid, "rb") as fh:
@@ -280,7 +301,7 @@ def _mapped_files(pid):
 def unified_cgroup(pid):
     """The cgroup v2 path of ``pid`` (the "0::" line of /proc/<pid>/cgroup), or None without one."""
     try:
-        with open("/proc/%d/cgroup" % int(pid)) as fh:
+        with open("/proc/%s/cgroup" % ("self" if pid == "self" else int(pid))) as fh:
             for line in fh:
                 if line.startswith("0::"):
                     return line[3:].strip() or "/"

@@ -60,10 +60,9 @@ PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")
 
 
 def auto_streams(cpus=None):
-    """A quarter of this host's cores, 1 to 8. Each stream costs a core for its cipher on each end
-    (and on one machine both ends share its cores): on the 2-core CI kind of machine 4 streams were
-    slower than 1 (docs/benchmarks)."""
-    return min(8, max(1, (cpus or os.cpu_count() or 1) // 4))
+    """A quarter of the cores this process may use (procfs.usable_cpus), 1 to 8. Each stream costs a
+    core for its cipher on each end: on the 2-core CI kind of machine 4 streams were slower than 1."""
+    return min(8, max(1, (cpus or procfs.usable_cpus()) // 4))
 
 
 class Target(object):

@@ -5,6 +5,9 @@
 
 verify image -> runtime restore -> CUDA restore every pid -> (probe) -> unlock every pid -> validate
 
+Where the runtime's restore takes a gate, a big image's page files are verified beside the runtime's
+restore, which holds the restored tree until they check out (verify_beside.py).
+
 A restore in a migration moves the target's journal from received to restoring under its lock, and
 records the restored processes' identities before it unlocks them, so a recovery always knows what a
 restore brought up, even when that restore's module died. Validation compares the restored tree with
@@ -28,6 +31,7 @@ from ..core.journal import identities, process_identity, same_process
 from ..core.progress import StageProgress
 from ..cuda import driver as cuda
 from ..runtimes.process import ProcessBackend
+from . import verify_beside
 from .delivery import wait_for_delivery
 from .steps import DEAD, STOPPED, Clock, NoHangup, PartlyDone, describe_failure, driver_seconds, each, error_fields, \
     now_iso
@@ -47,7 +51,7 @@ class RestoreOptions(object):
     def __init__(self, gpu_map=None, force=False, libcuda_path=None, check_mode=False, sign_key=None, verify=True,
                  validate_wait=0.5, pid_wait=10.0, parallel=True, progress_file=None, wait_for_image=0.0,
                  journal_wait=60.0, probe_command=None, probe_timeout=60.0, host_huge_pages=False,
-                 allow_unverified_signature=False):
+                 allow_unverified_signature=False, verify_beside_bytes=verify_beside.MIN_BYTES):
         self.gpu_map, self.force, self.libcuda_path, self.check_mode = gpu_map, force, libcuda_path, check_mode
         self.sign_key, self.verify, self.validate_wait, self.pid_wait = sign_key, verify, validate_wait, pid_wait
         self.allow_unverified_signature = bool(allow_unverified_signature)
@@ -55,6 +59,7 @@ class RestoreOptions(object):
         self.journal_wait = journal_wait
         self.probe = (list(probe_command), probe_timeout) if probe_command else None
         self.host_huge_pages = bool(host_huge_pages)
+        self.verify_beside_bytes = verify_beside_bytes  # the least page data verified beside the restore
 
 
 def restore(image_dir, backend=None, journal=None, **options):
@@ -162,14 +167,15 @@ def _restore_preflight(backend, needs_driver, libcuda_path):
     return backend.load_cuda(libcuda_path) if needs_driver else (None, None)
 
 
-def _verify_and_load(img, opts, backend, journal, clock):
-    """The image's checksums, and beside them the runtime's checks and the driver's load (cuInit: about
-    0.4 s on an H200): both are downtime in a migration. Returns (verify seconds, driver or None)."""
+def _verify_and_load(img, opts, backend, journal, clock, files=None):
+    """The image's checksums (``files``: of only these), and beside them the runtime's checks and the
+    driver's load (cuInit: about 0.4 s on an H200): both are downtime in a migration. Returns (verify
+    seconds, driver or None)."""
     target = img.manifest["target"]
     try:
         with ThreadPoolExecutor(max_workers=1) as pool:
             loading = pool.submit(_restore_preflight, backend, bool(target["cuda_pids"]), opts.libcuda_path)
-            verify_seconds = img.verify(opts.sign_key, opts.allow_unverified_signature) if opts.verify else None
+            verify_seconds = img.verify(opts.sign_key, opts.allow_unverified_signature, files) if opts.verify else None
             clock.stop("verify")
             drv, problem = loading.result()
     except ImageError as exc:
@@ -183,9 +189,10 @@ def _verify_and_load(img, opts, backend, journal, clock):
     return verify_seconds, drv
 
 
-def _bring_up(img, backend, drv, pairs, clock, opts, journal):
+def _bring_up(img, backend, drv, pairs, clock, opts, journal, pages=None):
     """The restore proper, as the journal's transition to restoring and on; returns its RestoreOutcome.
-    A failure is a TransactionError that says what was brought up was stopped."""
+    A failure is a TransactionError that says what was brought up was stopped, or the ImageError of
+    ``pages`` (verify_beside.PagesBeside) that did not check out (what CRIU restored never ran)."""
     manifest = img.manifest
     backend.bind(manifest)
     if journal is not None:
@@ -198,7 +205,12 @@ def _bring_up(img, backend, drv, pairs, clock, opts, journal):
 
     try:
         return restore_from(img.path, manifest, backend, drv, pairs, clock, opts.validate_wait, opts.parallel,
-                            on_restored, opts.probe, work_dir=img.state_dir)
+                            on_restored, opts.probe, work_dir=img.state_dir, pages=pages)
+    except ImageError as exc:
+        if journal is not None:
+            journal.transition("restore_failed", error=str(exc), bad_files=exc.details.get("bad_files"), pids=[],
+                               identities={})
+        raise
     except Exception as exc:  # noqa: BLE001
         stage, pid, reason, hint = describe_failure(exc)
         stage = stage or "restore"
@@ -230,27 +242,49 @@ def _signature_result(result, signature):
 def _restore(img, opts, backend, journal, progress):
     manifest = img.manifest
     backend = backend or ProcessBackend()
-    target = manifest["target"]
     signature = _signature_checked(img, opts)
     done = _already_restored(img, opts, journal)
     if done is not None:
         return _signature_result(done, signature)
-    result = {"changed": False, "image_dir": img.path, "manifest_id": manifest.get("id")}
     clock = Clock(progress)
     clock.start()
-    _wait_pids_free(manifest, backend, opts.pid_wait)
-    clock.stop("wait_pids_free")
-    verify_seconds, drv = _verify_and_load(img, opts, backend, journal, clock)
+    gate, pages = verify_beside.open_gate(img, opts, backend), None
+    try:
+        if gate is None:
+            _wait_pids_free(manifest, backend, opts.pid_wait)
+            clock.stop("wait_pids_free")
+            verify_seconds, drv = _verify_and_load(img, opts, backend, journal, clock)
+        else:  # all but the pages now; the pages beside the wait for the pids and the runtime's restore
+            rest = sorted(set(manifest.get("files") or {}) - set(verify_beside.page_files(manifest)))
+            verify_seconds, drv = _verify_and_load(img, opts, backend, journal, clock, files=rest)
+            pages = verify_beside.PagesBeside(img, opts, gate).start()
+            _wait_pids_free(manifest, backend, opts.pid_wait)
+            clock.stop("wait_pids_free")
+        return _signature_result(_restore_checked(img, opts, backend, journal, clock, drv, pages, verify_seconds),
+                                 signature)
+    finally:
+        if pages is not None:
+            pages.settle()
+        elif gate is not None:
+            gate.close()
+
+
+def _restore_checked(img, opts, backend, journal, clock, drv, pages, verify_seconds):
+    """The restore once the image (or all of it but ``pages``, checked beside it) is verified."""
+    manifest, target = img.manifest, img.manifest["target"]
+    result = {"changed": False, "image_dir": img.path, "manifest_id": manifest.get("id")}
     pairs = gpu_pairs_for(opts.gpu_map, drv.device_uuids() if drv else [])
     if opts.gpu_map and drv is None:
         raise InvalidTarget("gpu_map given but the image holds no CUDA process", stage="preflight")
     if opts.check_mode:
         result.update(changed=True, pids=target["pids"], cuda_pids=target["cuda_pids"],
                       msg="would restore %d process(es) from %s" % (len(target["pids"]), img.path))
-        return _signature_result(result, signature)
+        return result
     calls0 = len(drv.calls) if drv else 0
     clock.stop("preflight")
-    outcome = _bring_up(img, backend, drv, pairs, clock, opts, journal)
+    outcome = _bring_up(img, backend, drv, pairs, clock, opts, journal, pages)
+    if pages is not None:
+        verify_seconds = (verify_seconds or 0.0) + pages.result()
     if journal is not None:
         journal.transition("restored", pids=outcome.pids, cuda_pids=outcome.cuda_pids,
                            identities=identities(outcome.pids), resumed_at=outcome.resumed_at)
@@ -260,10 +294,10 @@ def _restore(img, opts, backend, journal, progress):
     result.update(changed=True, pids=outcome.pids, cuda_pids=outcome.cuda_pids, timings=dict(clock.stages),
                   resumed_at=outcome.resumed_at, validation_notes=outcome.notes, probe=outcome.probe,
                   verify_seconds=verify_seconds, driver_call_seconds=driver_seconds(drv, calls0),
-                  gpu_pairs=pairs or outcome.gpu_pairs or None,
+                  gpu_pairs=pairs or outcome.gpu_pairs or None, pages_verified_beside_restore=pages is not None,
                   msg="restored %d process(es) (%d on the GPU) from %s"
                   % (len(outcome.pids), len(outcome.cuda_pids), img.path))
-    return _signature_result(result, signature)
+    return result
 
 
 def host_pids_restored(manifest):
@@ -324,15 +358,23 @@ def _restore_gpu_memory(backend, drv, cuda_pids, gpu_pairs, parallel):
 
 
 def restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_wait=0.0, parallel=False,
-                 on_restored=None, probe=None, work_dir=None):
+                 on_restored=None, probe=None, work_dir=None, pages=None):
     """Runtime restore, CUDA restore of all pids, the user's ``probe`` ((argv, timeout) run inside the
     workload), then unlock of all, then validation. ``on_restored`` (new pids) is called right
     after the runtime restore. ``work_dir``: the image's state dir when its caller holds it open
-    (image.Image.state_dir). Kills what it brought up on failure. Returns a RestoreOutcome."""
+    (image.Image.state_dir). ``pages``: the page files' check (verify_beside.PagesBeside), whose gate
+    holds the runtime's restore. Kills what it brought up on failure. Returns a RestoreOutcome."""
     work = work_dir or image.state_dir(image_dir)
     new_pids = []
     try:
-        new_pids = backend.restore(image_dir, work, manifest)
+        try:
+            new_pids = backend.restore(image_dir, work, manifest, **({"gate": pages.gate} if pages else {}))
+        except Exception:
+            if pages is not None:
+                pages.result()  # pages that did not check out are why the gate failed the restore: say so
+            raise
+        if pages is not None:
+            pages.result()
         clock.stop("runtime_restore")
         if on_restored is not None:
             on_restored(new_pids)

@@ -75,13 +75,16 @@ def map_by_ns_pid(manifest, new_pids):
 # - restores_host_pids: its restore brings the dumped pids back under the same numbers in the host's own pid
 #   namespace (a bare process tree): they must be free, so a pid still in use there refuses the restore (the
 #   original may still run), and a rollback waits for its dumped tree to be reaped first
-Capabilities = namedtuple("Capabilities", "uses_criu can_hold_stopped cuda_in_sandbox owns_cuda_stage restores_host_pids")
+# - gates_restore: its restore(..., gate=) holds the restored tree, not yet run, at a criu_gate.RestoreGate
+#   until the engine's verdict on the image's pages (checked beside the restore, not before it)
+Capabilities = namedtuple("Capabilities", "uses_criu can_hold_stopped cuda_in_sandbox owns_cuda_stage restores_host_pids "
+                                          "gates_restore")
 
 
 class Backend(object):
     name = "base"
     capabilities = Capabilities(uses_criu=True, can_hold_stopped=True, cuda_in_sandbox=False, owns_cuda_stage=False,
-                                restores_host_pids=False)
+                                restores_host_pids=False, gates_restore=False)
     extra = ()           # the user's CRIU options
     auto_flags = ()      # CRIU options the tree needs, found by plan_tree
     tcp_established = False

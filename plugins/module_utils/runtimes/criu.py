@@ -68,7 +68,8 @@ class Criu(object):
         cmd.extend(extra)
         return self._run(cmd, os.path.join(work_dir, "dump.log"), "criu-dump", pid, timeout)
 
-    def restore(self, images_dir, work_dir, shell_job=False, extra=(), timeout=None):
+    def restore(self, images_dir, work_dir, shell_job=False, extra=(), timeout=None, gate=None):
+        """``gate``: a criu_gate.RestoreGate that holds the restored tree until the engine's verdict."""
         pidfile = os.path.join(work_dir, "restore.pid")
         if os.path.exists(pidfile):
             os.unlink(pidfile)
@@ -77,6 +78,8 @@ class Criu(object):
         if shell_job:
             cmd.append("--shell-job")
         cmd.extend(extra)
+        if gate is not None:
+            cmd.extend(gate.criu_args)
         # A shell job is restored into criu's own session: give criu a new one, or the workload would
         # belong to the ssh session of the module and die of SIGHUP when that session ends.
         res = self._run(cmd, os.path.join(work_dir, "restore.log"), "criu-restore", None, timeout, new_session=True)

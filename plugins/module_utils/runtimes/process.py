@@ -15,8 +15,8 @@ from .base import Backend, criu_preflight
 
 class ProcessBackend(Backend):
     name = "process"
-    # CRIU restores the tree under its own pids, in the host's pid namespace
-    capabilities = Backend.capabilities._replace(restores_host_pids=True)
+    # CRIU restores the tree under its own pids, in the host's pid namespace; its restore takes a gate
+    capabilities = Backend.capabilities._replace(restores_host_pids=True, gates_restore=True)
 
     def __init__(self, criu_path=None, criu_options=(), timeout=None):
         self.criu = Criu(criu_path)
@@ -58,10 +58,10 @@ class ProcessBackend(Backend):
         return {"backend": self.name, "root_pid": int(target), "shell_job": shell_job,
                 "criu_options": self.extra, "auto_flags": list(self.auto_flags), "criu_seconds": res.seconds}
 
-    def restore(self, image_dir, work_dir, manifest):
+    def restore(self, image_dir, work_dir, manifest, gate=None):
         rt = manifest.get("runtime") or {}
         root, _res = self.criu.restore(image_dir, work_dir, shell_job=rt.get("shell_job", False),
-                                       extra=self.criu_flags(manifest), timeout=self.timeout)
+                                       extra=self.criu_flags(manifest), timeout=self.timeout, gate=gate)
         return procfs.process_tree(root)
 
     def resume(self, pids):

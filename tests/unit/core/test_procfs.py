@@ -42,3 +42,17 @@ def test_the_unified_cgroup_of_a_process():
         v2 = [ln[3:].strip() or "/" for ln in fh if ln.startswith("0::")]
     assert procfs.unified_cgroup(os.getpid()) == (v2[0] if v2 else None)
     assert procfs.unified_cgroup(NO_PID) is None
+
+
+def test_usable_cpus_are_the_affinity_cut_to_the_cgroup_quotas_rounded_up(tmp_path, monkeypatch):
+    allowed = len(os.sched_getaffinity(0))
+    monkeypatch.setattr(procfs, "unified_cgroup", lambda pid: "/pod/ctr")
+    (tmp_path / "pod" / "ctr").mkdir(parents=True)
+    assert procfs.usable_cpus(str(tmp_path)) == allowed, "no cpu.max anywhere: the affinity"
+    (tmp_path / "pod" / "ctr" / "cpu.max").write_text("max 100000\n")
+    assert procfs.usable_cpus(str(tmp_path)) == allowed
+    (tmp_path / "pod" / "cpu.max").write_text("50000 100000\n")  # an ancestor's quota holds too
+    assert procfs.usable_cpus(str(tmp_path)) == 1
+    (tmp_path / "pod" / "cpu.max").write_text("garbage\n")
+    (tmp_path / "pod" / "ctr" / "cpu.max").write_text("%d 100000\n" % (100000 * allowed - 1))
+    assert procfs.usable_cpus(str(tmp_path)) == allowed, "a part of a core counts as one"
