@@ -114,7 +114,8 @@ def cycle(w, image_dir, label, parallel=False, criu_path=None, **options):
     return {"label": label, "checkpoint": ck["timings"], "checkpoint_driver": ck["driver_call_seconds"],
             "restore": rs["timings"], "restore_driver": rs["driver_call_seconds"], "image_bytes": ck["image_bytes"],
             "data_intact": ok, "thp": hugepages.read_mode(), "huge_pages": ck.get("huge_pages"),
-            "quiesce": ck.get("quiesce"), "checkpoint_wall_s": checkpoint_wall, "restore_wall_s": restore_wall}
+            "quiesce": ck.get("quiesce"), "checkpoint_wall_s": checkpoint_wall, "restore_wall_s": restore_wall,
+            "restore_verify_s": rs.get("verify_seconds"), "pages_verified_beside_restore": rs.get("pages_verified_beside_restore")}
 
 
 GPU_COPY_FLOORS = r"""
