@@ -134,6 +134,19 @@ def ours(hosts, args, base, streams, tag="ours", during_dump=True, restore_early
     return downtime, res["ck"]["image_bytes"], stage1, res
 
 
+def shmem_folios():
+    """{folio size in KiB: tmpfs/shmem folios of that size allocated so far} from the kernel's mTHP counters
+    (what an image tmpfs's huge= policy gave its files); {} on a kernel without them."""
+    root, out = "/sys/kernel/mm/transparent_hugepage", {}
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        try:
+            with open(os.path.join(root, name, "stats", "shmem_alloc")) as fh:
+                out[int(name[len("hugepages-"):-len("kB")])] = int(fh.read())
+        except (OSError, ValueError):
+            continue
+    return out
+
+
 def bandwidths(hosts, base, size, streams, pipelined_only=False):
     """(disk, one ssh stream, ``streams`` ssh streams) in bytes/s. ``pipelined_only``: only what the
     pipelined floor needs (the link over ``streams`` streams): the file is written without fsync and
@@ -202,8 +215,13 @@ def main():
     ap.add_argument("--also-source-in-memory", action="store_true",
                     help="also time our migration as the headline one, with the source's image in memory "
                          "(gpuckpt_image_in_memory: a tmpfs of its own, no disk on the source)")
+    ap.add_argument("--tmpfs-huge-ab", action="store_true",
+                    help="with --source-in-memory: after the headline variant (the image tmpfs's default huge= "
+                         "policy), the same with 4 KiB pages (GPUCKPT_IMAGE_TMPFS_HUGE=never), with 2 MiB pages (=always), then "
+                         "the headline again")
     ap.add_argument("--no-chain", default="", metavar="WHY",
                     help="skip the plain chain, saying why (its image on both hosts' disk at once)")
+    ap.add_argument("--port", type=int, default=22, help="the loopback hosts' sshd port (another than a test run's)")
     ap.add_argument("--cpusets", default="", help="'split': each loopback host its own half of the cores (as two "
                     "machines), the floor's link measured between those halves in the same run")
     args = ap.parse_args()
@@ -217,7 +235,7 @@ def main():
                         "gpuckpt-bench", mem_root], check=True)
         for n in hv:
             hv[n]["gpuckpt_image_root"] = os.path.join(mem_root, n)
-    hosts = LoopbackHosts(os.path.join(base, "hosts"), pid_namespaces=bool(args.pid_namespaces), python=PY,
+    hosts = LoopbackHosts(os.path.join(base, "hosts"), port=args.port, pid_namespaces=bool(args.pid_namespaces), python=PY,
                           cpusets=args.cpusets or None).start(hv)
 
     def settle(tag):  # end the variant's workload: an idle machine for the next one
@@ -229,9 +247,14 @@ def main():
                 root = os.path.join(mem_root, host) if mem_root else hosts.host_dir(host, "images")
                 shutil.rmtree(os.path.join(root, "bench-" + tag), ignore_errors=True)
 
+    folios = {}
+
     def variant(tag, streams=None, **kw):
         """Our migration on a fresh workload, as the variant ``tag``; (downtime, size, stage1, results)."""
+        before = shmem_folios()
         out = ours(hosts, args, base, args.streams if streams is None else streams, tag=tag, **kw)
+        after = shmem_folios()
+        folios[tag] = {k: after[k] - before.get(k, 0) for k in sorted(after) if after[k] != before.get(k, 0)}
         settle(tag)
         return out
 
@@ -247,6 +270,13 @@ def main():
             headline["gpuckpt_image_in_memory"] = True
         down, size, stage1, res = variant("ours", extra=headline)
         mem = variant("mem", extra=dict(headline, gpuckpt_image_in_memory=True)) if args.also_source_in_memory else None
+        # Issue 32: the image tmpfs's large folios (memdir.huge_policy), against 4 KiB pages, each on memory the
+        # run already touched (the headline variant ran first, on a fresh machine's memory), then the headline again.
+        plain_tmpfs = variant("tmpfs4k", extra=dict(headline, gpuckpt_environment=dict(
+            PASS_ENV, GPUCKPT_IMAGE_TMPFS_HUGE="never"))) if args.tmpfs_huge_ab else None
+        pmd_tmpfs = variant("tmpfs2m", extra=dict(headline, gpuckpt_environment=dict(
+            PASS_ENV, GPUCKPT_IMAGE_TMPFS_HUGE="always"))) if args.tmpfs_huge_ab else None
+        again = variant("again", extra=headline) if args.tmpfs_huge_ab else None
         single = variant("single", streams=1)[0] if args.also_single_stream else None
         after_dump = variant("after", during_dump=False)[0] if args.also_after_dump else None
         late = variant("late", restore_early=False)[0] if args.also_late_restore else None
@@ -292,6 +322,9 @@ def main():
                "pipelined_floor_s": pipelined, "ratio_to_pipelined_floor": down / pipelined,
                "ours_huge_pages": measured(thp), "ours_huge_pages_quiesced": measured(quiet),
                "ours_source_in_memory": measured(mem),
+               "ours_tmpfs_4k_pages": measured(plain_tmpfs), "ours_tmpfs_huge_always": measured(pmd_tmpfs),
+               "ours_again": measured(again),
+               "shmem_folios_kib_by_variant": folios,
                "ours_stages": {"checkpoint": res["ck"]["timings"], "push": res["ck"].get("push"),
                                "transfer_s": res["sync"].get("seconds"),
                                "transfer_streams": res["sync"].get("streams"),
@@ -305,7 +338,9 @@ def main():
             out["workload"], size / 1e9, pipelined, down, "%.2f s" % chain if chain else "-", down / pipelined,
             "%.2fx slower" % (chain / down) if chain else "skipped: " + args.no_chain))
         for name, v in (("huge pages", out["ours_huge_pages"]), ("huge pages + quiesce", out["ours_huge_pages_quiesced"]),
-                        ("source image in memory", out["ours_source_in_memory"])):
+                        ("source image in memory", out["ours_source_in_memory"]),
+                        ("image tmpfs in 4 KiB pages", out["ours_tmpfs_4k_pages"]),
+                        ("image tmpfs huge=always", out["ours_tmpfs_huge_always"]), ("headline again", out["ours_again"])):
             if v:
                 print("| %s, %s | %.2f GB | pipelined floor %.2f s | %.2f s | %.2fx of it | chain %s |" % (
                     out["workload"], name, v["image_bytes"] / 1e9, v["pipelined_floor_s"], v["downtime_s"],

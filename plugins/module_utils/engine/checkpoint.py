@@ -53,7 +53,7 @@ class _Steps(object):
             memory = in_memory.plan(c.pids, c.cuda_pids, self.opts.image_memory_bytes)
         c.made = image.prepare_dir(c.image_dir)
         if memory is not None:
-            in_memory.mount(c.image_dir, c.made, memory["size_bytes"])
+            in_memory.mount(c.image_dir, c.made, memory["size_bytes"], memory["tmpfs_huge"])
             c.in_memory = memory
         c.work = image.state_dir(c.image_dir)
         c.journal_data["planned"] = {
@@ -253,7 +253,7 @@ def _already_checkpointed(target, image_dir, opts, journal, result):
 
 def _tmpfs_usage(image_dir):
     try:
-        return {"used_bytes": memdir.usage(image_dir)["used_bytes"]}
+        return {"used_bytes": memdir.usage(image_dir)["used_bytes"], "tmpfs_huge_mounted": memdir.huge_of(image_dir)}
     except OSError:
         return {}
 

@@ -33,7 +33,7 @@ def _gib(n):
 
 def plan(pids, cuda_pids, size_bytes=None):
     """{"size_bytes", "rss_bytes", "gpu_bytes", "gpu_memory_source", "stage1_bytes", "reserve_bytes",
-    "available_bytes"}; raises InvalidTarget (nothing frozen) when the host cannot hold it or a figure it
+    "available_bytes", "tmpfs_huge" (memdir.huge_policy)}; raises InvalidTarget (nothing frozen) when the host cannot hold it or a figure it
     needs is unknown."""
     rss = sum(procfs.rss_bytes(p) for p in pids)
     gpu = facts.tree_gpu_memory(pids, {p: "running" for p in cuda_pids})
@@ -46,6 +46,10 @@ def plan(pids, cuda_pids, size_bytes=None):
                                 hint="give image_memory_bytes (the image's size at most), or " + HINT)
         size_bytes = int((rss + gpu_bytes) * MARGIN) + OTHER_IMAGES
     size_bytes = int(size_bytes)
+    try:
+        huge = memdir.huge_policy()
+    except ValueError as exc:
+        raise InvalidTarget("image_in_memory: %s; nothing was frozen" % exc, stage="preflight")
     if size_bytes <= 0:
         raise InvalidTarget("image_memory_bytes must be positive, got %s" % size_bytes, stage="preflight")
     # Whatever of the tree holds GPU memory brings it into host RAM in stage 1, also where the runtime runs
@@ -54,7 +58,8 @@ def plan(pids, cuda_pids, size_bytes=None):
     mem = procfs.meminfo()
     total, avail = mem["total_bytes"], mem["available_bytes"]
     out = {"size_bytes": size_bytes, "rss_bytes": rss, "gpu_bytes": gpu_bytes,
-           "gpu_memory_source": gpu["gpu_memory_source"], "stage1_bytes": stage1, "available_bytes": avail}
+           "gpu_memory_source": gpu["gpu_memory_source"], "stage1_bytes": stage1, "available_bytes": avail,
+           "tmpfs_huge": huge}
     if avail is None or total is None:
         raise InvalidTarget("image_in_memory: this host's free memory is unknown (/proc/meminfo has no MemAvailable); "
                             "nothing was frozen", stage="preflight", hint=HINT, details=out)
@@ -67,12 +72,12 @@ def plan(pids, cuda_pids, size_bytes=None):
     return out
 
 
-def mount(image_dir, made, size_bytes):
+def mount(image_dir, made, size_bytes, huge=None):
     """Mount the image's tmpfs on the directory prepare_dir just made; ``made``'s identity becomes the
     tmpfs root's (every later removal finds, and unmounts, it by that identity). On failure the directory
-    is removed and InvalidTarget raised: nothing was frozen."""
+    is removed and InvalidTarget raised: nothing was frozen. ``huge``: the tmpfs's huge= policy (plan's)."""
     try:
-        made["identity"] = memdir.mount_image_dir(image_dir, size_bytes)
+        made["identity"] = memdir.mount_image_dir(image_dir, size_bytes, huge)
     except OSError as exc:
         try:
             os.rmdir(image_dir)

@@ -63,3 +63,49 @@ def test_a_path_with_a_space_is_found_in_mountinfo(tmp_path):
 def test_the_reserve_is_five_percent_and_at_least_a_gib():
     assert memdir.reserve_bytes(8 * 2**30) == 2**30
     assert memdir.reserve_bytes(256 * 2**30) == int(256 * 2**30 * 0.05)
+
+
+def test_the_huge_policy_is_within_size_unless_the_environment_says_otherwise(tmp_path):
+    thp = tmp_path / "shmem_enabled"
+    thp.write_text("always within_size advise [never] deny force\n")
+    assert memdir.huge_policy({}, str(thp)) == "within_size"
+    assert memdir.huge_policy({memdir.HUGE_ENV: "always"}, str(thp)) == "always"
+    assert memdir.huge_policy({memdir.HUGE_ENV: "never"}, str(thp)) is None
+    assert memdir.huge_policy({}, str(tmp_path / "no-thp")) is None, "a kernel without shmem THP has no huge="
+    with pytest.raises(ValueError, match="GPUCKPT_IMAGE_TMPFS_HUGE"):
+        memdir.huge_policy({memdir.HUGE_ENV: "2M"}, str(thp))
+
+
+@pytest.mark.skipif(not os.path.exists(memdir.SHMEM_THP), reason="this kernel has no transparent huge pages for tmpfs")
+def test_an_image_tmpfs_takes_large_folios_within_its_files_sizes(tmp_path):
+    d = str(tmp_path / "img")
+    fsutil.create_private_dir(d)
+    ident = memdir.mount_image_dir(d, 64 * 2**20, "within_size")
+    try:
+        assert memdir.huge_of(d) == "within_size"
+        for i in range(8):  # CRIU's small images: within_size gives none of them more than its size
+            with open(os.path.join(d, "core-%d.img" % i), "wb") as fh:
+                fh.write(b"c" * 100)
+        assert memdir.usage(d)["used_bytes"] < 2**20
+    finally:
+        assert fsutil.remove_tree(d, ident)
+
+
+def test_a_kernel_that_refuses_the_huge_option_gets_a_plain_tmpfs(tmp_path, monkeypatch):
+    real = memdir._libc()
+
+    class RefusesHuge(object):
+        def mount(self, source, target, fstype, flags, data):
+            if b"huge=" in data:
+                import ctypes
+                ctypes.set_errno(memdir.EINVAL)
+                return -1
+            return real.mount(source, target, fstype, flags, data)
+
+    monkeypatch.setattr(memdir, "_libc", RefusesHuge)
+    d = str(tmp_path / "img")
+    fsutil.create_private_dir(d)
+    ident = memdir.mount_image_dir(d, 2**20, "within_size")
+    assert memdir.is_image_mount(d) and memdir.huge_of(d) == "never"
+    monkeypatch.undo()
+    assert fsutil.remove_tree(d, ident)
