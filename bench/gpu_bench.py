@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import hugepages  # noqa: E402
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import chunk_hasher, image  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.criu import Criu  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend  # noqa: E402
 from gpu_helpers import TorchWorkload, raw_driver  # noqa: E402
@@ -352,13 +352,13 @@ def speed(args):
         plan.append(("thp-always-hash-after-dump", {"host_huge_pages": True, "_hash_after": True}))
         plan.append(("thp-always-quiesced", {"host_huge_pages": True, "quiesce_signal": "SIGUSR1"}))
         for label, opts in plan:
-            follow = image.ChunkHasher.follow
+            follow = chunk_hasher.ChunkHasher.follow
             if opts.pop("_hash_after", False):
-                image.ChunkHasher.follow = lambda self: self  # the checksums all taken after the dump, as before
+                chunk_hasher.ChunkHasher.follow = lambda self: self  # the checksums all taken after the dump, as before
             try:
                 cycles.append(cycle(w, img, label, **opts))
             finally:
-                image.ChunkHasher.follow = follow
+                chunk_hasher.ChunkHasher.follow = follow
             w.wait_counting(beyond=w.counts())
         emit("speed", gib=args.speed, cache_gib=args.cache_gib, host_thp=hugepages.read_mode(), cycles=cycles)
     finally:

@@ -104,11 +104,11 @@ def plain_chain(hosts, args, base, fast_cipher=False, tag="chain"):
     return total, size, steps
 
 
-def ours(hosts, args, base, streams, tag="ours", during_dump=True, restore_early=True, extra=None):
+def ours(hosts, args, base, streams, tag="ours", during_dump=True, restore_early=True, extra=None, collections=None):
     wdir = os.path.join(base, tag + "-w")
     pid = start(hosts, args, wdir)
     rec = os.path.join(base, tag + ".jsonl")
-    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=os.path.join(REPO, ".build", "collections"),
+    env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=collections or os.path.join(REPO, ".build", "collections"),
                ANSIBLE_PIPELINING="true", ANSIBLE_HOST_KEY_CHECKING="false", GPUCKPT_RECORD=rec,
                ANSIBLE_SSH_CONTROL_PATH_DIR=os.path.join(base, "cp-" + tag),
                ANSIBLE_CALLBACK_PLUGINS=os.path.join(REPO, "tests", "integration", "callback_plugins"),
@@ -219,6 +219,9 @@ def main():
                     help="with --source-in-memory: after the headline variant (the image tmpfs's default huge= "
                          "policy), the same with 4 KiB pages (GPUCKPT_IMAGE_TMPFS_HUGE=never), with 2 MiB pages (=always), then "
                          "the headline again")
+    ap.add_argument("--baseline-collections", metavar="PATH",
+                    help="after the headline variant, the same with the collection found in PATH (an "
+                         "ansible_collections tree of another commit: bench/baseline_tree.sh), then the headline again")
     ap.add_argument("--no-chain", default="", metavar="WHY",
                     help="skip the plain chain, saying why (its image on both hosts' disk at once)")
     ap.add_argument("--port", type=int, default=22, help="the loopback hosts' sshd port (another than a test run's)")
@@ -277,6 +280,10 @@ def main():
         pmd_tmpfs = variant("tmpfs2m", extra=dict(headline, gpuckpt_environment=dict(
             PASS_ENV, GPUCKPT_IMAGE_TMPFS_HUGE="always"))) if args.tmpfs_huge_ab else None
         again = variant("again", extra=headline) if args.tmpfs_huge_ab else None
+        # Another build of the collection (an earlier commit's tree), on warm memory, then ours again: an A/B in one run.
+        baseline = variant("baseline", extra=headline, collections=args.baseline_collections) \
+            if args.baseline_collections else None
+        again = variant("again", extra=headline) if args.baseline_collections else again
         single = variant("single", streams=1)[0] if args.also_single_stream else None
         after_dump = variant("after", during_dump=False)[0] if args.also_after_dump else None
         late = variant("late", restore_early=False)[0] if args.also_late_restore else None
@@ -323,7 +330,8 @@ def main():
                "ours_huge_pages": measured(thp), "ours_huge_pages_quiesced": measured(quiet),
                "ours_source_in_memory": measured(mem),
                "ours_tmpfs_4k_pages": measured(plain_tmpfs), "ours_tmpfs_huge_always": measured(pmd_tmpfs),
-               "ours_again": measured(again),
+               "ours_again": measured(again), "baseline": measured(baseline),
+               "baseline_collections": args.baseline_collections or None,
                "shmem_folios_kib_by_variant": folios,
                "ours_stages": {"checkpoint": res["ck"]["timings"], "push": res["ck"].get("push"),
                                "transfer_s": res["sync"].get("seconds"),
@@ -340,7 +348,8 @@ def main():
         for name, v in (("huge pages", out["ours_huge_pages"]), ("huge pages + quiesce", out["ours_huge_pages_quiesced"]),
                         ("source image in memory", out["ours_source_in_memory"]),
                         ("image tmpfs in 4 KiB pages", out["ours_tmpfs_4k_pages"]),
-                        ("image tmpfs huge=always", out["ours_tmpfs_huge_always"]), ("headline again", out["ours_again"])):
+                        ("image tmpfs huge=always", out["ours_tmpfs_huge_always"]), ("headline again", out["ours_again"]),
+                        ("baseline build", out["baseline"])):
             if v:
                 print("| %s, %s | %.2f GB | pipelined floor %.2f s | %.2f s | %.2fx of it | chain %s |" % (
                     out["workload"], name, v["image_bytes"] / 1e9, v["pipelined_floor_s"], v["downtime_s"],

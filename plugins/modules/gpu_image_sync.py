@@ -208,7 +208,7 @@ probe:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import link_probe, transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import PROGRESS_ARGS, check_path_arg
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
@@ -216,11 +216,11 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers impo
 
 
 def probe_link(params, check_mode):
-    """probe_mib: the link's throughput, measured with a scratch image (transfer.probe). The module's result."""
+    """probe_mib: the link's throughput, measured with a scratch image (link_probe.probe). The module's result."""
     p = params
     if check_mode:
         return dict(changed=False, probe=None, msg="check mode: no probe was sent")
-    res = transfer.probe(p["src"], transfer_target(p, "dest_"), p["dest"], p["probe_mib"], streams=p["streams"],
+    res = link_probe.probe(p["src"], transfer_target(p, "dest_"), p["dest"], p["probe_mib"], streams=p["streams"],
                          bwlimit_kbps=p["bwlimit"], retries=p["retries"], progress_file=p["progress_file"])
     return dict(changed=False, probe=res, msg="probe: sent %d bytes in %.2fs (%.0f MB/s) over %d stream(s), %d attempt(s)"
                 % (res["bytes"], res["seconds"], (res["bytes_s"] or 0) / 1e6, res["streams"], res["attempts"]))

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import chunk_hasher, image
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import ImageError, InvalidTarget
 
 
@@ -173,7 +173,7 @@ def test_chunks_hashed_while_the_dump_writes_match_a_hash_of_the_final_files(tmp
     monkeypatch.setattr(image, "CHUNK", 2**16)
     d = tmp_path / "img"
     image.prepare_dir(str(d))
-    hasher = image.ChunkHasher(str(d), workers=2, poll=0.005).follow()
+    hasher = chunk_hasher.ChunkHasher(str(d), workers=2, poll=0.005).follow()
     try:
         with open(d / "pages-1.img", "wb") as fh:
             for unused in range(8):  # appended in odd sizes, as a dump writes
@@ -195,7 +195,7 @@ def test_a_page_file_replaced_during_the_dump_is_hashed_again(tmp_path, monkeypa
     monkeypatch.setattr(image, "CHUNK", 2**16)
     d = tmp_path / "img"
     image.prepare_dir(str(d))
-    hasher = image.ChunkHasher(str(d), workers=1, poll=0.005).follow()
+    hasher = chunk_hasher.ChunkHasher(str(d), workers=1, poll=0.005).follow()
     try:
         (d / "pages-1.img").write_bytes(os.urandom(3 * 2**16))
         _wait_for(lambda: hasher.hashed_early() >= 3 * 2**16)
@@ -212,7 +212,7 @@ def test_a_hasher_stopped_on_a_failed_dump_leaves_nothing_open(tmp_path, monkeyp
     d = tmp_path / "img"
     made = image.prepare_dir(str(d))
     before = len(os.listdir("/proc/self/fd"))
-    hasher = image.ChunkHasher(str(d), workers=1, poll=0.005).follow()
+    hasher = chunk_hasher.ChunkHasher(str(d), workers=1, poll=0.005).follow()
     (d / "pages-1.img").write_bytes(os.urandom(4 * 2**16))
     _wait_for(lambda: hasher.hashed_early() > 0)
     hasher.stop()

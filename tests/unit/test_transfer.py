@@ -270,3 +270,64 @@ def test_progress_files_are_replaced_never_written_through(tmp_path):
     p.close()
     assert victim.read_text() == "secret\n"
     assert not path.exists() and stale.exists(), "only its own file is removed"
+
+
+def _push_while_written(tmp_path, sizes, streams=2, **sender_kw):
+    """A checkpoint's push as engine/checkpoint.py runs it: the streams open, the push watches the image
+    while its page files grow (in odd sizes, as a dump appends), then the dump ends and the checksums come
+    from ChunkHasher with the push's digests. Returns (src, dest, checksums, hasher, sender)."""
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import chunk_hasher
+    src, dest = tmp_path / "src", tmp_path / "dest"
+    image.prepare_dir(str(src))
+    sender = transfer.Sender(_target(), str(dest), streams=streams, receiver={"image_id": "img-p"}, **sender_kw).start()
+    pushed = sender.take_checksums()
+    sender.watch(str(src))
+    hasher = chunk_hasher.ChunkHasher(str(src), pushed=pushed).follow()
+    try:
+        for rel, size in sizes.items():
+            with open(src / rel, "wb") as fh:
+                left = size
+                while left:
+                    n = min(left, 300001)
+                    fh.write(os.urandom(n))
+                    fh.flush()
+                    left -= n
+                    time.sleep(0.002)
+        sender.complete(str(src))
+        final = hasher.checksums()
+    finally:
+        hasher.stop()
+    return src, dest, final, hasher, sender
+
+
+def test_the_push_hashes_what_it_sends_and_the_checkpoint_reads_no_chunk_twice(tmp_path, fake_ssh, small_chunks,
+                                                                              monkeypatch):
+    """Issue 32: a pushed image is read once on the source, by the push, which hashes each chunk on its way;
+    the checksums are those of the finished files, and the target's receipts match them."""
+    hashed_here = []
+    real = image._hash_range
+    monkeypatch.setattr(image, "_hash_range", lambda fd, off, n: hashed_here.append(n) or real(fd, off, n))
+    sizes = {"pages-1.img": 5 * 2**20 + 4321, "pages-2.img": 2 * 2**20, "core-1.img": 700, "pages-3.img": 0}
+    src, dest, final, hasher, sender = _push_while_written(tmp_path, sizes)
+    assert [n for n in hashed_here if n] == [], "no chunk of the image was read again for its checksum"
+    assert final == image.checksum_files(str(src)), "the push's digests are the finished files' checksums"
+    assert hasher.hashed_early() == sum(sizes.values())
+    image.write_manifest(str(src), {"id": "img-p", "files": final})
+    sender.finish(str(src))
+    assert set(image.receipts(str(dest), final)) == {rel for rel, size in sizes.items() if size}
+    image.verify(str(dest))
+    for rel in sizes:
+        assert _digest(dest / rel) == _digest(src / rel)
+
+
+def test_a_push_that_breaks_leaves_its_chunks_to_be_hashed_here(tmp_path, fake_ssh, small_chunks, monkeypatch):
+    """A stream cut during the dump: the chunks it did not send are hashed by the checkpoint itself, the
+    checksums are still the files', and nothing waits for a digest that will never come."""
+    monkeypatch.setenv("FAKE_SSH_CUT", str(tmp_path / "cut-once"))
+    monkeypatch.setenv("FAKE_SSH_CUT_BYTES", str(2 * 2**20))
+    src, dest, final, hasher, sender = _push_while_written(tmp_path, {"pages-1.img": 6 * 2**20 + 1}, streams=1)
+    assert final == image.checksum_files(str(src))
+    assert hasher.hashed_early() < 6 * 2**20 + 1
+    with pytest.raises(GpuCkptError):
+        sender.finish(str(src))
+    sender.abort()

@@ -31,7 +31,6 @@ import json
 import os
 import re
 import stat
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -183,8 +182,8 @@ def _checksums(dir_fd, where, files=None, known=None):
     """{relpath: {"size": n, "sha256_chunks": [...]}} of the image in the directory ``dir_fd`` (named
     ``where`` in errors), computed on all cores, each file opened without following a symlink; a file
     of ``files`` (default: all of them) that is absent maps to None. ``known``: {(rel, chunk index,
-    (st_dev, st_ino)): digest} already taken of whole chunks (ChunkHasher), used for a file that is
-    still that inode and still holds that whole chunk."""
+    (st_dev, st_ino)): (length, digest)} already taken of chunks (ChunkHasher), each used for a file that
+    is still that inode and whose chunk is still that long (a file's last chunk only once it is final)."""
     known = known or {}
     files = sorted(_walk(dir_fd, where)) if files is None else list(files)
     fds, jobs, out = {}, [], {}
@@ -204,11 +203,12 @@ def _checksums(dir_fd, where, files=None, known=None):
             size = st.st_size
             out[rel] = {"size": st.st_size, "sha256_chunks": [None] * len(range(0, max(size, 1), CHUNK))}
             for i, off in enumerate(range(0, max(size, 1), CHUNK)):
-                digest = known.get((rel, i, (st.st_dev, st.st_ino))) if off + CHUNK <= size else None
-                if digest is not None:
-                    out[rel]["sha256_chunks"][i] = digest
+                length = max(0, min(CHUNK, size - off)) if size else 0
+                taken = known.get((rel, i, (st.st_dev, st.st_ino)))
+                if taken is not None and taken[0] == length:
+                    out[rel]["sha256_chunks"][i] = taken[1]
                 else:
-                    jobs.append((rel, i, off, max(0, min(CHUNK, size - off)) if size else 0))
+                    jobs.append((rel, i, off, length))
         with ThreadPoolExecutor(_workers()) as pool:
             digests = list(pool.map(lambda j: _hash_range(fds[j[0]], j[2], j[3]), jobs))
         for (rel, i, _off, _len), d in zip(jobs, digests):
@@ -217,93 +217,6 @@ def _checksums(dir_fd, where, files=None, known=None):
         for fd in fds.values():
             os.close(fd)
     return out
-
-
-class ChunkHasher(object):
-    """The manifest's checksums, taken while the runtime writes the image: each whole chunk of a
-    growing page file is hashed as soon as it is written (CRIU only appends to them), so that once
-    the dump ends only the last chunks and the small files are left to hash, not the whole image.
-
-    ``follow()`` starts hashing; ``checksums()`` stops following and returns what checksum_files
-    would. A chunk hashed early is used only if its file is still the same inode and at least as long;
-    anything else is hashed again at the end. ``stop()`` (idempotent) ends it on any path."""
-
-    def __init__(self, image_dir, workers=None, poll=0.05):
-        self.image_dir = image_dir
-        self.poll = poll
-        # A quarter of the cores: the dump and the push's ciphers run beside it, and one thread hashes
-        # faster (about 1.8 GB/s) than CRIU writes; what falls behind is hashed on all cores at the end.
-        self.pool = ThreadPoolExecutor(workers or max(1, min(8, usable_cpus() // 4)))
-        self.early = {}        # (rel, chunk index) -> future of its digest
-        self.inodes = {}       # rel -> (st_dev, st_ino) its early chunks were read from
-        self.fds = {}
-        self._stop = threading.Event()
-        self._thread = None
-        self._dir_fd = None
-
-    def follow(self):
-        self._dir_fd = open_dir(self.image_dir)
-        self._thread = threading.Thread(target=self._loop, name="gpuckpt-hash-follow")
-        self._thread.daemon = True
-        self._thread.start()
-        return self
-
-    def _loop(self):
-        while not self._stop.wait(self.poll):
-            try:
-                for rel, st in walk(self.image_dir).items():
-                    if GROWING.match(os.path.basename(rel)):
-                        self._hash_whole_chunks(rel, st)
-            except (OSError, ImageError, UnsafePath):
-                pass  # a file went away (a failed dump is being discarded): checksums() decides
-
-    def _hash_whole_chunks(self, rel, st):
-        ident = (st.st_dev, st.st_ino)
-        if self.inodes.setdefault(rel, ident) != ident:
-            return  # replaced while we followed it: all of it is hashed at the end
-        if rel not in self.fds:
-            self.fds[rel] = open_beneath(self._dir_fd, rel)
-        for i in range(st.st_size // CHUNK):
-            if (rel, i) not in self.early:
-                self.early[(rel, i)] = self.pool.submit(_hash_range, self.fds[rel], i * CHUNK, CHUNK)
-
-    def _stop_following(self):
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
-
-    def checksums(self, files=None):
-        self._stop_following()
-        try:
-            final = checksum_files(self.image_dir, files, known=self._known())
-        finally:
-            self.stop()
-        return final
-
-    def _known(self):
-        known = {}
-        for (rel, i), fut in self.early.items():
-            try:
-                known[(rel, i, self.inodes[rel])] = fut.result()
-            except (OSError, ValueError):
-                pass  # hashed again at the end
-        return known
-
-    def hashed_early(self):
-        return sum(1 for f in self.early.values() if f.done() and not f.exception()) * CHUNK
-
-    def stop(self):
-        self._stop_following()
-        for fut in self.early.values():
-            fut.cancel()  # an abandoned dump: do not hash the rest of it
-        self.pool.shutdown(wait=True)
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds = {}
-        if self._dir_fd is not None:
-            os.close(self._dir_fd)
-            self._dir_fd = None
 
 
 def _signature(manifest, key):

@@ -25,6 +25,7 @@ The manifest's checksums, verified on the target before any restore, prove the c
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import queue
@@ -35,6 +36,7 @@ import subprocess
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
 
 # The receiver program's modules, imported here (not by name at run time) so that Ansible packs them
 # with every module that sends an image.
@@ -50,6 +52,8 @@ from .errors import GpuCkptError, InvalidTarget, TransactionError
 from .progress import BytesProgress
 
 CHUNK = image.CHUNK
+HASHED_BLOCK = 2**20   # a piece hashed on its way goes in blocks read, hashed and written while in the core's cache
+FENCE_EVERY = 8 * 2**20
 FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
 GROWING = image.GROWING
 # The receiver program: these modules' sources, in this order (each needs only those before it).
@@ -184,6 +188,7 @@ class Stream(object):
                                      start_new_session=True)
         self._write(program)
         self.ready = None
+        self._block = None
 
     def _write(self, data):
         fd = self.proc.stdin.fileno()
@@ -208,11 +213,16 @@ class Stream(object):
         self.ready = self.reply("starting")
         return self.ready
 
-    def send(self, header, path=None, off=0, length=0, bucket=None, fence=None, progress=None):
+    def send(self, header, path=None, off=0, length=0, bucket=None, fence=None, progress=None, hashing=False):
+        """Send ``header``, then ``length`` bytes of ``path`` from ``off``: by the kernel (sendfile), or,
+        ``hashing``, read and hashed on their way; then returns ((st_dev, st_ino), sha256 hex digest) of
+        what went."""
         self._write((json.dumps(header) + "\n").encode())
         if path is None:
-            return
+            return None
         with open(path, "rb") as fh:
+            if hashing:
+                return self._send_hashed(fh, path, off, length, bucket, fence, progress)
             done = 0
             while done < length:
                 n = min(8 * 2**20 if bucket is None else 2**20, length - done)
@@ -226,6 +236,30 @@ class Stream(object):
                 done += sent
                 if progress is not None:
                     progress.add(sent)
+
+    def _send_hashed(self, fh, path, off, length, bucket, fence, progress):
+        # One reading of the piece for both the stream and the manifest's checksum (ChunkHasher's pushed).
+        st = os.fstat(fh.fileno())
+        digest = hashlib.sha256()
+        if self._block is None:
+            self._block = memoryview(bytearray(HASHED_BLOCK))
+        out, done = self.proc.stdin.fileno(), 0
+        while done < length:
+            if fence is not None and done % FENCE_EVERY == 0:
+                fence()
+            got = os.preadv(fh.fileno(), [self._block[:min(HASHED_BLOCK, length - done)]], off + done)
+            if got <= 0:
+                raise OSError("%s is shorter than expected at byte %d" % (path, off + done))
+            view = self._block[:got]
+            digest.update(view)
+            while view:
+                view = view[os.write(out, view):]
+            if bucket is not None:
+                bucket.take(got)
+            done += got
+            if progress is not None:
+                progress.add(got)
+        return (st.st_dev, st.st_ino), digest.hexdigest()
 
     def stderr(self):
         self.err.seek(0)
@@ -293,6 +327,7 @@ class Sender(object):
         self.before_deliver, self.fence = before_deliver, fence
         self.piece = piece or CHUNK
         self.open_streams = []
+        self.digests = None  # take_checksums()
         self.queue = queue.Queue()
         self.threads, self.errors = [], []
         self.sent_upto = {}  # rel -> bytes queued from the start of the file
@@ -333,23 +368,30 @@ class Sender(object):
     def _sender(self, stream):
         while True:
             item = self.queue.get()
+            taken = None
             try:
                 if item is None:
                     return
+                root, rel, off, length, digest = item
                 if self.errors:
                     continue  # a stream failed: this attempt is lost anyway, drain the queue
-                root, rel, off, length = item
                 # (a piece cut half-way was counted in progress; each attempt of send_image starts the
                 # count again from what the target holds)
-                stream.send({"op": "data", "path": rel, "off": off, "len": length}, os.path.join(root, rel), off,
-                            length, self.bucket, self.fence, self.progress)
+                sent = stream.send({"op": "data", "path": rel, "off": off, "len": length}, os.path.join(root, rel), off,
+                                   length, self.bucket, self.fence, self.progress, hashing=digest is not None)
+                taken = None if digest is None else (sent[0], length, sent[1])
                 with self._lock:
                     self.bytes_sent += length
             except (OSError, ValueError) as exc:
                 self.errors.append(stream.failure("the stream broke (%s)" % exc))
             except GpuCkptError as exc:
                 self.errors.append(exc)
+            except Exception as exc:  # noqa: BLE001 - any failure ends this attempt, never the thread silently
+                self.errors.append(TransferError("transfer to %s, stream %d: %r" % (self.target, stream.index, exc),
+                                                 stage="transfer"))
             finally:
+                if item is not None and item[4] is not None:
+                    _settle(item[4], taken)  # None: not sent, the checkpoint hashes that chunk itself
                 self.queue.task_done()
 
     def _raise_first_error(self):
@@ -357,6 +399,14 @@ class Sender(object):
             raise self.errors[0]
 
     # -- what to send -------------------------------------------------------------------------------
+    def take_checksums(self):
+        """Have the push hash each chunk it sends, as it reads it to send it: {(rel, chunk index): future of
+        ((st_dev, st_ino), length, sha256 hex digest), or None where it was not sent}, for the checkpoint's
+        chunk_hasher.ChunkHasher (``pushed``). None when the pieces are not the manifest's chunks."""
+        if self.piece == CHUNK and self.digests is None:
+            self.digests = {}
+        return self.digests
+
     def _queue_ranges(self, image_dir, rel, upto, during):
         start = self.sent_upto.get(rel, 0)
         skip = self.skip.get(rel, ())
@@ -365,7 +415,10 @@ class Sender(object):
             if during and n < self.piece:
                 break  # only whole pieces while the file still grows
             if start not in skip:
-                self.queue.put((image_dir, rel, start, n))
+                digest = None
+                if self.digests is not None:
+                    digest = self.digests[(rel, start // CHUNK)] = Future()
+                self.queue.put((image_dir, rel, start, n, digest))
             start += n
         self.sent_upto[rel] = start
 
@@ -448,6 +501,16 @@ class Sender(object):
             s.kill()
         for _t in self.threads:
             self.queue.put(None)  # let each sender thread end
+        for fut in list((self.digests or {}).values()):
+            _settle(fut, None)  # whoever waits for a checksum of the push hashes that chunk itself
+
+
+def _settle(future, value):
+    """Give ``future`` its value unless it has one (a sender thread and abort() may both try)."""
+    try:
+        future.set_result(value)
+    except Exception:  # noqa: BLE001 - concurrent.futures.InvalidStateError: it was settled already
+        pass
 
 
 def send_image(image_dir, target, dest, receiver=None, streams=0, bwlimit_kbps=0, retries=3, retry_delay=1.0,
@@ -506,94 +569,3 @@ def replica_call(target, config, timeout=60):
         return doc
     finally:
         stream.kill()
-
-
-# -- a probe of the link: the same transfer, of a scratch image made for it, then removed on both hosts ----
-PROBE_BLOCK = 16 * 2**20
-PROBE_FILE = "probe.bin"
-
-
-def write_probe_image(scratch_dir, mib, probe_id):
-    """A complete image in the (new, empty) directory ``scratch_dir``: ``mib`` MiB of random bytes, which
-    nothing on the way can compress, in one file, and its manifest."""
-    dir_fd = fsutil.open_dir(scratch_dir)
-    try:
-        fd = fsutil.open_beneath(dir_fd, PROBE_FILE, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
-    finally:
-        os.close(dir_fd)
-    with os.fdopen(fd, "wb") as fh:
-        left = mib * 2**20
-        while left:
-            fh.write(os.urandom(min(PROBE_BLOCK, left)))
-            left -= min(PROBE_BLOCK, left)
-    return image.write_manifest(scratch_dir, {"id": probe_id, "probe": True, "files": image.checksum_files(scratch_dir)})
-
-
-def remove_probe(target, dest, probe_id):
-    """Have a receiver on the target remove the probe's scratch image at ``dest`` (receiver.remove_probe_dir:
-    only the directory a receiver created for this probe). Returns whether it was there."""
-    stream = Stream(target, {"dest": dest, "image_id": probe_id, "remove_probe": True}, receiver_program(), 0)
-    try:
-        removed = bool(stream.wait_ready().get("removed"))
-        stream.close(target.io_timeout)
-        return removed
-    finally:
-        stream.kill()
-
-
-def _clean_probe(scratch_dir, made, target, dest, probe_id, reached):
-    """Remove the probe's scratch image here and (once the transfer may have reached it) on the target.
-    Returns what could not be removed, in words, or None; never raises (a failure in flight stays the error)."""
-    left = []
-    try:
-        fsutil.remove_tree(scratch_dir, made)
-    except OSError as exc:
-        left.append("its scratch image %s on this host (%s)" % (scratch_dir, exc))
-    for attempt in range(2 if reached else 0):
-        try:
-            remove_probe(target, dest, probe_id)
-            break
-        except (OSError, GpuCkptError) as exc:
-            if attempt:
-                left.append("its scratch image %s on %s may be left (%s)" % (dest, target, exc))
-            else:
-                time.sleep(1)
-    return "the probe could not remove %s" % " and ".join(left) if left else None
-
-
-def probe(scratch_dir, target, dest, mib, streams=0, bwlimit_kbps=0, retries=3, progress_file=None):
-    """Measure the link to ``target`` with the transfer a migration uses: write a scratch image of ``mib``
-    MiB in ``scratch_dir`` (new) and send it to ``dest`` (named receiver.PROBE_PREFIX*, new) with
-    send_image, timed alone; then remove both copies, also when the transfer failed.
-    Returns {"bytes", "seconds", "bytes_s", "streams", "attempts"}."""
-    try:
-        receiver.check_probe_dir(dest)
-    except receiver.Refused as exc:
-        raise InvalidTarget("dest %s" % exc, stage="preflight", hint="name the probe's directory on the target "
-                            "%s<something> (below its image root)" % receiver.PROBE_PREFIX)
-    if int(mib) < 1:
-        raise InvalidTarget("a probe sends at least 1 MiB, not %r" % mib, stage="preflight")
-    probe_id = "probe-" + os.urandom(8).hex()
-    try:
-        made = fsutil.create_private_dir(scratch_dir)
-    except (fsutil.UnsafePath, OSError) as exc:
-        raise InvalidTarget("cannot create the probe's scratch image %s: %s" % (scratch_dir, exc), stage="preflight",
-                            hint="give a new directory below root-owned parents that others cannot write")
-    reached = False
-    try:
-        write_probe_image(scratch_dir, int(mib), probe_id)
-        reached = True
-        report = send_image(scratch_dir, target, dest, receiver={"image_id": probe_id, "probe": True}, streams=streams,
-                            bwlimit_kbps=bwlimit_kbps, retries=retries, progress_file=progress_file)
-    except BaseException as exc:
-        left = _clean_probe(scratch_dir, made, target, dest, probe_id, reached)
-        if left and isinstance(exc, GpuCkptError):
-            exc.msg = "%s; %s" % (exc.msg, left)
-        raise
-    left = _clean_probe(scratch_dir, made, target, dest, probe_id, reached)
-    if left:
-        raise TransferError("the probe sent %d bytes to %s in %.2fs, but %s" % (report["bytes_transferred"], target,
-                            report["seconds"], left), retryable=False, stage="transfer")
-    sent, seconds = report["bytes_transferred"], report["seconds"]
-    return {"bytes": sent, "seconds": seconds, "bytes_s": int(round(sent / seconds)) if seconds > 0 else None,
-            "streams": report["streams"], "attempts": report["attempts"]}

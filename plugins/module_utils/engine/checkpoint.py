@@ -18,6 +18,7 @@ import os
 import time
 import uuid
 
+from ..core import chunk_hasher
 from ..core import hugepages
 from ..core import image
 from ..core import memdir
@@ -105,9 +106,11 @@ class _Steps(object):
 
     def dump(self, c):
         sender = self.sender
-        if sender is not None:
-            sender.watch(c.image_dir)  # the page files' completed pieces go while the dump writes them
-        c.hasher = image.ChunkHasher(c.image_dir).follow()  # and are hashed while it writes them
+        pushed = None
+        if sender is not None:  # the page files' completed pieces go while the dump writes them, and the push
+            pushed = sender.take_checksums()  # hashes what it reads to send (one reading of the image, not two)
+            sender.watch(c.image_dir)
+        c.hasher = chunk_hasher.ChunkHasher(c.image_dir, pushed=pushed).follow()  # (else hashed here as it is written)
         try:
             c.runtime_info = self.backend.dump(c.root, c.image_dir, c.work, c.after)
         except GpuCkptError as exc:

@@ -1,4 +1,4 @@
-"""core/transfer.probe and the receiver's side of it: a measured probe of the link (gpu_image_sync's probe_mib),
+"""core/link_probe.probe and the receiver's side of it: a measured probe of the link (gpu_image_sync's probe_mib),
 with the transfer a migration uses, that leaves nothing on either host, also when the transfer fails.
 
 TEST DOUBLE: ``ssh`` is replaced by a script that runs the remote command here with sh (the real receiver),
@@ -17,6 +17,7 @@ import zlib
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import link_probe
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import receiver
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, InvalidTarget
@@ -70,7 +71,7 @@ def _roots(tmp_path):
 
 def test_a_probe_measures_the_transfer_and_leaves_nothing_on_either_host(tmp_path, fake_ssh):
     node, target = _roots(tmp_path)
-    res = transfer.probe(str(node / ".gpuckpt-probe-1"), _target(), str(target / ".gpuckpt-probe-1"), 3, streams=2)
+    res = link_probe.probe(str(node / ".gpuckpt-probe-1"), _target(), str(target / ".gpuckpt-probe-1"), 3, streams=2)
     assert res["bytes"] > 3 * 2**20 and res["seconds"] > 0 and res["streams"] == 2 and res["attempts"] == 1
     assert res["bytes_s"] == int(round(res["bytes"] / res["seconds"]))
     assert os.listdir(node) == [] and os.listdir(target) == []
@@ -82,7 +83,7 @@ def test_a_failed_transfer_still_leaves_nothing_and_says_why(tmp_path, fake_ssh,
     node, target = _roots(tmp_path)
     monkeypatch.setenv("FAKE_SSH_CUT", str(len(transfer.receiver_program()) + 2 * 2**20))
     with pytest.raises(GpuCkptError) as err:
-        transfer.probe(str(node / ".gpuckpt-probe-1"), _target(), str(target / ".gpuckpt-probe-1"), 8, streams=1,
+        link_probe.probe(str(node / ".gpuckpt-probe-1"), _target(), str(target / ".gpuckpt-probe-1"), 8, streams=1,
                        retries=0)
     assert "failed after 1 attempt" in err.value.msg and "could not remove" not in err.value.msg
     assert os.listdir(node) == [] and os.listdir(target) == []
@@ -95,12 +96,12 @@ def test_a_scratch_dir_that_exists_or_a_dest_not_named_as_a_probe_is_refused_unt
     mine.mkdir()
     (mine / "keep").write_text("mine")
     with pytest.raises(InvalidTarget, match="cannot create the probe's scratch image"):
-        transfer.probe(str(mine), _target(), str(target / ".gpuckpt-probe-1"), 1)
+        link_probe.probe(str(mine), _target(), str(target / ".gpuckpt-probe-1"), 1)
     assert (mine / "keep").read_text() == "mine"
     with pytest.raises(InvalidTarget, match="not named as a probe"):
-        transfer.probe(str(node / ".gpuckpt-probe-2"), _target(), str(target / "job-1"), 1)
+        link_probe.probe(str(node / ".gpuckpt-probe-2"), _target(), str(target / "job-1"), 1)
     with pytest.raises(InvalidTarget, match="at least 1 MiB"):
-        transfer.probe(str(node / ".gpuckpt-probe-2"), _target(), str(target / ".gpuckpt-probe-2"), 0)
+        link_probe.probe(str(node / ".gpuckpt-probe-2"), _target(), str(target / ".gpuckpt-probe-2"), 0)
     assert sorted(os.listdir(node)) == [".gpuckpt-probe-1"] and os.listdir(target) == []
     assert not fake_ssh.exists()  # nothing reached the target
 
@@ -108,10 +109,10 @@ def test_a_scratch_dir_that_exists_or_a_dest_not_named_as_a_probe_is_refused_unt
 def test_the_scratch_image_is_complete_and_cannot_be_compressed(tmp_path):
     scratch = tmp_path / "scratch"
     scratch.mkdir(mode=0o700)
-    m = transfer.write_probe_image(str(scratch), 2, "probe-x")
+    m = link_probe.write_probe_image(str(scratch), 2, "probe-x")
     assert m["id"] == "probe-x" and m["probe"] and image.image_bytes(m) == 2 * 2**20
     assert image.load_manifest(str(scratch))["files"] == image.checksum_files(str(scratch))
-    data = (scratch / transfer.PROBE_FILE).read_bytes()
+    data = (scratch / link_probe.PROBE_FILE).read_bytes()
     assert len(zlib.compress(data[:2**20], 6)) > 0.99 * 2**20
 
 
