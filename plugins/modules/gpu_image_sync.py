@@ -208,7 +208,7 @@ probe:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import link_probe, transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import link_probe
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import PROGRESS_ARGS, check_path_arg
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
@@ -221,7 +221,7 @@ def probe_link(params, check_mode):
     if check_mode:
         return dict(changed=False, probe=None, msg="check mode: no probe was sent")
     res = link_probe.probe(p["src"], transfer_target(p, "dest_"), p["dest"], p["probe_mib"], streams=p["streams"],
-                         bwlimit_kbps=p["bwlimit"], retries=p["retries"], progress_file=p["progress_file"])
+                           bwlimit_kbps=p["bwlimit"], retries=p["retries"], progress_file=p["progress_file"])
     return dict(changed=False, probe=res, msg="probe: sent %d bytes in %.2fs (%.0f MB/s) over %d stream(s), %d attempt(s)"
                 % (res["bytes"], res["seconds"], (res["bytes_s"] or 0) / 1e6, res["streams"], res["attempts"]))
 

@@ -301,7 +301,7 @@ def _push_while_written(tmp_path, sizes, streams=2, **sender_kw):
 
 
 def test_the_push_hashes_what_it_sends_and_the_checkpoint_reads_no_chunk_twice(tmp_path, fake_ssh, small_chunks,
-                                                                              monkeypatch):
+                                                                               monkeypatch):
     """Issue 32: a pushed image is read once on the source, by the push, which hashes each chunk on its way;
     the checksums are those of the finished files, and the target's receipts match them."""
     hashed_here = []

@@ -84,7 +84,7 @@ def test_a_failed_transfer_still_leaves_nothing_and_says_why(tmp_path, fake_ssh,
     monkeypatch.setenv("FAKE_SSH_CUT", str(len(transfer.receiver_program()) + 2 * 2**20))
     with pytest.raises(GpuCkptError) as err:
         link_probe.probe(str(node / ".gpuckpt-probe-1"), _target(), str(target / ".gpuckpt-probe-1"), 8, streams=1,
-                       retries=0)
+                         retries=0)
     assert "failed after 1 attempt" in err.value.msg and "could not remove" not in err.value.msg
     assert os.listdir(node) == [] and os.listdir(target) == []
     assert open(fake_ssh).read().split() == ["send", "remove"]
