@@ -45,6 +45,14 @@ def push(root, image_id, at, job=JOB, size=3000, manifest=True, just_now=False):
     return path
 
 
+def _flip_first_byte(path):
+    """Corrupt a file for sure: its random first byte inverted (writing a zero left it whole one time in 256)."""
+    with open(path, "r+b") as fh:
+        first = fh.read(1)
+        fh.seek(0)
+        fh.write(bytes([first[0] ^ 0xFF]))
+
+
 def committed(root, image_id, at, keep=3, epoch=1, node="node-a", **meta):
     push(root, image_id, at)
     return replica.commit(str(root), JOB, image_id, epoch, node, keep, meta)
@@ -142,8 +150,7 @@ def test_retention_never_removes_the_only_verified_image_nor_the_one_just_commit
     res = committed(root, "img-late", 1000, keep=1)  # committed after a newer one: kept all the same
     assert res["kept"] == ["img-new", "img-late"] and res["removed"] == []
     # The newest verified one turns out corrupt: the one verified image left is kept whatever keep says.
-    with open(root / JOB / "img-new" / "pages-1.img", "r+b") as fh:
-        fh.write(b"\0\0\0\0")
+    _flip_first_byte(root / JOB / "img-new" / "pages-1.img")
     assert replica.verify_image(str(root), JOB, "img-new") is False
     res = committed(root, "img-3", 3000, keep=1)
     assert res["kept"] == ["img-3"] and sorted(res["removed"]) == ["img-late", "img-new"]
@@ -154,8 +161,7 @@ def test_an_image_that_does_not_verify_is_refused_marked_and_nothing_is_removed(
     root = _root(tmp_path)
     committed(root, "img-1", 1000, keep=1)
     bad = push(root, "img-2", 2000)
-    with open(bad / "pages-1.img", "r+b") as fh:
-        fh.write(b"XXXX")
+    _flip_first_byte(bad / "pages-1.img")
     with pytest.raises(ImageError, match="checksum mismatch"):
         replica.commit(str(root), JOB, "img-2", 1, "node-a", 1, {})
     assert (root / JOB / "img-1").exists() and not _mark(bad)["verified"] and "checksum" in _mark(bad)["corrupt"]
@@ -214,9 +220,7 @@ def test_failover_skips_a_corrupt_image_for_the_previous_verified_one(tmp_path):
     root = _root(tmp_path)
     for i, at in enumerate((1000, 2000, 3000)):
         committed(root, "img-%d" % i, at)
-    with open(root / JOB / "img-2" / "pages-1.img", "r+b") as fh:  # bit rot after the commit
-        fh.seek(100)
-        fh.write(b"\xff")
+    _flip_first_byte(root / JOB / "img-2" / "pages-1.img")  # bit rot after the commit
     # Check mode: what it would do, nothing marked, no epoch raised.
     res = replica.failover_verified(str(root), JOB, "node-a", "node-b", write=False)
     assert res["image_id"] == "img-1" and res["epoch"] is None and res["skipped"][0]["id"] == "img-2"
@@ -232,8 +236,7 @@ def test_failover_skips_a_corrupt_image_for_the_previous_verified_one(tmp_path):
 def test_a_refused_failover_reads_no_image_and_one_without_a_good_image_raises_no_epoch(tmp_path):
     root = _root(tmp_path)
     committed(root, "img-1", 1000)
-    with open(root / JOB / "img-1" / "pages-1.img", "r+b") as fh:
-        fh.write(b"\0")
+    _flip_first_byte(root / JOB / "img-1" / "pages-1.img")
     with pytest.raises(replica.FailoverRefused):
         replica.failover_verified(str(root), JOB, "node-a", "node-a")
     assert _mark(root / JOB / "img-1")["verified"]  # refused before it read anything
@@ -348,8 +351,7 @@ def test_the_module_lists_verifies_fails_over_and_adopts(tmp_path, capsys):
     assert res["record"]["epoch"] == 1 and res["images"][1]["progress"] == {"step": 7}
     res = _run(capsys, root=str(root), job=JOB, state="verify", image_id="img-2")
     assert res["verified"] and not res["changed"] and res["reason"] is None
-    with open(root / JOB / "img-2" / "pages-1.img", "r+b") as fh:
-        fh.write(b"\0")
+    _flip_first_byte(root / JOB / "img-2" / "pages-1.img")
     res = _run(capsys, True, root=str(root), job=JOB, state="failover", lost_node="node-a", target="node-b")
     assert not res["changed"] and res["image_id"] == "img-1" and res["epoch"] is None and res["record"]["epoch"] == 1
     res = _run(capsys, root=str(root), job=JOB, state="failover", lost_node="node-a", target="node-b",
