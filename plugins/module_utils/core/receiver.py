@@ -36,11 +36,14 @@ Files are created 0600 in a 0700 dir: nobody else reads the workload's memory wh
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import os
+import queue
 import stat
 import sys
+import threading
 import time
 
 try:  # a package import; the receiver program defines these names before this code
@@ -59,6 +62,14 @@ TRANSFER_MARK = "transfer.json"  # outside a migration: which image this dir is 
 PROBE_PREFIX = ".gpuckpt-probe-"
 # The exit status of a receiver that refused: the sender does not try again what would be refused again.
 REFUSED = 2
+# A data operation's bytes are read from the stream into blocks of a small pool, which a writer thread writes
+# and hashes while the next blocks are read: reading, writing and hashing one after another in one thread left
+# each stream at a fraction of what its ssh carries (bench/push_bench.py).
+RECEIVE_BLOCK = 2**20
+RECEIVE_BLOCKS = 8
+# The stream's pipe from sshd (and the sender's into ssh), widened from 64 KiB: fewer wake-ups per byte.
+PIPE_SIZE = 2**20
+F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, Linux (the fcntl module names it only from Python 3.10)
 
 
 class Refused(Exception):
@@ -67,6 +78,74 @@ class Refused(Exception):
 
 class StreamCut(Exception):
     """The stream ended before what it announced: a broken connection, which another attempt may get past."""
+
+
+class BlockWriter(object):
+    """Writes (pwrite) and hashes the blocks of data operations in a thread of its own, in the order given,
+    and appends each operation's receipt once all its bytes are written. The first failure (a full disk) is
+    kept and raised in the reading thread by check(); the blocks after it are dropped."""
+
+    def __init__(self, receipt_fd):
+        self.receipt_fd = receipt_fd
+        self.free, self.work = queue.Queue(), queue.Queue()
+        for _ in range(RECEIVE_BLOCKS):
+            self.free.put(memoryview(bytearray(RECEIVE_BLOCK)))
+        self.error = None
+        self.thread = threading.Thread(target=self._run, name="gpuckpt-receive-writer")
+        self.thread.daemon = True
+        self.thread.start()
+
+    def _run(self):
+        while True:
+            item = self.work.get()
+            if item is None:
+                return
+            kind = item[0]
+            try:
+                if self.error is None and kind == "block":
+                    _kind, fd, block, n, off, digest = item
+                    view = block[:n]
+                    digest.update(view)
+                    while view:
+                        written = os.pwrite(fd, view, off)
+                        view, off = view[written:], off + written
+                elif self.error is None and kind == "receipt":
+                    _kind, path, start, total, digest = item
+                    line = json.dumps({"path": path, "off": start, "len": total, "sha256": digest.hexdigest()}) + "\n"
+                    os.write(self.receipt_fd, line.encode())
+            except BaseException as exc:  # noqa: BLE001 - raised again in the reading thread by check()
+                self.error = exc
+            finally:
+                if kind == "block":
+                    self.free.put(item[2])
+                elif kind == "sync":
+                    item[1].set()
+
+    def block(self):
+        """A free block to read into (waits while all are being written)."""
+        self.check()
+        return self.free.get()
+
+    def write(self, fd, block, n, off, digest):
+        self.work.put(("block", fd, block, n, off, digest))
+
+    def receipt(self, path, start, total, digest):
+        self.work.put(("receipt", path, start, total, digest))
+
+    def check(self):
+        if self.error is not None:
+            raise self.error
+
+    def sync(self):
+        """Wait until everything given so far is written; raise its failure."""
+        done = threading.Event()
+        self.work.put(("sync", done))
+        done.wait()
+        self.check()
+
+    def stop(self):
+        self.work.put(None)
+        self.thread.join()
 
 
 class Receiver(object):
@@ -78,6 +157,7 @@ class Receiver(object):
         self.fds, self.fixed = {}, {}
         self.dir_fd = self.state_fd = self.receipt_fd = None
         self.journal = None
+        self.writer = None
 
     # -- opening the destination ----------------------------------------------------------------------
     def open(self):
@@ -186,20 +266,34 @@ class Receiver(object):
         self.out.flush()
 
     def data(self, op):
+        """Read the operation's bytes into blocks the writer writes and hashes meanwhile; its receipt follows
+        them. A stream cut part-way leaves the bytes read so far written, and no receipt of the range."""
         fd, off, left = self._file(op["path"]), int(op["off"]), int(op["len"])
-        h, start, total = hashlib.sha256(), off, left
+        if self.writer is None:
+            self.writer = BlockWriter(self.receipt_fd)
+        digest, start, total = hashlib.sha256(), off, left
         while left:
-            buf = self.inp.read(min(left, 4 << 20))
-            if not buf:
-                raise StreamCut("the stream was cut in %s at byte %d" % (op["path"], off))
-            view = memoryview(buf)
-            while view:
-                n = os.pwrite(fd, view, off)
-                view, off = view[n:], off + n
-            h.update(buf)
-            left -= len(buf)
-        line = json.dumps({"path": op["path"], "off": start, "len": total, "sha256": h.hexdigest()}) + "\n"
-        os.write(self.receipt_fd, line.encode())
+            block = self.writer.block()
+            want, got = min(left, RECEIVE_BLOCK), 0
+            while got < want:
+                n = self.inp.readinto(block[got:want])
+                if not n:
+                    break
+                got += n
+            if got:
+                self.writer.write(fd, block, got, off, digest)
+            else:
+                self.writer.free.put(block)
+            if got < want:
+                self.writer.sync()  # what came before the cut is written, with the receipts of whole ranges
+                raise StreamCut("the stream was cut in %s at byte %d" % (op["path"], off + got))
+            off, left = off + got, left - got
+        self.writer.receipt(op["path"], start, total, digest)
+
+    def _written(self):
+        """All data operations so far are on disk (before an operation that reads or seals them)."""
+        if self.writer is not None:
+            self.writer.sync()
 
     def sums(self, op):
         files = list(op["files"])
@@ -291,6 +385,7 @@ class Receiver(object):
             self._reply(_refusal(exc))
             return REFUSED
         self._reply({"ready": True, "pid": os.getpid()})
+        widen_pipe(self.inp)
         while True:
             line = self.inp.readline()
             if not line:
@@ -301,16 +396,32 @@ class Receiver(object):
                 break
             if kind not in ("data", "sums", "fix", "deliver"):
                 raise Refused("unknown operation %r" % kind)
+            if kind != "data":
+                self._written()
             getattr(self, kind)(op)
+        self._written()
         self.close()
         return 0
 
     def close(self):
+        if self.writer is not None:
+            self.writer.stop()
+            self.writer = None
         for fd in list(self.fds.values()) + [self.receipt_fd, self.state_fd, self.dir_fd]:
             if fd is not None:
                 os.close(fd)
         self.fds = {}
         self.receipt_fd = self.state_fd = self.dir_fd = None
+
+
+def widen_pipe(stream):
+    """Give the stream's pipe PIPE_SIZE bytes where it is a pipe and the kernel allows it; else leave it."""
+    try:
+        fd = stream.fileno()
+        if stat.S_ISFIFO(os.fstat(fd).st_mode):
+            fcntl.fcntl(fd, F_SETPIPE_SZ, PIPE_SIZE)
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is both of the last two)
+        pass
 
 
 def _refusal(exc):
