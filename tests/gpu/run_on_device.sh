@@ -45,6 +45,13 @@ if [ -n "${GPUCKPT_BENCH_SIZES:-}" ]; then
     $(case "${GPUCKPT_BENCH_SAME_SIZE_FLOORS:-0}" in 0) ;; direct) echo --same-size-floors direct ;; *) echo --same-size-floors ;; esac) \
     2>&1 | tee "$OUT/bench.log" | grep -E "RESULT|Error|error" || rc=1
 fi
+# The push alone against the link, between per-host cpusets (issue 32): GPUCKPT_PUSH_BENCH_GB=26
+# GPUCKPT_PUSH_BENCH_ARGS="--streams 4,8 --tree base=.carry-baseline --tree head=.build/collections"
+if [ -n "${GPUCKPT_PUSH_BENCH_GB:-}" ]; then
+  timeout "${GPUCKPT_PUSH_BENCH_TIMEOUT:-300}" python3 bench/push_bench.py --gb "$GPUCKPT_PUSH_BENCH_GB" --cpusets split \
+    --port 2200 ${GPUCKPT_PUSH_BENCH_ARGS:-} 2>&1 | tee "$OUT/push_bench.log" | grep -E "RESULT|SUMMARY|Error|error" || rc=1
+  grep -h '^RESULT ' "$OUT/push_bench.log" | cut -c8- >> "$OUT/results.jsonl" || true
+fi
 # Migration downtime against its floor and the plain chain (issue 3): GPUCKPT_MIGRATE_BENCH_GIB=4
 if [ -n "${GPUCKPT_MIGRATE_BENCH_GIB:-}" ]; then
   python3 bench/migrate_bench.py --torch-gib "$GPUCKPT_MIGRATE_BENCH_GIB" --pid-namespaces 0 ${GPUCKPT_MIGRATE_BENCH_ARGS:-} 2>&1 \
