@@ -212,7 +212,7 @@ def main():
         print("SUMMARY " + json.dumps({k: max(v) for k, v in summary.items()}, sort_keys=True), flush=True)
     finally:
         hosts.stop()
-        subprocess.run(["umount", "-l", src])
+        subprocess.run(["umount", "-l", src], check=False)
         shutil.rmtree(base, ignore_errors=True)
 
 

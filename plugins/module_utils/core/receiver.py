@@ -88,7 +88,7 @@ class BlockWriter(object):
     def __init__(self, receipt_fd):
         self.receipt_fd = receipt_fd
         self.free, self.work = queue.Queue(), queue.Queue()
-        for _ in range(RECEIVE_BLOCKS):
+        for _unused in range(RECEIVE_BLOCKS):
             self.free.put(memoryview(bytearray(RECEIVE_BLOCK)))
         self.error = None
         self.thread = threading.Thread(target=self._run, name="gpuckpt-receive-writer")
