@@ -134,6 +134,85 @@ def ours(hosts, args, base, streams, tag="ours", during_dump=True, restore_early
     return downtime, res["ck"]["image_bytes"], stage1, res
 
 
+class Sampler(object):
+    """Samples, every ``period`` seconds while a variant runs, what could hold the push back: the kernel's dirty and
+    writeback pages against their thresholds, reclaim (pages scanned by kswapd and directly, allocation stalls),
+    MemAvailable, and the share of each host's cores busy. One JSON line per sample (wall-clock ``t``, to set
+    beside the variant's frozen_at and its stages) in ``path``."""
+    VMSTAT = ("nr_dirty", "nr_writeback", "nr_dirty_threshold", "nr_dirty_background_threshold", "pgscan_kswapd",
+              "pgscan_direct", "pgsteal_kswapd", "pgsteal_direct", "allocstall_normal", "allocstall_movable", "nr_shmem",
+              "nr_anon_pages", "nr_file_pages")
+
+    def __init__(self, path, cpusets, period=0.25, dirs=None):
+        import threading
+        self.path, self.period, self.dirs = path, period, dict(dirs or {})
+        self.sets = {n: _cpus(c) for n, c in (cpusets or {}).items()}
+        self.stop_event = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop_event.set()
+        self.thread.join()
+
+    def _run(self):
+        prev = None
+        with open(self.path, "w") as out:
+            while not self.stop_event.wait(self.period):
+                doc = {"t": round(time.time(), 3)}
+                with open("/proc/vmstat") as fh:
+                    for line in fh:
+                        k, v = line.split()
+                        if k in self.VMSTAT:
+                            doc[k] = int(v)
+                with open("/proc/meminfo") as fh:
+                    for line in fh:
+                        if line.startswith(("MemAvailable:", "Dirty:", "Writeback:")):
+                            doc[line.split(":")[0]] = int(line.split()[1]) * 1024
+                for name, d in self.dirs.items():  # the image's bytes on each host so far (allocated blocks)
+                    doc["bytes_" + name] = _allocated(d)
+                cpu = _cpu_jiffies(self.sets)
+                if prev is not None:
+                    doc["busy"] = {n: round((cpu[n][0] - prev[n][0]) / float(max(1, cpu[n][1] - prev[n][1])), 3)
+                                   for n in cpu}
+                prev = cpu
+                out.write(json.dumps(doc) + "\n")
+
+
+def _allocated(path):
+    total = 0
+    for root, _dirs, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.lstat(os.path.join(root, f)).st_blocks * 512
+            except OSError:
+                pass
+    return total
+
+
+def _cpus(spec):
+    out = set()
+    for part in str(spec).split(","):
+        a, _sep, b = part.partition("-")
+        out.update(range(int(a), int(b or a) + 1))
+    return out
+
+
+def _cpu_jiffies(sets):
+    """{host: (busy, total) jiffies over its cores}."""
+    per = {}
+    with open("/proc/stat") as fh:
+        for line in fh:
+            name = line.split(" ", 1)[0]
+            if name.startswith("cpu") and name != "cpu":
+                v = [int(x) for x in line.split()[1:9]]
+                per[int(name[3:])] = (sum(v) - v[3] - v[4], sum(v))
+    return {n: (sum(per[c][0] for c in cs if c in per), sum(per[c][1] for c in cs if c in per)) for n, cs in sets.items()}
+
+
 def shmem_folios():
     """{folio size in KiB: tmpfs/shmem folios of that size allocated so far} from the kernel's mTHP counters
     (what an image tmpfs's huge= policy gave its files); {} on a kernel without them."""
@@ -224,6 +303,9 @@ def main():
                          "ansible_collections tree of another commit: bench/baseline_tree.sh), then the headline again")
     ap.add_argument("--no-chain", default="", metavar="WHY",
                     help="skip the plain chain, saying why (its image on both hosts' disk at once)")
+    ap.add_argument("--samples-dir", metavar="DIR",
+                    help="sample the kernel's dirty pages, reclaim and each host's busy cores while each variant runs, "
+                         "into DIR/samples-<variant>.jsonl (with its stages in DIR/stages-<variant>.json)")
     ap.add_argument("--port", type=int, default=22, help="the loopback hosts' sshd port (another than a test run's)")
     ap.add_argument("--cpusets", default="", help="'split': each loopback host its own half of the cores (as two "
                     "machines), the floor's link measured between those halves in the same run")
@@ -255,7 +337,17 @@ def main():
     def variant(tag, streams=None, **kw):
         """Our migration on a fresh workload, as the variant ``tag``; (downtime, size, stage1, results)."""
         before = shmem_folios()
-        out = ours(hosts, args, base, args.streams if streams is None else streams, tag=tag, **kw)
+        if args.samples_dir:
+            os.makedirs(args.samples_dir, exist_ok=True)
+            dirs = {h: os.path.join(mem_root, h, "bench-" + tag) if mem_root else
+                    os.path.join(hosts.host_dir(h, "images"), "bench-" + tag) for h in ("hosta", "hostb")}
+            with Sampler(os.path.join(args.samples_dir, "samples-%s.jsonl" % tag), hosts.cpusets, dirs=dirs):
+                out = ours(hosts, args, base, args.streams if streams is None else streams, tag=tag, **kw)
+            with open(os.path.join(args.samples_dir, "stages-%s.json" % tag), "w") as fh:
+                json.dump({k: {"frozen_at": v.get("frozen_at"), "resumed_at": v.get("resumed_at"),
+                               "timings": v.get("timings")} for k, v in out[3].items() if isinstance(v, dict)}, fh)
+        else:
+            out = ours(hosts, args, base, args.streams if streams is None else streams, tag=tag, **kw)
         after = shmem_folios()
         folios[tag] = {k: after[k] - before.get(k, 0) for k in sorted(after) if after[k] != before.get(k, 0)}
         settle(tag)
