@@ -298,6 +298,9 @@ def main():
                     help="with --source-in-memory: after the headline variant (the image tmpfs's default huge= "
                          "policy), the same with 4 KiB pages (GPUCKPT_IMAGE_TMPFS_HUGE=never), with 2 MiB pages (=always), then "
                          "the headline again")
+    ap.add_argument("--also-target-in-memory", action="store_true",
+                    help="after the headline variant, the same with the target's image in memory too "
+                         "(gpuckpt_target_image_in_memory), then the headline again")
     ap.add_argument("--baseline-collections", metavar="PATH",
                     help="after the headline variant, the same with the collection found in PATH (an "
                          "ansible_collections tree of another commit: bench/baseline_tree.sh), then the headline again")
@@ -372,6 +375,10 @@ def main():
         pmd_tmpfs = variant("tmpfs2m", extra=dict(headline, gpuckpt_environment=dict(
             PASS_ENV, GPUCKPT_IMAGE_TMPFS_HUGE="always"))) if args.tmpfs_huge_ab else None
         again = variant("again", extra=headline) if args.tmpfs_huge_ab else None
+        # The target's copy in memory as well (gpuckpt_target_image_in_memory), then the headline again.
+        both = variant("both", extra=dict(headline, gpuckpt_target_image_in_memory=True)) \
+            if args.also_target_in_memory else None
+        again = variant("again", extra=headline) if args.also_target_in_memory else again
         # Another build of the collection (an earlier commit's tree), on warm memory, then ours again: an A/B in one run.
         baseline = variant("baseline", extra=headline, collections=args.baseline_collections) \
             if args.baseline_collections else None
@@ -423,6 +430,7 @@ def main():
                "ours_source_in_memory": measured(mem),
                "ours_tmpfs_4k_pages": measured(plain_tmpfs), "ours_tmpfs_huge_always": measured(pmd_tmpfs),
                "ours_again": measured(again), "baseline": measured(baseline),
+               "ours_target_in_memory_too": measured(both),
                "baseline_collections": args.baseline_collections or None,
                "shmem_folios_kib_by_variant": folios,
                "ours_stages": {"checkpoint": res["ck"]["timings"], "push": res["ck"].get("push"),
@@ -441,7 +449,7 @@ def main():
                         ("source image in memory", out["ours_source_in_memory"]),
                         ("image tmpfs in 4 KiB pages", out["ours_tmpfs_4k_pages"]),
                         ("image tmpfs huge=always", out["ours_tmpfs_huge_always"]), ("headline again", out["ours_again"]),
-                        ("baseline build", out["baseline"])):
+                        ("baseline build", out["baseline"]), ("target's image in memory too", out["ours_target_in_memory_too"])):
             if v:
                 print("| %s, %s | %.2f GB | pipelined floor %.2f s | %.2f s | %.2fx of it | chain %s |" % (
                     out["workload"], name, v["image_bytes"] / 1e9, v["pipelined_floor_s"], v["downtime_s"],

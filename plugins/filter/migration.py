@@ -81,6 +81,13 @@ options:
         RAM, and a reserve of 5 % of its RAM, at least 1 GiB.
     type: bool
     default: false
+  target_image_in_memory:
+    description:
+      - The target keeps the image in memory (gpuckpt.fleet.gpu_migration's O(gpuckpt.fleet.gpu_migration#module:image_in_memory)),
+        not on its disk. The disk check no longer counts the target. The V(host_ram) check asks the target's MemAvailable
+        for the image twice (the image and the restored job's memory) and a reserve of 5 % of its RAM, at least 1 GiB.
+    type: bool
+    default: false
 """
 
 EXAMPLES = r"""
@@ -144,13 +151,14 @@ def _check_names(given):
 
 def migration_preflight(src, tgt, source_path, target_path, allow_driver_mismatch=False, check_gpus=True,
                         same_pid_space=False, margin=planner.IMAGE_MARGIN, container=False, allow_unknown=None,
-                        gpu_map=None, image_in_memory=False):
+                        gpu_map=None, image_in_memory=False, target_image_in_memory=False):
     """The planner's verdict on moving the source's tree to the target, as rows and a table for people."""
     try:
         opts = planner.options(source_path=source_path, target_path=target_path, allow_unknown=_check_names(allow_unknown),
                                allow_driver_mismatch=bool(allow_driver_mismatch), check_gpus=bool(check_gpus),
                                same_pid_space=bool(same_pid_space), container=bool(container), margin=float(margin),
-                               gpu_map=gpu_map or None, image_in_memory=bool(image_in_memory))
+                               gpu_map=gpu_map or None, image_in_memory=bool(image_in_memory),
+                               target_image_in_memory=bool(target_image_in_memory))
     except ValueError as exc:
         raise AnsibleFilterError("migration_preflight: %s" % exc)
     plan = planner.plan_move(src.get("tree"), src, tgt, opts)

@@ -176,8 +176,13 @@ def _journal_action(journal, params):
     if action == "begin":
         if not params["image_dir"]:
             raise InvalidTarget("begin needs image_dir", stage="preflight")
-        changed, doc = migration.begin_target(journal, params["image_dir"])
-        return changed, "ready to receive migration %s in %s" % (journal.id, doc["image_dir"]), {}
+        if params.get("image_in_memory") and not params.get("image_memory_bytes"):
+            raise InvalidTarget("image_in_memory needs image_memory_bytes (the image's expected size); nothing was "
+                                "frozen", stage="preflight")
+        changed, doc = migration.begin_target(journal, params["image_dir"], image_memory_bytes=params.get(
+            "image_memory_bytes") if params.get("image_in_memory") else None)
+        return changed, "ready to receive migration %s in %s%s" % (
+            journal.id, doc["image_dir"], " (in memory)" if doc.get("image_in_memory") else ""), {}
     if role == "target":
         res = migration.settle_target(journal, _image_backend(journal, params), mode=action,
                                       remove_image=params["remove_image"], wait=params["wait"],

@@ -55,6 +55,20 @@ options:
   image_dir:
     description: For C(begin), the directory the image will arrive in (it must not exist).
     type: path
+  image_in_memory:
+    description:
+      - For C(begin), keep the image in memory on this target, off its disk, as C(gpuckpt.fleet.gpu_checkpoint)'s
+        O(gpuckpt.fleet.gpu_checkpoint#module:image_in_memory) does on the source. A tmpfs of the image's own, sized
+        O(image_memory_bytes) times 1.2 plus 256 MiB (a cap, not memory taken), is mounted on the new directory, and
+        the settlement's removal of the directory unmounts it.
+      - Refused, before anything is made or frozen, where this host's MemAvailable does not hold the image, the restored
+        job's copy of its memory (its size again) and a reserve (5 % of its RAM, at least 1 GiB).
+      - An image that outgrows the tmpfs fails its transfer (the target's "disk" is full), and the migration rolls back.
+    type: bool
+    default: false
+  image_memory_bytes:
+    description: With O(image_in_memory), the image's expected size in bytes (the preflight's estimate).
+    type: int
   remove_image:
     description: On commit, remove this host's image directory (only the one this migration created).
     type: bool
@@ -169,6 +183,8 @@ def main():
         action=dict(type="str", default="status", choices=["status", "begin", "settle", "commit", "rollback"]),
         journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
         image_dir=dict(type="path"),
+        image_in_memory=dict(type="bool", default=False),
+        image_memory_bytes=dict(type="int"),
         remove_image=dict(type="bool", default=False),
         keep_image_on_rollback=dict(type="bool", default=False),
         target_phase=dict(type="str"),

@@ -85,3 +85,35 @@ def test_a_source_that_cannot_hold_the_image_is_refused_before_the_freeze(playbo
     assert not os.path.exists(hosts.path("hosta", "journal", "t-mem-ram.source.json"))
     assert w.one_copy_runs_intact()
     assert not image_mounts(hosts, "hosta") and not os.path.exists(hosts.path("hosta", "images", "t-mem-ram"))
+
+
+def test_both_images_in_memory_move_and_leave_no_tmpfs_behind(playbook, hosts, remote_workload):
+    """gpuckpt_target_image_in_memory: the target's copy lands in a tmpfs of its own as well (no disk on the migration
+    path), removed with the commit; a failed restore there rolls back with nothing left on either host."""
+    w = remote_workload(mb=32)
+    run = migrate(playbook, hosts, w, "t-mem-both", gpuckpt_image_in_memory=True, gpuckpt_target_image_in_memory=True)
+    assert run.rc == 0, run.stdout
+    assert "(in memory)" in run.task("Start the migration")["msg"]
+    preflight = "\n".join(run.task("Show the preflight")["msg"])
+    assert "host RAM on the target for the restore and the image in memory" in preflight
+    with open(hosts.path("hostb", "journal", "t-mem-both.target.json")) as fh:
+        target_doc = json.load(fh)
+    assert target_doc["phase"] == "committed" and target_doc["image_in_memory"]["size_bytes"] > 32 * 2**20
+    assert w.one_copy_runs_intact()
+    assert not image_mounts(hosts, "hosta") and not image_mounts(hosts, "hostb")
+    assert not os.path.exists(hosts.path("hostb", "images", "t-mem-both"))
+    again = migrate(playbook, hosts, w, "t-mem-both", gpuckpt_image_in_memory=True, gpuckpt_target_image_in_memory=True)
+    assert again.rc == 0 and changed_tasks(again) == [], changed_tasks(again)
+
+    with restore_fails_on(hosts, "hosta"):
+        back = migrate(playbook, hosts, w, "t-mem-both-fail", source="hostb", target="hosta",
+                       gpuckpt_target_image_in_memory=True)
+    assert back.rc != 0 and "runs on hostb" in back.task("Migration failed and was rolled back")["msg"]
+    assert w.one_copy_runs_intact()
+    assert not image_mounts(hosts, "hosta") and not image_mounts(hosts, "hostb")
+    assert not os.path.exists(hosts.path("hosta", "images", "t-mem-both-fail"))
+
+    kept = migrate(playbook, hosts, w, "t-mem-both-keep", source="hostb", target="hosta",
+                   gpuckpt_target_image_in_memory=True, gpuckpt_keep_target_image=True)
+    assert kept.rc != 0 and "gpuckpt_keep_target_image would hold the image's tmpfs" in kept.stdout
+    assert w.one_copy_runs_intact()

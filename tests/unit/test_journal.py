@@ -209,3 +209,32 @@ def test_remove_tree_removes_only_what_we_created(tmp_path):
     assert fsutil.remove_tree(str(d), ident) is False
     assert (tmp_path / "mine" / "theirs").read_text() == "keep"
     assert fsutil.remove_tree(str(tmp_path / "moved"), ident) is True
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+def test_begin_keeps_the_targets_image_in_memory_and_the_settlement_unmounts_it(tmp_path, monkeypatch):
+    """gpu_migration begin's image_in_memory (issue 32): a tmpfs of the image's own on the new directory, sized from
+    the expected size; its root's identity is the one recorded, so the settlement's removal unmounts it. A host
+    whose RAM cannot hold the image twice and a reserve is refused with nothing made."""
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import memdir
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import in_memory
+    root = tmp_path / "images"
+    root.mkdir()
+    avail = {"bytes": 8 * 2**30}
+    monkeypatch.setattr(in_memory.procfs, "meminfo", lambda: {"total_bytes": 16 * 2**30, "available_bytes": avail["bytes"]})
+    j = _journal(tmp_path)
+    changed, doc = migration.begin_target(j, str(root / "m1"), image_memory_bytes=64 * 2**20)
+    assert changed and memdir.is_image_mount(str(root / "m1"))
+    assert doc["image_in_memory"]["size_bytes"] == int(64 * 2**20 * 1.2) + in_memory.OTHER_IMAGES
+    assert memdir.usage(str(root / "m1"))["size_bytes"] >= doc["image_in_memory"]["size_bytes"]
+    assert migration.begin_target(j, str(root / "m1"), image_memory_bytes=64 * 2**20) == (False, j.read())
+    (root / "m1" / "pages-1.img").write_bytes(b"p" * 4096)
+    assert migration.settle_target(j)["decision"] == "rollback"
+    assert not (root / "m1").exists() and not memdir.is_image_mount(str(root / "m1"))
+
+    avail["bytes"] = 2**30 + 100 * 2**20  # less than twice 64 MiB and a 1 GiB reserve
+    with pytest.raises(InvalidTarget, match="restored job's memory.*nothing was frozen"):
+        migration.begin_target(_journal(tmp_path, mid="m3"), str(root / "m3"), image_memory_bytes=64 * 2**20)
+    assert not (root / "m3").exists() and _journal(tmp_path, mid="m3").read() is None
+    with pytest.raises(InvalidTarget, match="size is unknown"):
+        migration.begin_target(_journal(tmp_path, mid="m4"), str(root / "m4"), image_memory_bytes=0)

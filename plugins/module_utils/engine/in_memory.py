@@ -72,6 +72,46 @@ def plan(pids, cuda_pids, size_bytes=None):
     return out
 
 
+# The target's tmpfs is sized before the source's checkpoint measured anything: from the preflight's estimate,
+# with room for an image a little bigger (a tmpfs's size is a cap, not memory taken).
+TARGET_HEADROOM = 1.2
+
+
+def target_plan(expected_bytes):
+    """A migration's target keeping its image in memory (gpu_migration begin's ``image_in_memory``): the tmpfs's
+    size for an image of about ``expected_bytes``, and whether this host's RAM holds, on top of what runs now, the
+    image, the restore's copy of the job's memory (CRIU brings its pages into host RAM before the driver moves the
+    GPU's part back) and the reserve. Returns {"size_bytes", "expected_bytes", "available_bytes", "reserve_bytes",
+    "tmpfs_huge"}; raises InvalidTarget, before anything is made or frozen, when it does not fit or is unknown."""
+    hint = "leave gpuckpt_target_image_in_memory off (the image lands on the target's disk), or free host memory"
+    try:
+        expected = int(expected_bytes)
+    except (TypeError, ValueError):
+        expected = 0
+    if expected <= 0:
+        raise InvalidTarget("image_in_memory on the target: the image's size is unknown (image_memory_bytes %r), so its "
+                            "tmpfs cannot be sized; nothing was frozen" % (expected_bytes,), stage="preflight",
+                            hint="give gpuckpt_image_memory_bytes, or " + hint)
+    try:
+        huge = memdir.huge_policy()
+    except ValueError as exc:
+        raise InvalidTarget("image_in_memory: %s; nothing was frozen" % exc, stage="preflight")
+    mem = procfs.meminfo()
+    total, avail = mem["total_bytes"], mem["available_bytes"]
+    out = {"size_bytes": int(expected * TARGET_HEADROOM) + OTHER_IMAGES, "expected_bytes": expected,
+           "available_bytes": avail, "tmpfs_huge": huge}
+    if avail is None or total is None:
+        raise InvalidTarget("image_in_memory on the target: this host's free memory is unknown (/proc/meminfo has no "
+                            "MemAvailable); nothing was frozen", stage="preflight", hint=hint, details=out)
+    out["reserve_bytes"] = reserve = memdir.reserve_bytes(total)
+    if avail < 2 * expected + reserve:
+        raise InvalidTarget("image_in_memory on the target: this host has %s available; it needs %s for the image in "
+                            "memory, %s for the restored job's memory and %s in reserve; nothing was frozen"
+                            % (_gib(avail), _gib(expected), _gib(expected), _gib(reserve)),
+                            stage="preflight", hint=hint, details=out)
+    return out
+
+
 def mount(image_dir, made, size_bytes, huge=None):
     """Mount the image's tmpfs on the directory prepare_dir just made; ``made``'s identity becomes the
     tmpfs root's (every later removal finds, and unmounts, it by that identity). On failure the directory

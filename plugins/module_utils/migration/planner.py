@@ -41,10 +41,11 @@ the image's estimated size (None: unknown), and the names of the checks that fai
 unknown but accepted."""
 
 Options = namedtuple("Options", "source_path target_path allow_unknown allow_driver_mismatch check_gpus "
-                                "same_pid_space container margin gpu_map image_in_memory")
+                                "same_pid_space container margin gpu_map image_in_memory "
+                                "target_image_in_memory")
 DEFAULTS = {"source_path": None, "target_path": None, "allow_unknown": (), "allow_driver_mismatch": False,
             "check_gpus": True, "same_pid_space": False, "container": False, "margin": IMAGE_MARGIN, "gpu_map": None,
-            "image_in_memory": False}
+            "image_in_memory": False, "target_image_in_memory": False}
 
 
 def options(**given):
@@ -57,7 +58,8 @@ def options(**given):
     - ``container``: the workload keeps its pids in its own pid namespace (no pid check);
     - ``margin``: the image estimate's factor over host RSS + GPU memory;
     - ``gpu_map``: {source GPU UUID: target GPU UUID}, where the restore puts each GPU's memory;
-    - ``image_in_memory``: the source keeps its image in memory (engine/in_memory.py), not on its disk."""
+    - ``image_in_memory``: the source keeps its image in memory (engine/in_memory.py), not on its disk;
+    - ``target_image_in_memory``: the target keeps it in memory (in_memory.target_plan), not on its disk."""
     wrong = set(given) - set(DEFAULTS)
     if wrong:
         raise ValueError("unknown planner options: %s" % ", ".join(sorted(wrong)))
@@ -287,17 +289,40 @@ def _disk(tree, source, target, opts):
     label = "free disk for the image (~%s)" % gib(image_estimate(tree, opts.margin))
     roots = [] if opts.image_in_memory else [("%s:%s" % (_host(source, "source"), opts.source_path),
                                               free(source, opts.source_path))]
-    roots.append(("%s:%s" % (_host(target, "target"), opts.target_path), free(target, opts.target_path)))
+    if not opts.target_image_in_memory:
+        roots.append(("%s:%s" % (_host(target, "target"), opts.target_path), free(target, opts.target_path)))
+    if not roots:
+        return [_check("disk", label, "in memory", "in memory", True)]
     check = _room_for_image("disk", label, roots, tree, source, opts)
-    return [check._replace(source="in memory") if opts.image_in_memory else check]
+    check = check._replace(source="in memory") if opts.image_in_memory else check
+    return [check._replace(target="in memory") if opts.target_image_in_memory else check]
 
 
 def _host_ram(tree, source, target, opts):
-    """The restore brings the process's memory and its GPU memory into the target's host RAM first."""
+    """The restore brings the process's memory and its GPU memory into the target's host RAM first; with the
+    target's image in memory, that RAM holds the image too, and a reserve (in_memory.target_plan checks it again)."""
+    if opts.target_image_in_memory:
+        return [_target_ram(tree, source, target, opts)]
     avail = (target.get("memory") or {}).get("available_bytes")
     check = _room_for_image("host_ram", "host RAM for the restore (MemAvailable)",
                             [(_host(target, "target"), avail)], tree, source, opts)
     return [check._replace(source="-")]
+
+
+def _target_ram(tree, source, target, opts):
+    label = "host RAM on the target for the restore and the image in memory (MemAvailable)"
+    mem = target.get("memory") or {}
+    avail, total = mem.get("available_bytes"), mem.get("total_bytes")
+    need = image_estimate(tree, opts.margin)
+    if need is None:
+        return _unknown("host_ram", label, "-", gib(avail), _why_size_unknown(tree, source))
+    if avail is None or total is None:
+        return _unknown("host_ram", label, "-", "?", "not reported by %s" % _host(target, "target"))
+    need = 2 * need + memdir.reserve_bytes(total)
+    return _check("host_ram", label, "-", gib(avail), avail >= need,
+                  "%s has %s available, the restore with the image in memory needs %s (the image, the restored job's "
+                  "memory and a reserve); leave gpuckpt_target_image_in_memory off" % (_host(target, "target"), gib(avail),
+                                                                                        gib(need)))
 
 
 def _source_ram(tree, source, target, opts):

@@ -40,6 +40,7 @@ from ..core.errors import ImageError, InvalidTarget, TransactionError
 from ..core.fsutil import UnsafePath, create_private_dir, remove_tree, same_dir
 from ..core.journal import (DEFAULT_JOURNAL_DIR, Journal, alive_pids, check_id, identities, process_identity,  # noqa: F401
                             same_process)
+from ..engine import in_memory
 from ..engine.held import release_stopped, resume_stopped
 from ..engine.restore import restore
 
@@ -60,11 +61,13 @@ def status(journal):
 
 
 # ---- the target ---------------------------------------------------------------------------------
-def begin_target(journal, image_dir, wait=30.0):
+def begin_target(journal, image_dir, wait=30.0, image_memory_bytes=None):
     """Before anything is frozen: create the directory this migration's image will arrive in (new,
     0700, below safe parents) and record it with a fresh nonce, the id the source's checkpoint must
     carry. A path that exists already (another job's image, a leftover, a symlink) is refused.
-    Returns (changed, journal document)."""
+    ``image_memory_bytes``: the image's expected size, to keep it in memory here: a tmpfs of its own on
+    that directory (engine/in_memory.target_plan), whose root's identity is the one recorded, so that
+    every settlement's removal unmounts it. Returns (changed, journal document)."""
     image_dir = os.path.abspath(image_dir)
     with journal.hold(wait=wait, purpose="the start of migration %s" % journal.id):
         doc = journal.read()
@@ -79,6 +82,7 @@ def begin_target(journal, image_dir, wait=30.0):
             raise InvalidTarget("the target path %s exists already (%s); refusing to receive this migration's image "
                                 "there: nothing was frozen" % (image_dir, _describe(image_dir)), stage="preflight",
                                 hint="remove it if it is a leftover, or use another migration id or image root")
+        memory = in_memory.target_plan(image_memory_bytes) if image_memory_bytes is not None else None
         try:
             ident = create_private_dir(image_dir)
         except (UnsafePath, FileExistsError, OSError) as exc:
@@ -86,10 +90,15 @@ def begin_target(journal, image_dir, wait=30.0):
                                 stage="preflight", hint="the image root must be owned by root and not writable by "
                                                         "other users")
         try:
+            if memory is not None:
+                made = {"identity": ident}
+                in_memory.mount(image_dir, made, memory["size_bytes"], memory["tmpfs_huge"])  # (removes it on failure)
+                ident = made["identity"]
             doc = journal.transition("receiving", image_dir=image_dir, image_dir_identity=ident,
-                                     nonce=uuid.uuid4().hex, receivers={})
+                                     nonce=uuid.uuid4().hex, receivers={}, image_in_memory=memory)
         except Exception:
-            os.rmdir(image_dir)
+            if os.path.lexists(image_dir):
+                remove_tree(image_dir, ident)
             raise
     return True, doc
 
