@@ -335,6 +335,7 @@ class Sender(object):
         self.skip = {}       # rel -> chunk offsets the target already holds (from sums)
         self.bytes_sent = self.bytes_before_complete = 0
         self._final = None
+        self.finish_steps = None
         self._lock = threading.Lock()
         self._watching = None
         self._stop_watch = threading.Event()
@@ -468,15 +469,18 @@ class Sender(object):
     def finish(self, image_dir, files=None):
         """Send the rest of the complete image, then its sizes, then its manifest. Returns a report."""
         self.complete(image_dir, files)
+        clock = _Steps()
         for _s in self.open_streams:
             self.queue.put(None)
         self.queue.join()
         for t in self.threads:
             t.join()
+        clock.mark("sent")
         self._raise_first_error()
         first, rest = self.open_streams[0], self.open_streams[1:]
         for s in rest:  # every other stream has written all it carried
             s.close(self.target.io_timeout)
+        clock.mark("streams_closed")
         if self.fence is not None:
             self.fence()
         first.send({"op": "fix", "files": sorted([rel, size] for rel, size in self._final.items())})
@@ -484,16 +488,23 @@ class Sender(object):
         size = os.path.getsize(mpath)
         if self.before_deliver is not None:
             self.before_deliver()
+        clock.mark("before_deliver")
         first.send({"op": "deliver", "len": size}, mpath, 0, size)
         first.reply("delivering the manifest")
+        clock.mark("delivered")
         first.close(self.target.io_timeout)
+        clock.mark("closed")
         self.bytes_sent += size
+        self.finish_steps = clock.steps
         return self.report()
 
     def report(self):
-        return {"dest_host": self.target.host, "dest": self.dest, "streams": self.streams,
-                "bytes": self.bytes_sent, "bytes_sent_during_dump": self.bytes_before_complete,
-                "seconds": round(time.monotonic() - (self.started or time.monotonic()), 3)}
+        out = {"dest_host": self.target.host, "dest": self.dest, "streams": self.streams,
+               "bytes": self.bytes_sent, "bytes_sent_during_dump": self.bytes_before_complete,
+               "seconds": round(time.monotonic() - (self.started or time.monotonic()), 3)}
+        if self.finish_steps:  # where the end of the push went (seconds of each step after the last piece was queued)
+            out["finish_steps"] = self.finish_steps
+        return out
 
     def abort(self):
         """Stop at once: kill the streams; the receivers exit without delivering a manifest."""
@@ -504,6 +515,18 @@ class Sender(object):
             self.queue.put(None)  # let each sender thread end
         for fut in list((self.digests or {}).values()):
             _settle(fut, None)  # whoever waits for a checksum of the push hashes that chunk itself
+
+
+class _Steps(object):
+    """Seconds between marks, by the name of the step each mark ends."""
+
+    def __init__(self):
+        self.last, self.steps = time.monotonic(), {}
+
+    def mark(self, name):
+        now = time.monotonic()
+        self.steps[name] = round(now - self.last, 3)
+        self.last = now
 
 
 def _settle(future, value):
