@@ -123,16 +123,20 @@ def test_migrate_onto_the_other_gpu(playbook, gpu_hosts, tmp_path, record):
         w.kill()
 
 
+@pytest.mark.parametrize("target_too", [False, True], ids=["source-in-memory", "target-in-memory-too"])
 def test_a_failed_target_restore_with_the_image_in_memory_resumes_the_source_intact(
-        playbook, gpu_hosts, tmp_path, record):
-    """Issue 32's way back on a GPU: the source's image only in memory (a tmpfs of its own), the target's
-    copy refused by its probe after its GPU memory came back. The loopback hosts share one pid space here,
-    so the source exited after its dump: its in-memory image is the way back, restored onto the GPU."""
+        playbook, gpu_hosts, tmp_path, record, target_too):
+    """Issue 32's way back on a GPU: the source's image only in memory (a tmpfs of its own; and the target's
+    too, ``target_too``), the target's copy refused by its probe after its GPU memory came back. The loopback
+    hosts share one pid space here, so the source exited after its dump: its in-memory image is the way back,
+    restored onto the GPU; no tmpfs of the migration is left on either host."""
     w = RemoteTorch(gpu_hosts, "hosta", str(tmp_path / "w"), GIB)
+    mid = "gpu-mem-fail-target" if target_too else "gpu-mem-fail"
     try:
         before = w.counts()
-        run = _migrate(playbook, gpu_hosts, w.pid, "gpu-mem-fail",
-                       {"gpuckpt_image_in_memory": True, "probe_command": ["/bin/false"]})
+        run = _migrate(playbook, gpu_hosts, w.pid, mid,
+                       {"gpuckpt_image_in_memory": True, "gpuckpt_target_image_in_memory": target_too,
+                        "probe_command": ["/bin/false"]})
         record("gpu_migrate_mem_fail_attempt", rc=run.rc, tail=run.stdout[-3000:])
         assert run.rc != 0
         ck = run.task("Stage 1/3")
@@ -146,8 +150,8 @@ def test_a_failed_target_restore_with_the_image_in_memory_resumes_the_source_int
         assert w.verified_after(w.counts()), "GPU memory checksum after the way back"
         assert any(int(a[0]) == procs[0][0] for a in _apps()), "the resumed source must hold GPU memory"
         mounts = open("/proc/self/mountinfo").read()
-        assert "gpu-mem-fail" not in mounts, "the image tmpfs must be gone after the settlement"
-        record("gpu_migrate_mem_fail", gib=GIB, image_bytes=ck["image_bytes"], image_in_memory=ck["image_in_memory"],
+        assert mid not in mounts, "the image tmpfs must be gone after the settlement"
+        record("gpu_migrate_mem_fail", target_too=target_too, gib=GIB, image_bytes=ck["image_bytes"], image_in_memory=ck["image_in_memory"],
                checkpoint=ck["timings"], resume_msg=back.get("msg"))
     finally:
         w.kill()
