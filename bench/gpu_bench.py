@@ -104,7 +104,7 @@ def cycle(w, image_dir, label, parallel=False, criu_path=None, **options):
     checkpoint_wall = time.perf_counter() - t
     WRITTEN["bytes"] += ck["image_bytes"]
     stopped = w.counts()
-    t = time.perf_counter()
+    t, began = time.perf_counter(), time.time()
     rs = restore(image_dir, parallel=parallel, host_huge_pages=options.get("host_huge_pages", False),
                  backend=ProcessBackend(criu_path) if criu_path else None)
     restore_wall = time.perf_counter() - t
@@ -115,7 +115,12 @@ def cycle(w, image_dir, label, parallel=False, criu_path=None, **options):
             "restore": rs["timings"], "restore_driver": rs["driver_call_seconds"], "image_bytes": ck["image_bytes"],
             "data_intact": ok, "thp": hugepages.read_mode(), "huge_pages": ck.get("huge_pages"),
             "quiesce": ck.get("quiesce"), "checkpoint_wall_s": checkpoint_wall, "restore_wall_s": restore_wall,
-            "restore_verify_s": rs.get("verify_seconds"), "pages_verified_beside_restore": rs.get("pages_verified_beside_restore")}
+            "restore_verify_s": rs.get("verify_seconds"), "pages_verified_beside_restore": rs.get("pages_verified_beside_restore"),
+            # Until the workload runs again (resumed_at: its validation after that is not downtime), less the wait for
+            # the pids of the process this bench dumped a moment before (its exit and reaping, which a restore from an
+            # image taken earlier does not wait for).
+            "restore_running_s": (rs["resumed_at"] - began - rs["timings"].get("wait_pids_free", 0))
+            if rs.get("resumed_at") else None}
 
 
 GPU_COPY_FLOORS = r"""
@@ -292,6 +297,8 @@ def same_size_line(gib, image_bytes, first, second, cold, write, read_warm, read
              "restore_cold_cache": total(read_cold.get("read_s"), h2d)}
     engine = {"checkpoint_first_s": first.get("checkpoint_wall_s"), "checkpoint_second_s": second.get("checkpoint_wall_s"),
               "restore_first_s": first.get("restore_wall_s"), "restore_second_s": second.get("restore_wall_s"),
+              "restore_first_running_s": first.get("restore_running_s"),
+              "restore_second_running_s": second.get("restore_running_s"),
               "checkpoint_first_stages_s": sum(first["checkpoint"].values()),
               "checkpoint_second_stages_s": sum(second["checkpoint"].values()),
               "restore_first_stages_s": sum(first["restore"].values()), "restore_second_stages_s": sum(second["restore"].values())}
@@ -314,13 +321,17 @@ def same_size_line(gib, image_bytes, first, second, cold, write, read_warm, read
         "checkpoint_first_over_cold_floor": ratio(engine["checkpoint_first_s"], floor["checkpoint_cold"]),
         "restore_first_over_floor": ratio(engine["restore_first_s"], floor["restore"]),
         "restore_second_over_floor": ratio(engine["restore_second_s"], floor["restore"]),
+        "restore_first_running_over_floor": ratio(engine["restore_first_running_s"], floor["restore"]),
+        "restore_second_running_over_floor": ratio(engine["restore_second_running_s"], floor["restore"]),
         "floor_definitions": {
             "checkpoint_floor_s": "d2h_pinned_s + write_warm_s (no fsync: the engine fsyncs only its manifest)",
             "checkpoint_floor_fsync_s": "d2h_pinned_s + write_warm_fsync_s",
             "checkpoint_cold_floor_s": "d2h_pinned_s + write_cold_scaled_to_image_s (no fsync)",
             "restore_floor_s": "read_warm_s + h2d_pinned_s (the engine's restore ran right after its checkpoint)",
             "restore_floor_cold_cache_s": "read_cold_s + h2d_pinned_s",
-            "engine": "wall time of the engine's checkpoint()/restore() call; *_stages_s: the sum of its stages"},
+            "engine": "wall time of the engine's checkpoint()/restore() call; *_stages_s: the sum of its stages; "
+                      "restore_*_running_s: from the restore() call until the workload runs (resumed_at), less its wait "
+                      "for the pids of the process dumped just before"},
         "skipped": skipped}
 
 
