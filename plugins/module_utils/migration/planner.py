@@ -319,10 +319,9 @@ def _target_ram(tree, source, target, opts):
     if avail is None or total is None:
         return _unknown("host_ram", label, "-", "?", "not reported by %s" % _host(target, "target"))
     need = 2 * need + memdir.reserve_bytes(total)
-    return _check("host_ram", label, "-", gib(avail), avail >= need,
-                  "%s has %s available, the restore with the image in memory needs %s (the image, the restored job's "
-                  "memory and a reserve); leave gpuckpt_target_image_in_memory off" % (_host(target, "target"), gib(avail),
-                                                                                        gib(need)))
+    why = ("%s has %s available, the restore with the image in memory needs %s (the image, the restored job's memory and "
+           "a reserve); leave gpuckpt_target_image_in_memory off" % (_host(target, "target"), gib(avail), gib(need)))
+    return _check("host_ram", label, "-", gib(avail), avail >= need, why)
 
 
 def _source_ram(tree, source, target, opts):
