@@ -28,7 +28,7 @@ RUNNER = os.path.join(REPO, "tests", "zdtm", "zdtm_tests.py")
 RESULTS = os.path.join(REPO, ".build", "zdtm-results.json")
 
 
-EVERY = 1 if os.environ.get("GPUCKPT_ZDTM_ALL") == "1" else 8
+EVERY = 1 if os.environ.get("GPUCKPT_ZDTM_ALL") == "1" else 16
 
 
 def _selection():
