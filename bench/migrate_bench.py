@@ -27,6 +27,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
 from loopback import LoopbackHosts  # noqa: E402
+from push_bench import cpu_times, parse_cpus  # noqa: E402  (bench/, this script's own directory)
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.transfer import FAST_CIPHERS  # noqa: E402
 
 PLAYBOOK = os.environ.get("GPUCKPT_ANSIBLE_PLAYBOOK") or os.path.join(REPO, ".venv", "bin", "ansible-playbook")
@@ -146,7 +147,7 @@ class Sampler(object):
     def __init__(self, path, cpusets, period=0.25, dirs=None):
         import threading
         self.path, self.period, self.dirs = path, period, dict(dirs or {})
-        self.sets = {n: _cpus(c) for n, c in (cpusets or {}).items()}
+        self.sets = {n: parse_cpus(c) for n, c in (cpusets or {}).items()}
         self.stop_event = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
 
@@ -174,7 +175,7 @@ class Sampler(object):
                             doc[line.split(":")[0]] = int(line.split()[1]) * 1024
                 for name, d in self.dirs.items():  # the image's bytes on each host so far (allocated blocks)
                     doc["bytes_" + name] = _allocated(d)
-                cpu = _cpu_jiffies(self.sets)
+                cpu = {n: cpu_times(c) for n, c in self.sets.items()}
                 if prev is not None:
                     doc["busy"] = {n: round((cpu[n][0] - prev[n][0]) / float(max(1, cpu[n][1] - prev[n][1])), 3)
                                    for n in cpu}
@@ -191,26 +192,6 @@ def _allocated(path):
             except OSError:
                 pass
     return total
-
-
-def _cpus(spec):
-    out = set()
-    for part in str(spec).split(","):
-        a, _sep, b = part.partition("-")
-        out.update(range(int(a), int(b or a) + 1))
-    return out
-
-
-def _cpu_jiffies(sets):
-    """{host: (busy, total) jiffies over its cores}."""
-    per = {}
-    with open("/proc/stat") as fh:
-        for line in fh:
-            name = line.split(" ", 1)[0]
-            if name.startswith("cpu") and name != "cpu":
-                v = [int(x) for x in line.split()[1:9]]
-                per[int(name[3:])] = (sum(v) - v[3] - v[4], sum(v))
-    return {n: (sum(per[c][0] for c in cs if c in per), sum(per[c][1] for c in cs if c in per)) for n, cs in sets.items()}
 
 
 def shmem_folios():

@@ -27,9 +27,9 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
+sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
 from loopback import LoopbackHosts  # noqa: E402
-
-FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.transfer import FAST_CIPHERS  # noqa: E402
 PAGE_FILE = "pages-1.img"
 BLOCK = 64 * 2**20
 
