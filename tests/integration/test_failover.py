@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import time
 
 import pytest
 
-from loopback import LoopbackHosts
+from loopback import LoopbackHosts, _descendants
 from loopback_workloads import RemoteWorkload, fakecuda_host_vars, processes
 
 PROTECT, FAILOVER, IMAGES = "gpuckpt.fleet.protect", "gpuckpt.fleet.failover", "gpuckpt.fleet.images"
@@ -231,3 +232,141 @@ def test_partition_then_the_returning_node_stops_its_stale_copy(playbook, fleet,
     rc, doc, out = run_timer(fleet, "node", "infer", check=False)  # it stays fenced: the timer does nothing else
     assert rc == FENCED_EXIT, out
     assert w.one_copy_runs_intact()
+
+
+# -- a run that dies while it holds the job frozen (issue 43, 1) -------------------------------------------------
+
+def _runner(fleet, job_name, timeout=20):
+    """The host pid of the protect runner of ``job_name`` (``gpuckpt-protect run``), once it runs."""
+    binary = fleet.host_vars["node"]["gpuckpt_protect_bin"]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for d in os.listdir("/proc"):
+            try:
+                with open("/proc/%s/cmdline" % d, "rb") as fh:
+                    argv = fh.read().split(b"\0")
+            except (OSError, ValueError):
+                continue
+            if binary.encode() in argv and b"run" in argv and job_name.encode() in argv:
+                return int(d)
+        time.sleep(0.01)
+    raise AssertionError("no protect runner of %s started" % job_name)
+
+
+def _comm(pid):
+    try:
+        with open("/proc/%d/comm" % pid) as fh:
+            return fh.read().strip()
+    except OSError:
+        return None
+
+
+def _calls(fakecuda_dir):
+    try:
+        with open(os.path.join(fakecuda_dir, "calls.log")) as fh:
+            return fh.read().splitlines()
+    except FileNotFoundError:
+        return []
+
+
+def _wait_for_call(fakecuda_dir, call, since, timeout=20):
+    """Wait until the libcuda TEST DOUBLE logged ``call`` after line ``since`` of its calls.log."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(line.split()[0] == call for line in _calls(fakecuda_dir)[since:] if line.strip()):
+            return
+        time.sleep(0.01)
+    raise AssertionError("the runner made no %s call" % call)
+
+
+def _records(fleet, job_name):
+    hold = os.path.join(fleet.host_vars["node"]["gpuckpt_protect_dir"], "state", job_name, "hold")
+    return sorted(f for f in os.listdir(hold) if f.endswith(".source.json")) if os.path.isdir(hold) else []
+
+
+# (the moment, how the runner dies, what runs next on the node). "tree": SIGKILL to the runner and every process
+# under it (CRIU too: an AWX job killed, systemd's SIGKILL after TimeoutStopSec); "runner": SIGKILL to the runner
+# alone (the OOM killer takes one process: its CRIU dumps on); "term": SIGTERM to the runner alone (systemd's stop
+# under KillMode=mixed), after which the run must give the job back itself.
+KILLS = (("lock", "tree", "timer"), ("checkpoint", "tree", "give-back"), ("dump", "tree", "facts"),
+         ("restore", "tree", "status"), ("dump", "runner", "give-back"), ("checkpoint", "runner", "fence-check"),
+         ("lock", "term", None), ("dump", "term", None))
+
+
+def test_a_run_killed_while_it_holds_the_job_frozen_is_given_back_by_the_next_operation(playbook, fleet, tmp_path):
+    """The timer's run killed at every moment from the CUDA lock to the unlock (its tree, the runner alone, or
+    stopped by SIGTERM): the job is given back by the next operation on the node, whichever it is (the timer, the
+    documented give-back, facts, status, the fence check), or by the run itself after a SIGTERM. Each time exactly
+    one copy counts on from its last count, never a count twice, memory intact, nothing left locked, no record left;
+    and the next timer run checkpoints it as before."""
+    w = RemoteWorkload(fleet, "node", str(tmp_path / "held"), mb=128)
+    try:
+        fleet.ssh("node", "echo %d > %s" % (w.pid, os.path.join(w.dir, "job.pid")))
+        jobs = [job_spec(w, "held", keep=1)]
+        assert protect(playbook, fleet, jobs).rc == 0
+        hv = fleet.host_vars["node"]
+        fakecuda = hv["gpuckpt_environment"]["FAKECUDA_STATE_DIR"]
+        command = "%s %%s --protect-dir %s --job held" % (hv["gpuckpt_protect_bin"], hv["gpuckpt_protect_dir"])
+        for moment, how, after in KILLS:
+            since = len(_calls(fakecuda))
+            if moment != "dump":
+                with open(os.path.join(fakecuda, "delay"), "w") as fh:
+                    fh.write("%s 0 4000\n" % moment)  # the driver's call sleeps 4 s once the state changed
+            client = fleet.popen_ssh("node", command % "run")
+            try:
+                runner = _runner(fleet, "held")
+                if moment == "dump":  # CRIU seizes the tree after the driver's checkpoint of every CUDA process
+                    _wait_for_call(fakecuda, "checkpoint", since)
+                    deadline = time.monotonic() + 20
+                    while not [p for p in _descendants(runner) if _comm(p) == "criu"] and time.monotonic() < deadline:
+                        time.sleep(0.002)
+                    criu = [p for p in _descendants(runner) if _comm(p) == "criu"]
+                    assert criu, "CRIU did not run under the runner"
+                else:
+                    _wait_for_call(fakecuda, moment, since)
+                    time.sleep(0.2)
+                    criu = []
+                victims = {"tree": [runner] + _descendants(runner), "runner": [runner], "term": [runner]}[how]
+                for p in victims:
+                    os.kill(p, signal.SIGTERM if how == "term" else signal.SIGKILL)
+                out = client.communicate(timeout=120)[0]
+            finally:
+                if client.poll() is None:
+                    client.kill()
+                try:
+                    os.unlink(os.path.join(fakecuda, "delay"))
+                except OSError:
+                    pass
+            where = "%s killed (%s) at %s" % ("runner", how, moment)
+            if how == "term":  # it ended the step under way, undid the checkpoint, and exited
+                assert "SIGTERM" in out, (where, out)
+                assert not _records(fleet, "held"), (where, out)
+            else:
+                assert _records(fleet, "held"), (where, out)  # the dead run's record: what it held
+                for p in criu:  # (an OOM-style kill leaves its CRIU dumping: it ends by itself)
+                    deadline = time.monotonic() + 60
+                    while _comm(p) == "criu" and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                if after == "timer":
+                    rc, doc, out = run_timer(fleet, "node", "held")
+                    assert doc.get("given_back") and doc["given_back"][0]["changed"], (where, out)
+                elif after == "facts":
+                    facts = playbook("tests/integration/playbooks/facts_raw.yml",
+                                     {"facts_args": {"protect_dir": hv["gpuckpt_protect_dir"], "check_criu": False,
+                                                     "journal_dir": fleet.host_dir("node", "journal")}},
+                                     inventory=fleet.path("inventory.yml"), limit="node")
+                    assert facts.rc == 0, (where, facts.stdout)
+                else:
+                    res = fleet.ssh("node", command % after, check=False)
+                    assert res.returncode == 0, (where, res.stdout)
+                    if after == "give-back":
+                        assert '"changed": true' in res.stdout, (where, res.stdout)
+                assert not _records(fleet, "held"), where
+            assert w.one_copy_runs_intact(), where
+            w.no_count_twice()
+        rc, doc, out = run_timer(fleet, "node", "held")  # protected as before
+        assert not doc.get("given_back"), out
+        assert w.one_copy_runs_intact()
+        w.no_count_twice()
+    finally:
+        w.kill()

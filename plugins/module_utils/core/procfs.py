@@ -57,6 +57,15 @@ def _status_field(pid, name):
     return None
 
 
+def tracer(pid):
+    """The pid tracing ``pid`` (a dump under way: CRIU seizes the tree it dumps), 0 when none, None when unknown."""
+    words = _status_field(pid, "TracerPid")
+    try:
+        return int(words[0]) if words else None
+    except ValueError:
+        return None
+
+
 def ns_pid(pid):
     """The pid inside the innermost pid namespace (the last NSpid field), or None."""
     words = _status_field(pid, "NSpid")

@@ -17,12 +17,20 @@ the engine's checkpoint with leave_running, its image pushed to the first replic
 that replica's commit (it verifies every checksum and applies the retention), then the other replicas
 (send_image, commit). The local copy of the image goes once a replica verified it. A failed checkpoint
 leaves the job running (the engine's undo) and every replica's earlier images as they were.
+
+Whoever holds the job frozen can die (its tree SIGKILLed, an OOM kill, systemd stopping the unit past its
+timeout): each checkpoint keeps a record while it runs (``state/J/hold/protect-<image id>.source.json``, a
+journal with its holder's flock: engine/give_back.py), and every command here, cuda_process_facts (so drain and
+migrate) and ``gpuckpt-protect give-back`` first give back what a dead run left: the driver's restore and unlock,
+the runtime's resume, the partial image removed. SIGTERM (systemd's stop) fences the record: the checkpoint stops
+at its next step and undoes what it did, and the unit's ExecStopPost gives back whatever a kill left.
 """
 from __future__ import annotations
 
 import errno
 import fcntl
 import os
+import signal
 import stat
 import time
 import uuid
@@ -30,13 +38,15 @@ import uuid
 from ..core import transfer
 from ..core.errors import GpuCkptError, InvalidTarget
 from ..core.fsutil import identity, remove_tree
-from ..core.journal import process_identity
+from ..core.journal import Journal, process_identity
 from ..engine import checkpoint as engine_checkpoint
+from ..engine import give_back as engine_give_back
 from ..engine.steps import now_iso
 from . import protect_history as hist
 from .protect_fence import check_fence, is_the_job
 from .protect_job import (DEFAULT_PROTECT_DIR, apply_environment, job_names, load_config, replica_call, replica_dest,
                           replica_ref, replica_target, state_folder, target_and_backend)
+from ..runtimes import registry
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_FENCED = 0, 1, 2, 3
 # The options of the engine's checkpoint that a job's config may give under "checkpoint"; the rest of it are the
@@ -101,17 +111,105 @@ def _receiver(cfg, rep, image_id):
     return {"image_id": image_id, "replica": replica_ref(cfg, rep)}
 
 
-def _checkpoint(cfg, folder, image_id, image_dir):
-    """The engine's checkpoint (leave_running), pushed to the first replica while it is written."""
+# -- what a run holds, and giving it back ------------------------------------------------------------------
+
+RECORD_PREFIX = "protect-"
+
+
+def hold_dir(folder):
+    """Where the job's runs keep their records while they hold it (engine/give_back.py)."""
+    return os.path.join(folder, "hold")
+
+
+def backend_of(cfg):
+    """The runtime backend of the job (the process backend for a pid file)."""
+    kind = "process" if cfg.get("pid_file") else "k8s_pod" if cfg.get("pod") else cfg["runtime"]
+    return registry.build(kind, dict(cfg.get("checkpoint") or {}))
+
+
+def give_back_job(cfg, folder, act=True):
+    """Give back what a run of this job that died left frozen (each record of ``hold/`` whose holder is gone).
+    Returns a list, one dict per record (engine/give_back.give_back's, or its ``error``); without ``act``, the
+    records found and nothing done. A give-back that changed something is written to the job's history."""
+    rdir = hold_dir(folder)
+    found = engine_give_back.records(rdir, RECORD_PREFIX)
+    if not found or not act:
+        return [{"id": rid, "changed": False, "would_give_back": True} for rid in found]
+    apply_environment(cfg)
+    backend, libcuda = backend_of(cfg), (cfg.get("checkpoint") or {}).get("libcuda_path")
+    out = []
+    for rid in found:
+        try:
+            res = engine_give_back.give_back(rdir, rid, backend, libcuda_path=libcuda)
+        except GpuCkptError as exc:  # the record stays: the next operation tries again
+            res = {"id": rid, "changed": False, "error": exc.msg}
+        out.append(res)
+        if res.get("changed") or res.get("error"):
+            hist.append_history(folder, {"at": now_iso(), "job": cfg["job"], "epoch": cfg["epoch"],
+                                         "result": "given_back" if res.get("changed") else "give_back_failed",
+                                         "image_id": rid[len(RECORD_PREFIX):], "phase": res.get("phase"),
+                                         "reason": res.get("msg") or res.get("error"),
+                                         "pids": res.get("given_back")})
+    return out
+
+
+class _StopOnTerm(object):
+    """SIGTERM or SIGINT while a checkpoint holds the job (systemd stopping the unit, an operator's kill): the
+    record is fenced, so the checkpoint stops at its next step and undoes what it did (the job runs on) rather than
+    die between the lock and the unlock. A step under way (a dump) ends first: the unit's TimeoutStopSec gives it
+    time, and its ExecStopPost gives back whatever a SIGKILL after that left."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self, record):
+        self.record, self.requested, self.old = record, None, {}
+
+    def _handler(self, signum, unused_frame):
+        self.requested = signal.Signals(signum).name
+        try:
+            self.record.fence("the runner got %s: the checkpoint stops and gives the job back" % self.requested)
+        except Exception:  # noqa: BLE001 - a handler must not raise into the step it interrupted
+            pass
+
+    def __enter__(self):
+        for sig in self.SIGNALS:
+            try:
+                self.old[sig] = signal.signal(sig, self._handler)
+            except (ValueError, OSError):  # not the main thread: the caller's own handling stays
+                pass
+        return self
+
+    def __exit__(self, *exc):
+        for sig, old in self.old.items():
+            signal.signal(sig, old)
+        return False
+
+
+def _finish_record(record):
+    """A run that returned: the job runs (leave_running), or the engine rolled it back. Its record goes; one whose
+    rollback failed stays for the next give-back."""
+    with record.hold(wait=30, purpose="the end of checkpoint %s" % record.id):
+        phase = record.phase
+        if phase is not None and phase not in ("resumed", "rolled_back", "rollback_failed"):
+            record.transition("resumed", ended="the checkpoint returned with the job running")
+            phase = "resumed"
+        if phase != "rollback_failed":
+            engine_give_back.forget(record)
+
+
+def _checkpoint(cfg, folder, image_id, image_dir, record):
+    """The engine's checkpoint (leave_running), pushed to the first replica while it is written, under ``record``
+    (a journal in hold/: what it holds, for a give-back should this process die)."""
     target, backend = target_and_backend(cfg)
     if cfg.get("pid_file") and not is_the_job(target, cfg["pid_file"], hist.read_state(folder, hist.IDENTITY)):
         raise InvalidTarget("pid %d of %s started after the pid file was written: it is not job %s's process"
                             % (target, cfg["pid_file"], cfg["job"]), stage="preflight")
     first = cfg["replicas"][0]
     sender = transfer.Sender(replica_target(first), replica_dest(first, cfg["job"], image_id),
-                             streams=int(cfg.get("streams") or 0), receiver=_receiver(cfg, first, image_id))
-    return engine_checkpoint.checkpoint(target, image_dir, backend=backend, sender=sender, leave_running=True,
-                                        image_id=image_id, **_engine_options(cfg))
+                             streams=int(cfg.get("streams") or 0), receiver=_receiver(cfg, first, image_id),
+                             **engine_checkpoint.push_hooks(record))
+    return engine_checkpoint.checkpoint(target, image_dir, backend=backend, journal=record, sender=sender,
+                                        leave_running=True, image_id=image_id, **_engine_options(cfg))
 
 
 def _to_replica(cfg, index, rep, image_dir, image_id, push, meta):
@@ -172,12 +270,22 @@ def attempt(cfg, folder, trigger):
     line = {"at": now_iso(), "job": cfg["job"], "image_id": image_id, "trigger": trigger, "epoch": cfg["epoch"],
             "result": "failed", "reason": None, "stall_s": None, "duration_s": None, "bytes": None, "replicas": {},
             "retention": {}, "progress": progress}
+    record = Journal(hold_dir(folder), RECORD_PREFIX + image_id, "source")
     try:
-        res = _checkpoint(cfg, folder, image_id, image_dir)
+        with _StopOnTerm(record) as stop:
+            try:
+                res = _checkpoint(cfg, folder, image_id, image_dir, record)
+            finally:
+                _finish_record(record)
     except (GpuCkptError, OSError) as exc:  # the engine undid what it did: the job runs on, the replicas' images too
         progress["after"] = hist.read_progress(cfg.get("progress_file"), cfg.get("progress_key"))
         line.update(reason=getattr(exc, "msg", None) or str(exc), stage=getattr(exc, "stage", None),
                     duration_s=round(time.monotonic() - started, 3))
+        return line
+    if stop.requested:  # the job runs (the checkpoint ended, or was undone); the replicas wait for the next run
+        _clean_local(cfg)
+        line.update(reason="the runner got %s: it stopped before the replicas' commits; the job runs on"
+                    % stop.requested, duration_s=round(time.monotonic() - started, 3))
         return line
     progress["after"] = hist.read_progress(cfg.get("progress_file"), cfg.get("progress_key"))
     line.update(stall_s=hist.stall_seconds(res.get("timings")), timings=res.get("timings"),
@@ -207,6 +315,7 @@ def run(protect_dir, job, trigger="timer", within=None, announce=None):
     cfg = load_config(protect_dir, job)
     apply_environment(cfg)
     folder = state_folder(protect_dir, job)
+    given_back = give_back_job(cfg, folder)  # before anything else: a dead run's frozen job runs again
     expect = None
     if trigger == "now":
         expect = hist.expectation(hist.read_history(folder), within)
@@ -214,7 +323,8 @@ def run(protect_dir, job, trigger="timer", within=None, announce=None):
             announce(dict(expect, job=job))
     fence = check_fence(cfg, folder, act=True, trigger=trigger)
     if fence["fenced"]:
-        return dict(fence, result="fenced", trigger=trigger), EXIT_FENCED
+        give_back_job(cfg, folder)  # (its copy was stopped: what a dead run recorded of it goes)
+        return dict(fence, result="fenced", trigger=trigger, given_back=given_back), EXIT_FENCED
     lock = JobLock(folder)
     if not lock.acquire(wait=(within or cfg.get("interval_s") or 0) if trigger == "now" else 0):
         line = {"at": now_iso(), "job": job, "result": "skipped", "trigger": trigger, "epoch": cfg["epoch"],
@@ -231,6 +341,8 @@ def run(protect_dir, job, trigger="timer", within=None, announce=None):
         if fence["fenced"]:
             _clean_local(cfg)  # the image of a stale copy is of no use to anyone
             return dict(fence, result="fenced", trigger=trigger, image_id=line.get("image_id")), EXIT_FENCED
+    if given_back:
+        line["given_back"] = given_back
     if expect is not None:
         line.update(expected_s=expect["expected_s"], within_s=within,
                     finished_within=None if within is None else (line["result"] == "ok"
@@ -250,10 +362,31 @@ def fence_check_all(protect_dir=DEFAULT_PROTECT_DIR, job=None, act=True):
     for name in jobs_of(protect_dir, job):
         try:
             cfg = load_config(protect_dir, name)
-            out.append(check_fence(cfg, state_folder(protect_dir, name) if act else hist.state_dir(protect_dir, name),
-                                   act=act))
+            folder = state_folder(protect_dir, name) if act else hist.state_dir(protect_dir, name)
+            given_back = give_back_job(cfg, folder, act=act)  # a dead run's frozen job first
+            doc = check_fence(cfg, folder, act=act)
+            if given_back:
+                doc = dict(doc, given_back=given_back,
+                           changed=doc.get("changed") or any(g.get("changed") for g in given_back))
+            out.append(doc)
         except GpuCkptError as exc:
             out.append({"job": name, "fenced": False, "changed": False, "error": exc.msg})
+    return out
+
+
+def give_back_all(protect_dir=DEFAULT_PROTECT_DIR, job=None, act=True):
+    """``gpuckpt-protect give-back``: what dead runs left frozen, given back, for each job (or ``job``): a list of
+    {"job", "given_back": [give_back_job's dicts], "changed"} (or the job's ``error``)."""
+    out = []
+    for name in jobs_of(protect_dir, job):
+        try:
+            cfg = load_config(protect_dir, name)
+            folder = state_folder(protect_dir, name) if act else hist.state_dir(protect_dir, name)
+            done = give_back_job(cfg, folder, act=act)
+            out.append({"job": name, "given_back": done, "changed": any(d.get("changed") for d in done),
+                        "failed": [d for d in done if d.get("error")]})
+        except GpuCkptError as exc:
+            out.append({"job": name, "given_back": [], "changed": False, "error": exc.msg})
     return out
 
 
@@ -267,6 +400,8 @@ def status_all(protect_dir=DEFAULT_PROTECT_DIR, job=None, act=True):
             out.append({"job": name, "error": exc.msg})
             continue
         folder = hist.state_dir(protect_dir, name)
+        if act:
+            give_back_job(cfg, state_folder(protect_dir, name))  # (recorded in the history the summary reads)
         fence = check_fence(cfg, state_folder(protect_dir, name) if act else folder, act=act)
         running = os.path.isdir(folder) and JobLock(folder).held_elsewhere()
         out.append(hist.summary(cfg, folder, fence if fence["fenced"] else None, running))

@@ -7,11 +7,16 @@
   gpuckpt-protect now --protect-dir D --job J [--within S] a checkpoint now, outside the schedule: prints at once
                                                           whether it is expected to finish within S seconds
   gpuckpt-protect status --protect-dir D [--job J]        each job's last runs, stall, overhead, images, fence
-  gpuckpt-protect fence-check --protect-dir D [--job J]   only the fence check
+  gpuckpt-protect fence-check --protect-dir D [--job J]   only the fence check (and the give-back below)
+  gpuckpt-protect give-back --protect-dir D [--job J]     give back what a run that died left frozen (its tree
+                                                          SIGKILLed, an OOM kill, systemd's stop timeout): the
+                                                          driver's restore and unlock, the runtime's resume; every
+                                                          other command does this first, the unit's ExecStopPost too
 
-Each prints JSON: run and now one line per attempt (the history line), status one document. Exit status: 0 done
-(a skipped run too: one was running), 1 a checkpoint failed, 2 a usage or configuration error, 3 the job is
-fenced (failed over to another node: its copy here was stopped). See fleet/protect.py.
+Each prints JSON: run and now one line per attempt (the history line), status one document, give-back one line
+per job. Exit status: 0 done (a skipped run too: one was running), 1 a checkpoint failed (or a give-back did), 2 a
+usage or configuration error, 3 the job is fenced (failed over to another node: its copy here was stopped). See
+fleet/protect.py.
 """
 from __future__ import annotations
 
@@ -30,7 +35,7 @@ def _print(doc, out, indent=None):
 
 def _parser():
     p = argparse.ArgumentParser(prog="gpuckpt-protect", description="Checkpoints of protected jobs, kept on replicas")
-    p.add_argument("command", choices=["run", "now", "status", "fence-check"])
+    p.add_argument("command", choices=["run", "now", "status", "fence-check", "give-back"])
     p.add_argument("--protect-dir", default=protect.DEFAULT_PROTECT_DIR)
     p.add_argument("--job")
     p.add_argument("--within", type=float, help="now: the seconds left (a spot notice's, say)")
@@ -62,6 +67,12 @@ def main(argv=None, out=None):
             docs = protect.status_all(args.protect_dir, args.job)
             _print(docs[0] if args.job and docs else docs, out, indent=1)
             return protect.EXIT_FENCED if any(d.get("fenced") for d in docs) else protect.EXIT_OK
+        if args.command == "give-back":
+            docs = protect.give_back_all(args.protect_dir, args.job)
+            for doc in docs:
+                _print(doc, out)
+            return protect.EXIT_FAILED if any(d.get("failed") for d in docs) else \
+                protect.EXIT_USAGE if any(d.get("error") for d in docs) else protect.EXIT_OK
         checks = protect.fence_check_all(args.protect_dir, args.job)
         for doc in checks:
             _print(doc, out)
