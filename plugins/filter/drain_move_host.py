@@ -63,7 +63,7 @@ import re
 # Connection variables of the node that the move's host keeps (it is never connected to itself: each of its
 # tasks is delegated to the node or to the target, but a task that was not would reach the node).
 _CONNECTION = re.compile(r"^ansible_(host|port|user|connection|python_interpreter|ssh_common_args|ssh_private_key_file"
-                         r"|become|become_user|become_method)$")
+                         r"|become|become_user|become_method)\Z")
 # Also left out: the secrets. add_host shows the vars it was given (-v, an AWX job's log); the moves read a signing
 # key and the API server's credentials from the node's own hostvars instead.
 _DRAIN_OWN = re.compile(r"^gpuckpt_(drain_|mark_|throughput|move_|sign_key$|k8s_auth$)")

@@ -88,15 +88,16 @@ options:
     default: /var/lib/gpuckpt/journal
   protect_dir:
     description:
-      - Where the role gpuckpt.fleet.protect keeps this node's protected jobs. When it holds a job's config, the
-        fence check of gpuckpt.fleet.gpu_protect runs first. A job that was failed over to another host (its replicas
+      - Where the role gpuckpt.fleet.protect keeps this node's protected jobs. When it holds a job's config, what a
+        checkpoint run that died left frozen is given back first (C(protect_given_back)), then the
+        fence check of gpuckpt.fleet.gpu_protect runs. A job that was failed over to another host (its replicas
         say so) has its copy here stopped, and its timer disabled, before the facts are read. C(protect_fenced)
         lists the fenced jobs.
     type: path
     default: /etc/gpuckpt/protect
 notes:
-  - Changes nothing, but for the fence of O(protect_dir) - a protected job's copy that was failed over elsewhere is
-    stopped (not in check mode).
+  - Changes nothing, but for O(protect_dir) - a protected job a dead checkpoint run left frozen is given back, and a
+    protected job's copy that was failed over elsewhere is stopped (neither in check mode).
 requirements:
   - "Root to see other users' processes and to ask the driver about them."
 attributes:
@@ -139,6 +140,9 @@ ansible_facts:
         - protect_fenced - the protected jobs of O(protect_dir) that are fenced here (failed over to another host), each with
           C(job), C(reason), C(epoch), C(replica_epoch), C(owner), C(stopped) (what the fence stopped; null in check mode)
           and C(already) (fenced before this run). Empty when no job is fenced or none is protected here.
+        - protect_given_back - the protected jobs that a checkpoint run which died (SIGKILLed, an OOM kill) had left
+          frozen, given back before the facts were read, each with C(job) and C(records) (per record C(id), C(phase), C(changed),
+          C(given_back) (the pids that run again), C(msg), or C(error); C(would_give_back) in check mode).
         - disk, tree, pids_in_use and workloads when asked for. C(tree) has gpu_bytes (null when unknown, as when neither NVML nor
           nvidia-smi reports the memory of each of its CUDA processes; never 0 for unknown), gpu_bytes_by_gpu,
           gpu_memory_source and gpu_memory_unknown_reason.
@@ -196,7 +200,10 @@ def main():
 
     def gather():
         # A protected job failed over to another host is stopped here before anything else (never two copies).
-        fence = [f for f in protect.fence_check_all(p["protect_dir"], act=not module.check_mode) if f.get("fenced")]
+        # A run of protect that died while it held a job frozen has it given back first (not in check mode).
+        checks = protect.fence_check_all(p["protect_dir"], act=not module.check_mode)
+        fence = [f for f in checks if f.get("fenced")]
+        given_back = [{"job": f["job"], "records": f["given_back"]} for f in checks if f.get("given_back")]
         tree_of, container, tree_pids = container_tree(p)
         facts = host_facts.facts(pids=p["pids"], libcuda_path=p["libcuda_path"], criu_path=p["criu_path"],
                                  check_criu=p["check_criu"], paths=p["paths"], tree_of=tree_of,
@@ -209,9 +216,11 @@ def main():
         facts["runtimes_present"] = runtimes_available(p)
         facts["drain"] = drain_mark.read(p["journal_dir"])
         facts["protect_fenced"] = fence
+        facts["protect_given_back"] = given_back
         if p["workloads"]:
             facts["workloads"] = node_workloads.discover(facts, p["libcuda_path"])
-        return {"changed": any(f.get("changed") for f in fence), "ansible_facts": {"gpuckpt": facts}}
+        changed = any(f.get("changed") for f in fence) or any(r.get("changed") for g in given_back for r in g["records"])
+        return {"changed": changed, "ansible_facts": {"gpuckpt": facts}}
 
     run_module(module, gather)
 

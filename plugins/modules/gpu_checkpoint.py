@@ -369,7 +369,7 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
     operation_spec, or_fail, push_sender, transfer_target_spec)
 
-NONCE_RE = re.compile(r"^[A-Za-z0-9]{8,64}$")
+NONCE_RE = re.compile(r"^[A-Za-z0-9]{8,64}\Z")
 
 
 def main():

@@ -46,6 +46,7 @@ options:
     description:
       - For C(checkpoint_now), the seconds left before the node goes (a spot notice's 30 to 120 s).
       - The result says whether the checkpoint was expected to finish within it, and whether it did.
+      - A positive, finite number; zero, a negative number, C(nan) or C(inf) is refused before anything runs.
     type: float
 notes:
   - The job's config carries the environment its checkpoints run with (the C(gpuckpt_environment) of the node), which
@@ -124,6 +125,8 @@ checkpoint:
   type: dict
 """
 
+import math
+
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
@@ -161,6 +164,9 @@ def main():
         within=dict(type="float"),
     ), required_if=[("state", "checkpoint_now", ("job",))], supports_check_mode=True)
     p = module.params
+    if p["within"] is not None and not (math.isfinite(p["within"]) and p["within"] > 0):
+        module.fail_json(msg="within must be a positive number of seconds (a spot notice's 30 to 120, say), not %s; "
+                             "nothing was checkpointed" % p["within"], stage="preflight")
     act = not module.check_mode
     try:
         if p["state"] == "checkpoint_now":

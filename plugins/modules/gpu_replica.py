@@ -30,6 +30,12 @@ description:
     so that every replica refuses the lost node's pushes and takes the new owner's.
   - C(adopt) records, on the failover target, in C(<journal_dir>/protect-<job>.json), that this host runs the job
     from O(epoch) on. It refuses when that file already names an epoch as high or higher.
+  - C(reprotect) is the operator's re-protect of the job on O(node) at O(epoch) (the role gpuckpt.fleet.protect runs
+    it with the highest epoch the job's replicas record). It creates the job's record when there is none, or raises
+    its epoch to O(epoch) when O(node) owns the job (a replica that missed a failover while the job came back to its
+    node). It refuses a record that names another owner (only a failover moves the owner) or a higher epoch. A job's
+    epoch moves only by C(failover), C(fence) and C(reprotect); a push or a commit at a higher epoch than the
+    record's is refused, never adopted.
   - The image's signature is not checked here; C(gpuckpt.fleet.gpu_restore) checks it, with the key, before a
     restore.
 author: gpuckpt.fleet maintainers (@gpuckpt)
@@ -46,7 +52,7 @@ options:
   state:
     description: What to do (see the description).
     type: str
-    choices: [list, verify, failover, fence, adopt]
+    choices: [list, verify, failover, fence, adopt, reprotect]
     default: list
   image_id:
     description:
@@ -67,6 +73,7 @@ options:
     description:
       - For C(adopt), this host's inventory name, recorded as the owner. Defaults to O(target), then to the host's
         own name.
+      - For C(reprotect), the inventory name of the node that runs the job (its owner). Required.
     type: str
   candidates:
     description:
@@ -75,10 +82,12 @@ options:
     type: list
     elements: str
   reason:
-    description: For C(failover) and C(fence), why, recorded in the job's history.
+    description: For C(failover), C(fence) and C(reprotect), why, recorded in the job's history.
     type: str
   epoch:
-    description: For C(adopt), the job's epoch after the failover (RV(epoch) of C(failover)).
+    description:
+      - For C(adopt), the job's epoch after the failover (RV(epoch) of C(failover)).
+      - For C(reprotect), the job's epoch as the node protects it (the highest its replicas record).
     type: int
   journal_dir:
     description: For C(adopt), the journal directory of this host.
@@ -87,7 +96,7 @@ options:
 attributes:
   check_mode:
     details: C(list) reads only. C(verify) and C(failover) read the images and report what they would do, and mark
-      nothing. C(failover) raises no epoch. C(fence) and C(adopt) report what they would record.
+      nothing. C(failover) raises no epoch. C(fence), C(adopt) and C(reprotect) report what they would record.
 extends_documentation_fragment:
   - ansible.builtin.action_common_attributes
   - gpuckpt.fleet.common.attributes
@@ -138,15 +147,24 @@ EXAMPLES = r"""
     lost_node: gpu-node-1
     node: gpu-node-2
     image_id: "{{ moved.image_id }}"
+
+- name: train-1 came back to gpu-node-1 at epoch 3; this replica, which missed a failover, records it
+  gpuckpt.fleet.gpu_replica:
+    root: /var/lib/gpuckpt/replicas
+    job: train-1
+    state: reprotect
+    node: gpu-node-1
+    epoch: 3
+    reason: "protected again on gpu-node-1"
 """
 
 RETURN = r"""
 record:
   description:
     - The job's record on this replica (null when there is none) after the action.
-    - C(epoch) (int), C(owner) (the node that runs the job), C(history) (each C(adopted) or C(failover) with
-      C(epoch), C(owner), C(from), C(at), C(image_id) and C(reason)).
-  returned: for list, verify, failover and fence
+    - C(epoch) (int), C(owner) (the node that runs the job), C(history) (each C(adopted), C(failover) or
+      C(reprotected) with C(epoch), C(owner), C(from), C(at), C(image_id) and C(reason)).
+  returned: for list, verify, failover, fence and reprotect
   type: dict
   sample: {"job": "train-1", "epoch": 2, "owner": "gpu-node-2", "history": []}
 images:
@@ -155,7 +173,7 @@ images:
       C(created), C(bytes), C(verified), C(corrupt) (why a later verification failed, or null), C(committed),
       C(complete) (its manifest is there), C(epoch) and C(node) (of the push), C(progress) and C(stall_s) (what the
       node reported at its commit), and C(facts) (from its manifest, for a restorability check; null while incomplete).
-  returned: for list, verify, failover and fence
+  returned: for list, verify, failover, fence and reprotect
   type: list
   elements: dict
 verified:
@@ -179,7 +197,8 @@ epoch:
     - For C(failover), the job's new epoch (null in check mode).
     - For C(fence), the job's epoch on this replica afterwards (in check mode, what it would be).
     - For C(adopt), the epoch recorded.
-  returned: for failover, fence and adopt
+    - For C(reprotect), the job's epoch on this replica afterwards (in check mode, what it would be).
+  returned: for failover, fence, adopt and reprotect
   type: int
 skipped_images:
   description: For C(failover), the candidates that did not verify, each with C(id) and C(reason), in the order tried.
@@ -196,7 +215,7 @@ import platform
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import replica
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import replica, replica_owner
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import check_path_arg
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import run_module
@@ -206,7 +225,7 @@ def replica_step(p, check_mode):
     """The module's result for its state (see the documentation)."""
     if p["state"] == "adopt":
         owner = p["node"] or p["target"] or platform.node()
-        doc = replica.adopt(p["journal_dir"], p["job"], p["epoch"], owner, p["lost_node"], p["image_id"],
+        doc = replica_owner.adopt(p["journal_dir"], p["job"], p["epoch"], owner, p["lost_node"], p["image_id"],
                             write=not check_mode)
         return dict(changed=not check_mode, adopted=doc, epoch=doc["epoch"],
                     msg="%s runs job %s from epoch %s on" % (owner, p["job"], doc["epoch"]))
@@ -215,7 +234,7 @@ def replica_step(p, check_mode):
         ok, why, changed = replica.reverify(p["root"], p["job"], p["image_id"], write=not check_mode)
         out.update(verified=ok, reason=why, msg="image %s %s" % (p["image_id"], "verifies" if ok else "does not verify: %s" % why))
     elif p["state"] == "failover":
-        res = replica.failover_verified(p["root"], p["job"], p["lost_node"], p["target"], p["candidates"], p["reason"],
+        res = replica_owner.failover_verified(p["root"], p["job"], p["lost_node"], p["target"], p["candidates"], p["reason"],
                                         write=not check_mode)
         changed = not check_mode
         out.update(image_id=res["image_id"], image_path=res["image_path"], epoch=res["epoch"],
@@ -223,8 +242,13 @@ def replica_step(p, check_mode):
                    msg="job %s %s from %s to %s with image %s (%d skipped)" % (
                        p["job"], "would fail over" if check_mode else "failed over", p["lost_node"], p["target"],
                        res["image_id"], len(res["skipped"])))
+    elif p["state"] == "reprotect":
+        res = replica_owner.reprotect(p["root"], p["job"], p["epoch"], p["node"], p["reason"], write=not check_mode)
+        changed = res["changed"]
+        out.update(epoch=res["record"]["epoch"], msg="job %s on this replica: %s at epoch %s%s" % (
+            p["job"], p["node"], res["record"]["epoch"], "" if changed else " already"))
     elif p["state"] == "fence":
-        record = replica.failover(p["root"], p["job"], p["lost_node"], p["target"], p["image_id"], p["reason"],
+        record = replica_owner.failover(p["root"], p["job"], p["lost_node"], p["target"], p["image_id"], p["reason"],
                                   write=not check_mode)
         changed = not check_mode
         out.update(epoch=record["epoch"], msg="job %s on this replica: %s at epoch %s; %s is fenced" % (
@@ -239,7 +263,7 @@ def main():
     module = AnsibleModule(argument_spec=dict(
         root=dict(type="path"),
         job=dict(type="str", required=True),
-        state=dict(type="str", default="list", choices=["list", "verify", "failover", "fence", "adopt"]),
+        state=dict(type="str", default="list", choices=["list", "verify", "failover", "fence", "adopt", "reprotect"]),
         image_id=dict(type="str"),
         lost_node=dict(type="str"),
         target=dict(type="str"),
@@ -250,7 +274,7 @@ def main():
         journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
     ), required_if=[("state", "list", ["root"]), ("state", "verify", ["root", "image_id"]),
                     ("state", "failover", ["root", "lost_node", "target"]), ("state", "fence", ["root", "lost_node", "target"]),
-                    ("state", "adopt", ["epoch"])],
+                    ("state", "adopt", ["epoch"]), ("state", "reprotect", ["root", "node", "epoch"])],
         supports_check_mode=True)
     p = module.params
     check_path_arg(module, "root", p["root"])

@@ -26,8 +26,8 @@ from ansible.utils.display import Display
 display = Display()
 
 # What may reach the remote shell: an async job id as Ansible makes them, and a progress file's path.
-JOB_ID_RE = re.compile(r"^j?[0-9]+\.[0-9]+$")
-PROGRESS_PATH_RE = re.compile(r"^/[A-Za-z0-9._/-]+$")
+JOB_ID_RE = re.compile(r"^j?[0-9]+\.[0-9]+\Z")
+PROGRESS_PATH_RE = re.compile(r"^/[A-Za-z0-9._/-]+\Z")
 LOST_AFTER = 120  # seconds without any sign of the job's module (no progress file) before it counts as lost
 RESULT_GRACE = 15  # seconds for the async wrapper to write the result once its module has exited
 

@@ -201,8 +201,9 @@ def test_lost_node_fails_over_from_the_newest_verified_image(playbook, fleet, jo
 
 def test_partition_then_the_returning_node_stops_its_stale_copy(playbook, fleet, job):
     """The node is cut off while its job runs on. failover.yml refuses without the operator's word; with it, the
-    job runs on the target. The node comes back: its timer fires first, the replica refuses that push (an older
-    epoch), and the timer stops the stale copy and itself; from then on exactly one copy runs."""
+    job runs on the target. The node comes back: its first operation, a migration of the stale copy to another
+    host, fences it (the copy stopped, nothing moved); its timer says fenced and stays so; from then on exactly one
+    copy runs."""
     w = job()
     jobs = [job_spec(w, "infer", keep=3)]
     assert protect(playbook, fleet, jobs).rc == 0
@@ -221,6 +222,11 @@ def test_partition_then_the_returning_node_stops_its_stale_copy(playbook, fleet,
     copies_running(w, 2)  # the stale copy runs on behind the partition, the new one on the target
 
     fleet.reconnect("node")
+    # Its first operation is a migration of the stale copy (issue 43, 6): the source's facts fence it first, so the
+    # stale copy is stopped, not moved, and the migration fails before anything is frozen.
+    moved = playbook("gpuckpt.fleet.migrate", {"source": "node", "target": "replica", "pid": w.pid,
+                                               "migration_id": "m-stale-infer"}, inventory=fleet.path("inventory.yml"))
+    assert moved.rc != 0, moved.stdout
     rc, doc, out = run_timer(fleet, "node", "infer", check=False)
     assert rc == FENCED_EXIT and doc.get("result") == "fenced", out
     assert "epoch" in out, out
@@ -342,7 +348,6 @@ def test_a_run_killed_while_it_holds_the_job_frozen_is_given_back_by_the_next_op
                 assert "SIGTERM" in out, (where, out)
                 assert not _records(fleet, "held"), (where, out)
             else:
-                assert _records(fleet, "held"), (where, out)  # the dead run's record: what it held
                 for p in criu:  # (an OOM-style kill leaves its CRIU dumping: it ends by itself)
                     deadline = time.monotonic() + 60
                     while _comm(p) == "criu" and time.monotonic() < deadline:

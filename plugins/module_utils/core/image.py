@@ -48,7 +48,7 @@ RESTORED_MARK = "restored.json"
 FIXED = "fixed.json"          # the identity of each file as a transfer left it (see receipts())
 RECEIPT_PREFIX = "receipt-"   # <STATE_DIR>/receipt-*.jsonl: the hash of each range a receiver wrote
 CHUNK = 64 * 2**20
-GROWING = re.compile(r"^pages-\d+\.img$")  # CRIU appends page data to these while it dumps, never rewrites
+GROWING = re.compile(r"^pages-\d+\.img\Z")  # CRIU appends page data to these while it dumps, never rewrites
 
 
 def state_dir(image_dir):

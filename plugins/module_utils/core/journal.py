@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover - only in the receiver program
     pass
 
 DEFAULT_JOURNAL_DIR = "/var/lib/gpuckpt/journal"
-ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
 
 # Which phase may follow which. None is "no journal yet".
 SOURCE_TRANSITIONS = {

@@ -30,7 +30,11 @@ What it refuses to do, whoever sends what:
   is still receiving this migration's image (its nonce). A rollback that cleaned the target (phase
   ``cleaned``) stops every receiver still running: new ones refuse to start, old ones are killed by it
   (their pids are in the journal), and a straggler's writes go to a removed directory;
-- write through a symlink, into the state dir, or the manifest with ``data``;
+- write through a symlink, into the state dir, or the manifest with ``data`` or ``fix``: every path a sender names
+  goes through image_rel (normalised first, then refused when empty, absolute, with ``..`` or a NUL, or when it
+  falls into the state dir or onto the manifest), also the paths of ``sums``;
+- change an image a replica store committed (its replica.json): a push of that id is refused, also one that was
+  already open when the commit came (before each data or fix operation, and before the manifest);
 - deliver a manifest of another image (another migration's nonce, another image id).
 Files are created 0600 in a 0700 dir: nobody else reads the workload's memory while it arrives.
 """
@@ -173,6 +177,7 @@ class Receiver(object):
         except FileExistsError:
             pass
         self.state_fd = open_beneath(self.dir_fd, _image().STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
+        self._refuse_committed()
         name = "%s%d-%s.jsonl" % (_image().RECEIPT_PREFIX, os.getpid(), os.urandom(4).hex())
         self.receipt_fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
                                   0o600, dir_fd=self.state_fd)
@@ -211,6 +216,21 @@ class Receiver(object):
             raise Refused("a push into the replica store goes to %s, not %s" % (want, self.dest))
         _replica().check_push(r["root"], r["job"], r.get("epoch"), r.get("node"))
 
+    def _refuse_committed(self):
+        """A push into a replica store changes nothing of an image the store committed (its replica mark is there):
+        checked when the push opens the image, before each data and fix operation, and under the job's lock before
+        the manifest (a commit writes the mark under that lock)."""
+        if not self.config.get("replica") or self.state_fd is None:
+            return
+        try:
+            os.stat(_replica().REPLICA_MARK, dir_fd=self.state_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return
+        raise Refused("image %s of job %s was committed on this replica (it has its %s): a push never changes a "
+                      "committed image; push a new image id" % (self.config.get("image_id"),
+                                                                self.config["replica"].get("job"),
+                                                                _replica().REPLICA_MARK))
+
     def _open_for_image(self):
         want, probe = self.config.get("image_id"), bool(self.config.get("probe"))
         mark = {"image_id": want}
@@ -244,9 +264,10 @@ class Receiver(object):
 
     # -- operations ----------------------------------------------------------------------------------
     def _file(self, rel):
-        parts = [p for p in rel.split("/") if p]
-        if not parts or parts[0] == _image().STATE_DIR or (len(parts) == 1 and parts[0].startswith(_image().MANIFEST)):
-            raise Refused("refusing to write %r with a data operation" % rel)
+        """An fd open for writing on the image's file ``rel`` (image_rel: never the state dir, the manifest or
+        outside the image), while no replica mark says the image was committed."""
+        rel = image_rel(rel)
+        self._refuse_committed()
         if rel not in self.fds:
             fd = open_beneath(self.dir_fd, rel, os.O_WRONLY | os.O_CREAT, 0o600, make_dirs=True)
             if not stat.S_ISREG(os.fstat(fd).st_mode):
@@ -296,9 +317,7 @@ class Receiver(object):
             self.writer.sync()
 
     def sums(self, op):
-        files = list(op["files"])
-        for rel in files:
-            _split_checked(rel)
+        files = [image_rel(rel) for rel in op["files"]]
         self._reply({"sums": _image().checksum_files(self.dest, files)})
 
     def fix(self, op):
@@ -343,8 +362,9 @@ class Receiver(object):
             return
         try:
             with _replica().push_guard(r["root"], r["job"], r["epoch"], r["node"]):
+                self._refuse_committed()
                 atomic_write(_image().MANIFEST, data, dir_fd=self.dir_fd)
-        except GpuCkptError as exc:
+        except (GpuCkptError, Refused) as exc:
             self._reply(_refusal(exc))
             raise Refused(str(exc))
 
@@ -465,9 +485,21 @@ def remove_probe_dir(path, image_id):
     return False
 
 
-def _split_checked(rel):
-    if rel.startswith("/") or ".." in rel.split("/") or "\0" in rel:
-        raise Refused("refusing path %r" % rel)
+def image_rel(rel):
+    """The one check of every relative path a sender names (data, fix, sums): ``rel`` normalised (os.path.normpath:
+    no ``./``, no doubled ``/``), refused (Refused) when it is not a non-empty string, is absolute, has a ``..``
+    component or a NUL, or, once normalised, is nothing (``.``), falls into the image's state dir (its receipts,
+    replica.json: what only this receiver and the replica store write) or names the manifest or one of its temporary
+    files (only ``deliver`` writes the manifest, last). Every guard runs on what it returns, never on ``rel``."""
+    if not isinstance(rel, str) or not rel or "\0" in rel or rel.startswith("/") or ".." in rel.split("/"):
+        raise Refused("refusing path %r: an image's file is named by a relative path without '..'" % (rel,))
+    norm = os.path.normpath(rel)
+    parts = norm.split("/")
+    if norm in (".", "") or parts[0] in (".", "..") or parts[0] == _image().STATE_DIR or \
+            (len(parts) == 1 and parts[0].startswith(_image().MANIFEST)):
+        raise Refused("refusing path %r: it is not one of the image's files (%s and the manifest are the "
+                      "receiver's)" % (rel, _image().STATE_DIR))
+    return norm
 
 
 def _image():

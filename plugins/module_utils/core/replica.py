@@ -5,7 +5,7 @@
 
   <root>/<job>/                 0700, one per job, never a symlink
   <root>/<job>/job.json         the replica's journal of the job: its epoch, its owner (a node's inventory name)
-                                and its history (adopted, failover)
+                                and its history (adopted, failover, reprotected)
   <root>/<job>/.lock            flock: one writer of the job at a time (a commit, a failover, a push's manifest)
   <root>/<job>/<image_id>/      an image as the receiver writes it (manifest.json last)
   <root>/<job>/<image_id>/.gpuckpt/replica.json   what the replica knows of the image: verified, epoch, node,
@@ -16,6 +16,11 @@ node it comes from (check_push): one of an older epoch, or of the current epoch 
 owner, is refused before the receiver writes a byte and again, under the job's lock, before it writes the
 manifest. A node cut off from the controller but not from its replica may still run its copy: its pushes
 are refused, and the node's runner stops it at its next fence check (check, which writes nothing).
+
+Epochs and owners are the replica's alone: the first push of a job to a replica records its node and epoch, and
+from then on only a failover (failover, failover_verified) or the operator's re-protect (reprotect: gpu_replica, as
+the protect role runs it) moves them. A push or a commit of the owner at a higher epoch than the record's is
+refused (EpochAhead), nothing written; none of the operations a node asks of the receiver (run_op) moves an epoch.
 
 An image counts once ``commit`` verified every checksum and wrote its replica.json; an image without one (a
 push cut before its commit) is unverified. Retention keeps the newest ``keep`` verified images, never the
@@ -44,8 +49,8 @@ try:  # a package import; the receiver program defines these names before this c
 except ImportError:  # pragma: no cover - only in the receiver program, where they are globals
     pass
 
-JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
-REPLICA_IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
+REPLICA_IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
 JOB_RECORD = "job.json"
 JOB_LOCK = ".lock"
 REPLICA_MARK = "replica.json"   # in the image's state dir
@@ -62,6 +67,13 @@ class StaleEpoch(GpuCkptError):
 
 class FailoverRefused(GpuCkptError):
     """A failover that would leave two copies: the job was already failed over, or the target owns it."""
+
+
+class EpochAhead(GpuCkptError):
+    """A push, commit or call of the job's owner at a higher epoch than the replica's record: refused, nothing
+    written. Epochs are the replica's: only a failover or the operator's re-protect (reprotect) moves one."""
+
+    fenced = False
 
 
 def check_job(name):
@@ -203,6 +215,18 @@ def _refuse_fenced(record, job, epoch, node):
                          hint="the job runs elsewhere now: stop this copy (the node's next fence check does)")
 
 
+def _refuse_ahead(record, job, epoch, node):
+    """Raise EpochAhead when ``node`` (the owner) names a higher epoch than the record's: a push never moves it."""
+    if epoch > record["epoch"]:
+        raise EpochAhead(
+            "job %s: %s at epoch %s is ahead of this replica's record (%s at epoch %s); refused, nothing written: a "
+            "job's epoch moves only by a failover or by the operator's re-protect, never by a push or a commit"
+            % (job, node, epoch, record["owner"], record["epoch"]), stage="replica",
+            details={"fenced": False, "ahead": True, "epoch": record["epoch"], "owner": record["owner"]},
+            hint="protect the job again with the role gpuckpt.fleet.protect (it records the job's epoch on each of its "
+                 "replicas: gpuckpt.fleet.gpu_replica state=reprotect), or correct the node's config of the job")
+
+
 def _check_push_locked(fd, job, epoch, node):
     record = _read_record(fd, job)
     if record is None:
@@ -211,18 +235,15 @@ def _check_push_locked(fd, job, epoch, node):
         atomic_write(JOB_RECORD, record, dir_fd=fd)
         return record
     _refuse_fenced(record, job, epoch, node)
-    if epoch > record["epoch"]:  # its owner protected again with a newer epoch it read from another replica
-        record["history"] = list(record.get("history") or []) + [_history("adopted", epoch, node, node,
-                                                                          reason="epoch raised by its owner")]
-        record["epoch"] = epoch
-        atomic_write(JOB_RECORD, record, dir_fd=fd)
+    _refuse_ahead(record, job, epoch, node)
     return record
 
 
 def check_push(root, job, epoch, node, create=True):
     """The job's record, once a push from ``node`` at ``epoch`` may go on (created, with ``node`` as the owner,
     when there is none and ``create``; None when there is none and not ``create``). Raises StaleEpoch for a fenced
-    copy: an older epoch, or the current one from another node than the owner."""
+    copy: an older epoch, or the current one from another node than the owner; EpochAhead for the owner at a higher
+    epoch than the record's (never adopted: see reprotect)."""
     _check_epoch(epoch)
     _check_node(node)
     if create:
@@ -237,16 +258,22 @@ def check_push(root, job, epoch, node, create=True):
             os.close(fd)
     if record is not None:
         _refuse_fenced(record, job, epoch, node)
+        _refuse_ahead(record, job, epoch, node)
     return record
 
 
 def check(root, job, epoch, node, create=False):
     """check_push as the node's fence check asks it: {"epoch", "owner", "fenced", "reason"}, never raising
-    StaleEpoch; without ``create``, nothing is written and no lock awaited (a commit may hold it for minutes)."""
+    StaleEpoch; without ``create``, nothing is written and no lock awaited (a commit may hold it for minutes).
+    The owner at a higher epoch than the record's is not fenced (the record names it): "ahead" and the reason say
+    that its pushes are refused until the operator protects the job again."""
     try:
         record = check_push(root, job, epoch, node, create)
     except StaleEpoch as exc:
         return {"epoch": exc.details["epoch"], "owner": exc.details["owner"], "fenced": True, "reason": exc.msg}
+    except EpochAhead as exc:
+        return {"epoch": exc.details["epoch"], "owner": exc.details["owner"], "fenced": False, "ahead": True,
+                "reason": exc.msg}
     if record is None:
         return {"epoch": None, "owner": None, "fenced": False, "reason": "no record of job %s on this replica" % job}
     return {"epoch": record["epoch"], "owner": record["owner"], "fenced": False, "reason": None}
@@ -482,107 +509,6 @@ def reverify(root, job, image_id, write=True):
 def verify_image(root, job, image_id):
     """True when the committed image verifies again; else False, its replica.json marked corrupt (see reverify)."""
     return reverify(root, job, image_id)[0]
-
-
-# -- failover ----------------------------------------------------------------------------------------
-def _failover_refusal(record, job, lost_node, target):
-    """Why a failover of ``job`` from ``lost_node`` to ``target`` would leave two copies, or None."""
-    if record is None:
-        return "there is no record of job %s on this replica: nothing was protected here" % job
-    if record["owner"] != lost_node:
-        if any(h.get("event") == "failover" and h.get("from") == lost_node for h in record.get("history") or []):
-            return "job %s runs on %s since epoch %s: it was already failed over" % (job, record["owner"], record["epoch"])
-        return "lost_node %s is not the job's owner (%s at epoch %s)" % (lost_node, record["owner"], record["epoch"])
-    if target == record["owner"]:
-        return "target %s is the job's owner (the lost node); choose another target" % target
-    return None
-
-
-def _failover_locked(fd, job, lost_node, target, image_id, reason, write=True):
-    record = _read_record(fd, job)
-    refusal = _failover_refusal(record, job, lost_node, target)
-    if refusal:
-        raise FailoverRefused(refusal, stage="preflight", details={"record": record})
-    record["epoch"] += 1
-    record["owner"] = target
-    record["history"] = list(record.get("history") or []) + [
-        _history("failover", record["epoch"], target, lost_node, image_id, reason)]
-    if write:
-        atomic_write(JOB_RECORD, record, dir_fd=fd)
-    return record
-
-
-def failover(root, job, lost_node, target, image_id, reason=None, write=True):
-    """Hand the job to ``target``: the epoch raised by one, the owner changed, the history appended (the record as
-    it would be, unwritten, without ``write``). Refuses (FailoverRefused) when ``lost_node`` is not the owner
-    (already failed over) or ``target`` is."""
-    _check_node(lost_node, "lost_node")
-    _check_node(target, "target")
-    with _job_locked(root, job, False) as fd:
-        return _failover_locked(fd, job, lost_node, target, image_id, reason, write)
-
-
-def failover_verified(root, job, lost_node, target, candidates=None, reason=None, write=True):
-    """gpu_replica's failover: refused as failover() refuses, before anything is read; then each candidate (image
-    ids in order of preference; default: the verified images, newest first) read again, the corrupt ones marked,
-    and the job handed over with the first that verifies; all of it under the job's lock. ``write`` false (check
-    mode) marks nothing and raises no epoch. Returns {"record", "image_id", "image_path", "epoch", "skipped"}."""
-    _check_node(lost_node, "lost_node")
-    _check_node(target, "target")
-    with _job_locked(root, job, False) as fd:
-        refusal = _failover_refusal(_read_record(fd, job), job, lost_node, target)
-        if refusal:
-            raise FailoverRefused(refusal, stage="preflight")
-        if candidates is None:
-            candidates = [e["id"] for e in _images(fd, root, job) if e["verified"]]
-        skipped = []
-        for image_id in candidates:
-            ok, why, unused = _reverify_locked(fd, root, job, check_image_id(image_id), write)
-            if not ok:
-                skipped.append({"id": image_id, "reason": why})
-                continue
-            record = _failover_locked(fd, job, lost_node, target, image_id, reason) if write else None
-            return {"record": record, "image_id": image_id, "epoch": record["epoch"] if record else None,
-                    "image_path": os.path.join(os.path.abspath(root), job, image_id), "skipped": skipped}
-        raise ImageError("no image of job %s on this replica verifies (%d tried); the epoch was not raised"
-                         % (job, len(candidates)), stage="verify", details={"skipped": skipped})
-
-
-# -- the target's word that it owns the job ---------------------------------------------------------
-def adopt(journal_dir, job, epoch, owner, lost_node=None, image_id=None, write=True):
-    """Record in ``journal_dir`` (protect-<job>.json) that this host, ``owner``, runs ``job`` from ``epoch`` on.
-    Refuses (FailoverRefused) when the file already names an epoch at least as high. Returns the document."""
-    check_job(job)
-    _check_epoch(epoch)
-    _check_node(owner, "owner")
-    name = "protect-%s.json" % job
-    doc = {"job": job, "epoch": epoch, "owner": owner, "from": lost_node, "image_id": image_id, "at": _iso_utc(time.time())}
-    if write:
-        try:
-            make_dirs_private(journal_dir)
-            check_private_ancestors(os.path.join(journal_dir, name))
-        except UnsafePath as exc:
-            raise InvalidTarget("journal_dir %s: %s" % (journal_dir, exc), stage="preflight")
-    elif not os.path.isdir(journal_dir):
-        return doc  # check mode, and nothing recorded here yet
-    fd = open_dir(journal_dir)
-    try:
-        lock_fd = open_beneath(fd, "protect-%s.lock" % job, os.O_RDWR | os.O_CREAT) if write else None
-        try:
-            if lock_fd is not None:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX)
-            old = read_json(name, dir_fd=fd)
-            if isinstance(old, dict) and isinstance(old.get("epoch"), int) and old["epoch"] >= epoch:
-                raise FailoverRefused("this host already records job %s at epoch %s (>= %s); refusing to adopt it again"
-                                      % (job, old["epoch"], epoch), stage="preflight", details={"adopted": old})
-            if write:
-                atomic_write(name, doc, dir_fd=fd)
-            return doc
-        finally:
-            if lock_fd is not None:
-                os.close(lock_fd)
-    finally:
-        os.close(fd)
 
 
 # -- the receiver's non-data calls ----------------------------------------------------------------------

@@ -58,9 +58,9 @@ FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@
 GROWING = image.GROWING
 # The receiver program: these modules' sources, in this order (each needs only those before it).
 RECEIVER_MODULES = (errors, memdir, fsutil, wait, procfs, journal, image, replica, receiver)
-HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\[\]-]+$")
-USER_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*$")
-PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]+$")
+HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\[\]-]+\Z")
+USER_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*\Z")
+PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]+\Z")
 
 
 def auto_streams(cpus=None):

@@ -37,7 +37,7 @@ NVIDIA_MAJOR = 195
 # minors 254 (nvidia-modeset) and 255 (nvidiactl) are the driver's control nodes, not GPUs
 FIRST_CONTROL_MINOR = 254
 DEFAULT_PROC = "/proc/driver/nvidia"
-GPU_NODE = re.compile(r"^nvidia([0-9]+)$")
+GPU_NODE = re.compile(r"^nvidia([0-9]+)\Z")
 
 
 def proc_dir():

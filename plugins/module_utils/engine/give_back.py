@@ -110,7 +110,7 @@ def give_back(journal_dir, record_id, backend, libcuda_path=None):
         if traced:  # its holder died, and the dump it started did not (an OOM kill takes one process): let it end
             return dict(out, held=True, holder=traced[0][1],
                         msg="checkpoint %s: pid %d is still seized by pid %d (a dump its dead holder started): nothing "
-                            "was touched; the next operation gives it back once that ends" % (record_id,) + traced[0])
+                            "was touched; the next operation gives it back once that ends" % ((record_id,) + traced[0]))
         if alive:
             changed, pids = resume_stopped(manifest, backend, libcuda_path=libcuda_path)
             how = "given back (pids %s%s)" % (pids, "" if changed else ": they ran already")

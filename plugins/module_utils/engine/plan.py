@@ -24,7 +24,7 @@ from ..cuda import usage as gpu_usage
 from ..runtimes.base import network_lock_problem
 from . import quiesce
 
-IMAGE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+IMAGE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
 
 
 class CheckpointOptions(object):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from ..core.errors import GpuCkptError, InvalidTarget
@@ -33,12 +34,23 @@ def _print(doc, out, indent=None):
     out.flush()
 
 
+def _seconds(text):
+    """--within: a positive, finite number of seconds ("x", "-5", "0", "nan", "inf" are refused before anything runs)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = None
+    if value is None or not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError("must be a positive number of seconds, not %r" % text)
+    return value
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="gpuckpt-protect", description="Checkpoints of protected jobs, kept on replicas")
     p.add_argument("command", choices=["run", "now", "status", "fence-check", "give-back"])
     p.add_argument("--protect-dir", default=protect.DEFAULT_PROTECT_DIR)
     p.add_argument("--job")
-    p.add_argument("--within", type=float, help="now: the seconds left (a spot notice's, say)")
+    p.add_argument("--within", type=_seconds, help="now: the seconds left (a spot notice's, say)")
     return p
 
 

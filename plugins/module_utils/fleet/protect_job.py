@@ -19,7 +19,7 @@ from ..core.fsutil import make_dirs_private, read_json
 from ..runtimes import registry
 from . import protect_history as hist
 
-JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}$")
+JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 DEFAULT_PROTECT_DIR = "/etc/gpuckpt/protect"
 
 

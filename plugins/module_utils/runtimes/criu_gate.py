@@ -36,7 +36,7 @@ IFS= read -r verdict < '%(dir)s/verdict' || exit 1
 [ "$verdict" = ok ]
 """
 PLACES = (tempfile.gettempdir(), "/run", "/var/tmp", "/dev/shm")
-SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+$")  # quoted into the script
+SAFE_PATH = re.compile(r"^[A-Za-z0-9_./+-]+\Z")  # quoted into the script
 
 
 class RestoreGate(object):

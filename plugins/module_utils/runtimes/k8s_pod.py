@@ -48,8 +48,8 @@ POD_NAMESPACE, POD_NAME, POD_UID = "io.kubernetes.pod.namespace", "io.kubernetes
 CONTAINER_NAME, KIND = "io.kubernetes.container.name", "io.cri-containerd.kind"
 STOP_WAIT = 120  # seconds a committed source waits for the kubelet to stop its deleted pod's containers
 # Kubernetes names: namespaces and container names are DNS labels, pod names DNS subdomains
-DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")
+DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?\Z")
 
 
 def parse_pod(target):

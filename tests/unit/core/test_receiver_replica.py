@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, receiver, replica, transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, receiver, replica, replica_owner, transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
 
 JOB = "train-1"
@@ -83,7 +83,7 @@ def test_a_push_lands_whole_in_the_store_and_its_commit_counts_it(tmp_path):
 def test_a_fenced_copy_is_refused_before_any_byte_is_written(tmp_path):
     root = _root(tmp_path)
     replica.check_push(str(root), JOB, 1, "node-a")
-    replica.failover(str(root), JOB, "node-a", "node-b", "img-0")
+    replica_owner.failover(str(root), JOB, "node-a", "node-b", "img-0")
     ops = _ops(_source(tmp_path))
     rc, replies = _receive(_config(root, "img-1"), ops)
     assert rc == receiver.REFUSED and replies == [{"ready": False, "fenced": True, "error": replies[0]["error"]}]
@@ -105,7 +105,7 @@ def test_a_failover_during_the_push_keeps_its_manifest_out(tmp_path):
     for line in ops[:deliver_at].split(b"\n"):  # the data and sizes arrive while the job still belongs to node-a
         if line.startswith(b'{"op": "fix"'):
             recv.fix(json.loads(line))
-    replica.failover(str(root), JOB, "node-a", "node-b", "img-0", "node-a lost")
+    replica_owner.failover(str(root), JOB, "node-a", "node-b", "img-0", "node-a lost")
     header = json.loads(recv.inp.readline())
     with pytest.raises(receiver.Refused, match="failed over to node-b"):
         recv.deliver(header)
@@ -187,7 +187,7 @@ def test_a_node_pushes_commits_and_is_fenced_through_the_receiver_program(tmp_pa
     listed = transfer.replica_call(_target(), {"replica_op": "list", "root": str(root), "job": JOB})
     assert [i["id"] for i in listed["images"]] == ["img-2", "img-1"] and listed["record"]["epoch"] == 1
     # The job is failed over; the old node's check, push and commit each say it is fenced.
-    replica.failover(str(root), JOB, "node-a", "node-b", "img-2", "node-a lost")
+    replica_owner.failover(str(root), JOB, "node-a", "node-b", "img-2", "node-a lost")
     said = transfer.replica_call(_target(), dict(_ref(root), replica_op="check", create=False))
     assert said["ready"] and said["fenced"] and said["owner"] == "node-b" and said["epoch"] == 2
     src = _source(tmp_path, "img-3", 4000.0)

@@ -12,7 +12,7 @@ import time
 import pytest
 from ansible.module_utils.testing import patch_module_args
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, replica
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, replica, replica_owner
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, ImageError, InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.modules import gpu_replica
 
@@ -81,9 +81,14 @@ def test_the_first_push_makes_its_node_the_owner_and_a_fenced_copy_is_refused(tm
     for epoch, node in ((1, "node-b"), (2, "node-b")):  # another node, at the same epoch or a higher one
         with pytest.raises(replica.StaleEpoch, match="belongs to node-a at epoch 1"):
             replica.check_push(str(root), JOB, epoch, node)
-    # Its owner protected again with a higher epoch (read from another replica): taken, and recorded.
-    record = replica.check_push(str(root), JOB, 3, "node-a")
-    assert record["epoch"] == 3 and record["history"][-1]["event"] == "adopted"
+    # Its owner at a higher epoch (read from another replica): a push never raises it (issue 43); the operator's
+    # re-protect does, and records it.
+    with pytest.raises(replica.EpochAhead, match="ahead of this replica's record"):
+        replica.check_push(str(root), JOB, 3, "node-a")
+    assert replica.list_images(str(root), JOB)["record"]["epoch"] == 1
+    record = replica_owner.reprotect(str(root), JOB, 3, "node-a")["record"]
+    assert record["epoch"] == 3 and record["history"][-1]["event"] == "reprotected"
+    assert replica.check_push(str(root), JOB, 3, "node-a")["epoch"] == 3
     with pytest.raises(replica.StaleEpoch) as err:
         replica.check_push(str(root), JOB, 2, "node-a")
     assert err.value.fenced and err.value.details == {"fenced": True, "epoch": 3, "owner": "node-a"}
@@ -98,7 +103,7 @@ def test_a_fence_check_writes_nothing_and_says_who_owns_the_job(tmp_path):
                                                           "reason": "no record of job %s on this replica" % JOB}
     assert not (root / JOB).exists()
     replica.check_push(str(root), JOB, 1, "node-a")
-    replica.failover(str(root), JOB, "node-a", "node-b", "img-1", "lost")
+    replica_owner.failover(str(root), JOB, "node-a", "node-b", "img-1", "lost")
     before = (root / JOB / "job.json").read_text()
     said = replica.check(str(root), JOB, 1, "node-a")
     assert said["fenced"] and said["epoch"] == 2 and said["owner"] == "node-b"
@@ -187,7 +192,7 @@ def test_an_image_without_replica_json_is_unverified_and_never_failed_over_to(tm
     assert listed[0]["epoch"] == 1 and listed[0]["node"] == "node-a"  # from the receiver's mark
     ok, why, unused = replica.reverify(str(root), JOB, "img-2")
     assert not ok and "never committed" in why
-    res = replica.failover_verified(str(root), JOB, "node-a", "node-b", ["img-2", "img-1"])
+    res = replica_owner.failover_verified(str(root), JOB, "node-a", "node-b", ["img-2", "img-1"])
     assert res["image_id"] == "img-1" and res["skipped"][0]["id"] == "img-2"
 
 
@@ -195,17 +200,17 @@ def test_failover_raises_the_epoch_once_and_refuses_what_would_leave_two_copies(
     root = _root(tmp_path)
     committed(root, "img-1", 1000)
     with pytest.raises(replica.FailoverRefused, match="is the job's owner"):
-        replica.failover(str(root), JOB, "node-a", "node-a", "img-1")
+        replica_owner.failover(str(root), JOB, "node-a", "node-a", "img-1")
     with pytest.raises(replica.FailoverRefused, match="not the job's owner"):
-        replica.failover(str(root), JOB, "node-x", "node-b", "img-1")
-    record = replica.failover(str(root), JOB, "node-a", "node-b", "img-1", "BMC power-off")
+        replica_owner.failover(str(root), JOB, "node-x", "node-b", "img-1")
+    record = replica_owner.failover(str(root), JOB, "node-a", "node-b", "img-1", "BMC power-off")
     assert record["epoch"] == 2 and record["owner"] == "node-b"
     assert {k: record["history"][-1][k] for k in ("event", "epoch", "owner", "from", "image_id", "reason")} == {
         "event": "failover", "epoch": 2, "owner": "node-b", "from": "node-a", "image_id": "img-1", "reason": "BMC power-off"}
     with pytest.raises(replica.FailoverRefused, match="runs on node-b since epoch 2: it was already failed over"):
-        replica.failover(str(root), JOB, "node-a", "node-c", "img-1")
+        replica_owner.failover(str(root), JOB, "node-a", "node-c", "img-1")
     with pytest.raises(replica.FailoverRefused, match="target node-b"):
-        replica.failover(str(root), JOB, "node-b", "node-b", "img-1")
+        replica_owner.failover(str(root), JOB, "node-b", "node-b", "img-1")
     # The lost node's copy, back: its pushes and commits are refused; the new owner's are taken.
     push(root, "img-2", 2000)
     with pytest.raises(replica.StaleEpoch, match="failed over to node-b at epoch 2"):
@@ -213,7 +218,7 @@ def test_failover_raises_the_epoch_once_and_refuses_what_would_leave_two_copies(
     assert not (root / JOB / "img-2" / ".gpuckpt" / "replica.json").exists()
     assert replica.commit(str(root), JOB, "img-2", 2, "node-b", 3, {})["verified"]
     with pytest.raises(replica.FailoverRefused, match="no record"):
-        replica.failover(str(root), "other-job", "node-a", "node-b", "img-1")
+        replica_owner.failover(str(root), "other-job", "node-a", "node-b", "img-1")
 
 
 def test_failover_skips_a_corrupt_image_for_the_previous_verified_one(tmp_path):
@@ -222,10 +227,10 @@ def test_failover_skips_a_corrupt_image_for_the_previous_verified_one(tmp_path):
         committed(root, "img-%d" % i, at)
     _flip_first_byte(root / JOB / "img-2" / "pages-1.img")  # bit rot after the commit
     # Check mode: what it would do, nothing marked, no epoch raised.
-    res = replica.failover_verified(str(root), JOB, "node-a", "node-b", write=False)
+    res = replica_owner.failover_verified(str(root), JOB, "node-a", "node-b", write=False)
     assert res["image_id"] == "img-1" and res["epoch"] is None and res["skipped"][0]["id"] == "img-2"
     assert _mark(root / JOB / "img-2")["verified"] and replica.list_images(str(root), JOB)["record"]["epoch"] == 1
-    res = replica.failover_verified(str(root), JOB, "node-a", "node-b", reason="Xid 79")
+    res = replica_owner.failover_verified(str(root), JOB, "node-a", "node-b", reason="Xid 79")
     assert res["image_id"] == "img-1" and res["epoch"] == 2 and res["image_path"] == str(root / JOB / "img-1")
     assert res["skipped"] == [{"id": "img-2", "reason": res["skipped"][0]["reason"]}]
     assert "checksum mismatch" in res["skipped"][0]["reason"]
@@ -238,10 +243,10 @@ def test_a_refused_failover_reads_no_image_and_one_without_a_good_image_raises_n
     committed(root, "img-1", 1000)
     _flip_first_byte(root / JOB / "img-1" / "pages-1.img")
     with pytest.raises(replica.FailoverRefused):
-        replica.failover_verified(str(root), JOB, "node-a", "node-a")
+        replica_owner.failover_verified(str(root), JOB, "node-a", "node-a")
     assert _mark(root / JOB / "img-1")["verified"]  # refused before it read anything
     with pytest.raises(ImageError, match="the epoch was not raised") as err:
-        replica.failover_verified(str(root), JOB, "node-a", "node-b")
+        replica_owner.failover_verified(str(root), JOB, "node-a", "node-b")
     assert err.value.details["skipped"][0]["id"] == "img-1"
     assert replica.list_images(str(root), JOB)["record"]["epoch"] == 1
 
@@ -254,7 +259,7 @@ def test_a_job_directory_that_is_a_symlink_is_refused_and_never_written_through(
     for call in (lambda: replica.check_push(str(root), JOB, 1, "node-a"),
                  lambda: replica.list_images(str(root), JOB),
                  lambda: replica.commit(str(root), JOB, "img-1", 1, "node-a", 1, {}),
-                 lambda: replica.failover(str(root), JOB, "node-a", "node-b", "img-1")):
+                 lambda: replica_owner.failover(str(root), JOB, "node-a", "node-b", "img-1")):
         with pytest.raises(InvalidTarget, match="symlink"):
             call()
     assert os.listdir(elsewhere) == []
@@ -321,16 +326,16 @@ def test_a_push_delivered_a_moment_ago_is_not_taken_for_a_failed_one(tmp_path):
 
 def test_the_target_adopts_a_job_once_per_epoch(tmp_path):
     journal = tmp_path / "journal"
-    doc = replica.adopt(str(journal), JOB, 2, "node-b", "node-a", "img-1", write=False)
+    doc = replica_owner.adopt(str(journal), JOB, 2, "node-b", "node-a", "img-1", write=False)
     assert doc["epoch"] == 2 and not journal.exists()
-    doc = replica.adopt(str(journal), JOB, 2, "node-b", "node-a", "img-1")
+    doc = replica_owner.adopt(str(journal), JOB, 2, "node-b", "node-a", "img-1")
     saved = json.loads((journal / ("protect-%s.json" % JOB)).read_text())
     assert saved == doc and saved["owner"] == "node-b" and saved["from"] == "node-a"
     assert os.stat(journal / ("protect-%s.json" % JOB)).st_mode & 0o777 == 0o600
     for epoch in (1, 2):
         with pytest.raises(replica.FailoverRefused, match="already records job"):
-            replica.adopt(str(journal), JOB, epoch, "node-b")
-    assert replica.adopt(str(journal), JOB, 3, "node-b")["epoch"] == 3
+            replica_owner.adopt(str(journal), JOB, epoch, "node-b")
+    assert replica_owner.adopt(str(journal), JOB, 3, "node-b")["epoch"] == 3
 
 
 # -- the module ---------------------------------------------------------------------------------------

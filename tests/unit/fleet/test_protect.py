@@ -422,3 +422,10 @@ def test_the_command_line(pdir, stand_ins):
     out = io.StringIO()
     assert protect_cli.main(["run", "--protect-dir", pdir, "--job", "absent"], out=out) == protect.EXIT_USAGE
     assert "not protected" in out.getvalue()
+
+
+@pytest.mark.parametrize("within", ["-5", "0", "nan", "inf", "x"])
+def test_now_refuses_a_within_that_is_no_positive_finite_number(within, capsys):
+    with pytest.raises(SystemExit) as exc:
+        protect_cli.main(["now", "--protect-dir", "/nonexistent", "--job", "j", "--within", within], out=io.StringIO())
+    assert exc.value.code == 2 and "positive number of seconds" in capsys.readouterr().err
