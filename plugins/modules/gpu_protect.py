@@ -26,12 +26,19 @@ description:
     that fits in O(within). Then it returns whether it did. A checkpoint of the job that is already running is
     waited for, up to O(within) seconds.
   - C(fence_check) runs the fence check alone (recover.yml and drain.yml run it on the node first).
+  - C(give_back) gives back what a checkpoint run that died (its tree SIGKILLed, an OOM kill, systemd's stop
+    timeout) left frozen - the driver's restore and unlock, the runtime's resume, its partial image removed. Every
+    other state does this first too, and so does gpuckpt.fleet.cuda_process_facts.
+  - C(carry_plan) and C(pid_file) carry a protected job's protection along when a migration moves it (the playbooks'
+    C(tasks/carry_protection.yml)). C(carry_plan), on the source, says whether migration O(migration_id)'s workload
+    is a protected job of this host and what the target needs to protect it. C(pid_file), on the target, writes the
+    migration's restored root pid into O(pid_file).
 author: gpuckpt.fleet maintainers (@gpuckpt)
 options:
   state:
     description: What to do (see the description).
     type: str
-    choices: [status, checkpoint_now, fence_check]
+    choices: [status, checkpoint_now, fence_check, give_back, carry_plan, pid_file]
     default: status
   protect_dir:
     description: Where the role wrote the jobs' configs (its C(gpuckpt_protect_dir)).
@@ -48,6 +55,19 @@ options:
       - The result says whether the checkpoint was expected to finish within it, and whether it did.
       - A positive, finite number; zero, a negative number, C(nan) or C(inf) is refused before anything runs.
     type: float
+  migration_id:
+    description: For C(carry_plan) and C(pid_file), the migration that moved the job (its journals on this host).
+    type: str
+  journal_dir:
+    description: For C(carry_plan) and C(pid_file), where this host keeps the migrations' journals.
+    type: path
+    default: /var/lib/gpuckpt/journal
+  target:
+    description: For C(carry_plan), the inventory name of the host the migration moved the workload to.
+    type: str
+  pid_file:
+    description: For C(pid_file), the job's pid file on this host (the C(pid_file) of RV(carry.spec)).
+    type: path
 notes:
   - The job's config carries the environment its checkpoints run with (the C(gpuckpt_environment) of the node), which
     this module applies before it loads the driver.
@@ -115,6 +135,25 @@ expected:
       successful checkpoints, null without one), C(within_s), C(expected_to_finish) (null when unknown).
   returned: when O(state=checkpoint_now)
   type: dict
+given_back:
+  description:
+    - For C(give_back), per job - C(job), C(changed), C(given_back) (per record of a dead run - C(id), C(phase),
+      C(changed), C(given_back) (the pids that run again), C(msg), or C(error)), C(failed) (the records that could not
+      be given back, tried again by the next operation).
+  returned: when O(state=give_back)
+  type: list
+  elements: dict
+carry:
+  description:
+    - For C(carry_plan) - C(job) (null when the workload is no protected job here), C(carry) (whether its protection
+      can follow it), C(why) (when not), C(spec) (the job as the role gpuckpt.fleet.protect takes it), C(replicas)
+      (each is told the new owner), C(target_replicas) (those the target pushes to), C(systemd).
+  returned: when O(state=carry_plan)
+  type: dict
+pid:
+  description: For C(pid_file), the root pid written.
+  returned: when O(state=pid_file)
+  type: int
 checkpoint:
   description:
     - For C(checkpoint_now), the attempt as the job's history records it - C(result) (ok, failed, skipped, fenced),
@@ -130,7 +169,8 @@ import math
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import protect, protect_history
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import protect, protect_carry, protect_history
 
 
 def checkpoint_now(p, check_mode):
@@ -158,11 +198,17 @@ def checkpoint_now(p, check_mode):
 
 def main():
     module = AnsibleModule(argument_spec=dict(
-        state=dict(type="str", choices=["status", "checkpoint_now", "fence_check"], default="status"),
+        state=dict(type="str", default="status",
+                   choices=["status", "checkpoint_now", "fence_check", "give_back", "carry_plan", "pid_file"]),
         protect_dir=dict(type="path", default=protect.DEFAULT_PROTECT_DIR),
         job=dict(type="str"),
         within=dict(type="float"),
-    ), required_if=[("state", "checkpoint_now", ("job",))], supports_check_mode=True)
+        migration_id=dict(type="str"),
+        journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
+        target=dict(type="str"),
+        pid_file=dict(type="path"),
+    ), required_if=[("state", "checkpoint_now", ("job",)), ("state", "carry_plan", ("migration_id", "target")),
+                    ("state", "pid_file", ("migration_id", "pid_file"))], supports_check_mode=True)
     p = module.params
     if p["within"] is not None and not (math.isfinite(p["within"]) and p["within"] > 0):
         module.fail_json(msg="within must be a positive number of seconds (a spot notice's 30 to 120, say), not %s; "
@@ -174,6 +220,23 @@ def main():
             if failed:
                 module.fail_json(**out)
             module.exit_json(**out)
+        if p["state"] == "give_back":
+            done = protect.give_back_all(p["protect_dir"], p["job"], act=act)
+            failed = [d for d in done if d.get("failed") or d.get("error")]
+            out = dict(changed=any(d["changed"] for d in done), given_back=done,
+                       msg="; ".join(r.get("msg") or r.get("error") or "" for d in done for r in d["given_back"])
+                       or "nothing was left frozen here")
+            if failed:
+                module.fail_json(**out)
+            module.exit_json(**out)
+        if p["state"] == "carry_plan":
+            carry = protect_carry.carry_plan(p["protect_dir"], p["journal_dir"], p["migration_id"], p["target"])
+            module.exit_json(changed=False, carry=carry, msg=carry["why"] or "job %s's protection goes to %s"
+                             % (carry["job"], p["target"]))
+        if p["state"] == "pid_file":
+            changed, pid = (False, None) if module.check_mode else protect_carry.write_pid_file(
+                p["pid_file"], p["journal_dir"], p["migration_id"])
+            module.exit_json(changed=changed, pid=pid, msg="%s names pid %s" % (p["pid_file"], pid))
         if p["state"] == "status":
             jobs = protect.status_all(p["protect_dir"], p["job"], act=act)
             fence = [dict(j["fenced"], job=j["job"]) for j in jobs if j.get("fenced")]

@@ -36,6 +36,10 @@ description:
     node). It refuses a record that names another owner (only a failover moves the owner) or a higher epoch. A job's
     epoch moves only by C(failover), C(fence) and C(reprotect); a push or a commit at a higher epoch than the
     record's is refused, never adopted.
+  - C(handover) records that a migration (migrate.yml, drain.yml) moved the job from O(node) to O(target), both up:
+    the epoch raised by one and O(target) named as the owner, so that O(node)'s pushes are refused from then on. It
+    leaves a record that already names O(target), and refuses one of a third owner. A replica with no record of the
+    job gets none.
   - The image's signature is not checked here; C(gpuckpt.fleet.gpu_restore) checks it, with the key, before a
     restore.
 author: gpuckpt.fleet maintainers (@gpuckpt)
@@ -52,7 +56,7 @@ options:
   state:
     description: What to do (see the description).
     type: str
-    choices: [list, verify, failover, fence, adopt, reprotect]
+    choices: [list, verify, failover, fence, adopt, reprotect, handover]
     default: list
   image_id:
     description:
@@ -67,6 +71,7 @@ options:
   target:
     description:
       - For C(failover) and C(fence), the inventory name of the host that takes the job over.
+      - For C(handover), the host a migration moved the job to.
       - For C(adopt), the name recorded as the owner when O(node) is not given.
     type: str
   node:
@@ -74,6 +79,7 @@ options:
       - For C(adopt), this host's inventory name, recorded as the owner. Defaults to O(target), then to the host's
         own name.
       - For C(reprotect), the inventory name of the node that runs the job (its owner). Required.
+      - For C(handover), the node a migration moved the job from (its owner until then). Required.
     type: str
   candidates:
     description:
@@ -82,7 +88,7 @@ options:
     type: list
     elements: str
   reason:
-    description: For C(failover), C(fence) and C(reprotect), why, recorded in the job's history.
+    description: For C(failover), C(fence), C(reprotect) and C(handover), why, recorded in the job's history.
     type: str
   epoch:
     description:
@@ -198,7 +204,7 @@ epoch:
     - For C(fence), the job's epoch on this replica afterwards (in check mode, what it would be).
     - For C(adopt), the epoch recorded.
     - For C(reprotect), the job's epoch on this replica afterwards (in check mode, what it would be).
-  returned: for failover, fence, adopt and reprotect
+  returned: for failover, fence, adopt, reprotect and handover
   type: int
 skipped_images:
   description: For C(failover), the candidates that did not verify, each with C(id) and C(reason), in the order tried.
@@ -247,6 +253,14 @@ def replica_step(p, check_mode):
         changed = res["changed"]
         out.update(epoch=res["record"]["epoch"], msg="job %s on this replica: %s at epoch %s%s" % (
             p["job"], p["node"], res["record"]["epoch"], "" if changed else " already"))
+    elif p["state"] == "handover":
+        res = replica_owner.handover(p["root"], p["job"], p["node"], p["target"], p["reason"], write=not check_mode)
+        changed = res["changed"]
+        record = res["record"]
+        out.update(epoch=record["epoch"] if record else None, msg=(
+            "job %s has no record on this replica" % p["job"] if record is None else
+            "job %s on this replica: %s at epoch %s%s" % (p["job"], record["owner"], record["epoch"],
+                                                          "" if changed else " already")))
     elif p["state"] == "fence":
         record = replica_owner.failover(p["root"], p["job"], p["lost_node"], p["target"], p["image_id"], p["reason"],
                                   write=not check_mode)
@@ -263,7 +277,8 @@ def main():
     module = AnsibleModule(argument_spec=dict(
         root=dict(type="path"),
         job=dict(type="str", required=True),
-        state=dict(type="str", default="list", choices=["list", "verify", "failover", "fence", "adopt", "reprotect"]),
+        state=dict(type="str", default="list",
+                   choices=["list", "verify", "failover", "fence", "adopt", "reprotect", "handover"]),
         image_id=dict(type="str"),
         lost_node=dict(type="str"),
         target=dict(type="str"),
@@ -274,7 +289,8 @@ def main():
         journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
     ), required_if=[("state", "list", ["root"]), ("state", "verify", ["root", "image_id"]),
                     ("state", "failover", ["root", "lost_node", "target"]), ("state", "fence", ["root", "lost_node", "target"]),
-                    ("state", "adopt", ["epoch"]), ("state", "reprotect", ["root", "node", "epoch"])],
+                    ("state", "adopt", ["epoch"]), ("state", "reprotect", ["root", "node", "epoch"]),
+                    ("state", "handover", ["root", "node", "target"])],
         supports_check_mode=True)
     p = module.params
     check_path_arg(module, "root", p["root"])

@@ -152,3 +152,30 @@ def adopt(journal_dir, job, epoch, owner, lost_node=None, image_id=None, write=T
                 os.close(lock_fd)
     finally:
         os.close(fd)
+
+
+# -- a migration's handover -----------------------------------------------------------------------------
+def handover(root, job, from_node, to_node, reason=None, write=True):
+    """A migration (migrate.yml, drain.yml) moved ``job`` from ``from_node`` to ``to_node``, both up: the record
+    names ``to_node`` as the owner, at the epoch raised by one, so that ``from_node``'s pushes are refused from
+    then on and its fence check stops any copy left there. Idempotent: a record that already names ``to_node``
+    is left as it is. Refuses (FailoverRefused) a record of a third owner. A replica that has no record of the job
+    (it never got a push) gets none. Returns {"record" (None without one), "changed"}."""
+    _check_node(from_node)
+    _check_node(to_node, "target")
+    if from_node == to_node:
+        raise InvalidTarget("a handover needs two nodes, got %s twice" % from_node, stage="preflight")
+    with _job_locked(root, job, False) as fd:
+        record = _read_record(fd, job)
+        if record is None or record["owner"] == to_node:
+            return {"record": record, "changed": False}
+        if record["owner"] != from_node:
+            raise FailoverRefused("job %s belongs to %s at epoch %s on this replica, not to %s: it was not moved from "
+                                  "there" % (job, record["owner"], record["epoch"], from_node), stage="preflight",
+                                  details={"record": record})
+        epoch = record["epoch"] + 1
+        record = dict(record, epoch=epoch, owner=to_node, history=list(record.get("history") or []) + [
+            _history("moved", epoch, to_node, from_node, reason=reason or "moved by a migration")])
+        if write:
+            atomic_write(JOB_RECORD, record, dir_fd=fd)
+        return {"record": record, "changed": True}

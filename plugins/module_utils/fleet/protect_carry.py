@@ -1,0 +1,124 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""A protected job that a migration moves takes its protection along (issue 43, 7).
+
+A job drained or migrated off its node while its replicas still named that node as its owner was protected
+nowhere: its timer stayed on the old node (checkpointing a pid that was no longer the job), and a failover of the
+old node restored an older image while the job ran on (two copies). So once a migration has committed (the
+target runs the workload), finish_or_roll_back.yml carries it (playbooks/tasks/carry_protection.yml):
+
+1. ``carry_plan`` on the source: whether the migrated workload (the source journal's root pid, or its container)
+   is one of the source's protected jobs, and what the target needs to protect it (the role's job spec, the
+   replicas, the source's systemd);
+2. each replica's record handed to the target (core/replica_owner.handover: owner the target, epoch + 1), so that
+   a copy left on the source is fenced and a failover of the source is refused;
+3. the job's pid file written on the target from the migration's restored root pid (``write_pid_file``);
+4. the job's timer and config removed on the source (the role's absent.yml);
+5. the job protected on the target (the role, in the playbook's last play), with the replicas that are not the
+   target itself.
+
+Every step can run again: a re-run (recover.yml) finds the record handed over, the pid file written, the config
+gone.
+"""
+from __future__ import annotations
+
+import os
+
+from ..core.errors import GpuCkptError, InvalidTarget
+from ..core.journal import Journal
+from .protect import ENGINE_OPTIONS
+from .protect_job import job_names, load_config, read_pid
+
+# What of a job's checkpoint options is the job's own, carried to the target: the rest of its config's "checkpoint"
+# is the source host's runtime options (runc_root, criu_path...), which the role takes from the target's inventory.
+CARRIED_OPTIONS = tuple(k for k in ENGINE_OPTIONS if k != "libcuda_path")
+
+
+def _migrated_workload(journal_dir, migration_id):
+    """(root pid, container) of what migration ``migration_id`` checkpointed on this host, from its source journal."""
+    doc = Journal(journal_dir, migration_id, "source").read()
+    if not doc:
+        raise InvalidTarget("migration %s has no source journal in %s: nothing to carry" % (migration_id, journal_dir),
+                            stage="preflight")
+    pids = doc.get("pids") or []
+    return (int(pids[0]) if pids else None), doc.get("container")
+
+
+def find_job(protect_dir, pid=None, container=None):
+    """The config of the protected job whose workload is ``pid`` (its pid file names it) or ``container``, or None."""
+    for name in job_names(protect_dir):
+        try:
+            cfg = load_config(protect_dir, name)
+        except GpuCkptError:
+            continue
+        if container and cfg.get("container") == container:
+            return cfg
+        if not container and pid is not None and cfg.get("pid_file") and read_pid(cfg["pid_file"]) == pid:
+            return cfg
+    return None
+
+
+def job_spec(cfg):
+    """The role's job spec (gpuckpt_protected_jobs' entry) of a job's config, without the source host's runtime
+    options."""
+    spec = {"name": cfg["job"], "interval": cfg.get("interval_s"), "keep": cfg.get("keep")}
+    if cfg.get("pid_file"):
+        spec["pid_file"] = cfg["pid_file"]
+    else:
+        spec.update(container=cfg["container"], runtime=cfg["runtime"])
+    for key in ("progress_file", "progress_key"):
+        if cfg.get(key):
+            spec[key] = cfg[key]
+    own = {k: v for k, v in (cfg.get("checkpoint") or {}).items() if k in CARRIED_OPTIONS and v is not None}
+    if own:
+        spec["checkpoint"] = own
+    return {k: v for k, v in spec.items() if v is not None}
+
+
+def carry_plan(protect_dir, journal_dir, migration_id, target):
+    """What carrying the protection of migration ``migration_id``'s workload to ``target`` takes (see the module doc):
+    {"job" (None when the workload is no protected job here), "carry", "why", "spec", "replicas" (every replica of
+    the job: each is told the new owner), "target_replicas" (those the target pushes to: all but itself),
+    "systemd" (whether this host runs the job's timer under systemd)}."""
+    pid, container = _migrated_workload(journal_dir, migration_id)
+    cfg = find_job(protect_dir, pid=pid, container=container)
+    out = {"job": None, "carry": False, "why": None, "spec": None, "replicas": [], "target_replicas": [],
+           "systemd": os.path.isdir("/run/systemd/system")}
+    if cfg is None:
+        return dict(out, why="the migrated workload is no protected job of this host")
+    names = [r["name"] for r in cfg["replicas"]]
+    out.update(job=cfg["job"], replicas=names, target_replicas=[n for n in names if n != target])
+    if cfg.get("pod"):
+        return dict(out, why="job %s is a pod: its protection is not carried by a migration yet; protect it again "
+                             "where it runs now (protect.yml)" % cfg["job"])
+    if not out["target_replicas"]:
+        return dict(out, why="job %s's only replica is %s, where it runs now: give it another replica and protect it "
+                             "there (protect.yml)" % (cfg["job"], target))
+    return dict(out, carry=True, spec=job_spec(cfg))
+
+
+def write_pid_file(pid_file, journal_dir, migration_id):
+    """Write the root pid that migration ``migration_id`` restored on this host into ``pid_file`` (atomically; a
+    symlink there is replaced, never followed). Returns (changed, pid)."""
+    doc = Journal(journal_dir, migration_id, "target").read() or {}
+    pids = doc.get("pids") or []
+    if doc.get("phase") not in ("restored", "committed") or not pids:
+        raise InvalidTarget("migration %s has restored nothing on this host (phase %s): no pid file written"
+                            % (migration_id, doc.get("phase")), stage="preflight")
+    pid = int(pids[0])
+    if not os.path.isabs(pid_file):
+        raise InvalidTarget("pid_file %r must be an absolute path" % (pid_file,), stage="preflight")
+    if not os.path.islink(pid_file) and read_pid(pid_file) == pid:
+        return False, pid
+    parent = os.path.dirname(pid_file)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, ".%s.gpuckpt-%d" % (os.path.basename(pid_file), os.getpid()))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    try:
+        os.write(fd, b"%d\n" % pid)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.rename(tmp, pid_file)
+    return True, pid
