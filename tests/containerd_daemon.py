@@ -12,6 +12,7 @@ import signal
 import subprocess
 import tarfile
 import time
+import uuid
 
 from helpers import MANAGED_PYTHON, skeleton_tar
 
@@ -98,6 +99,32 @@ class Containerd(object):
     def ctr(self, *args, namespace="default", check=True):
         return subprocess.run([CTR, "--address", self.address, "--namespace", namespace] + list(args),
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, universal_newlines=True, check=check)
+
+    def read_in_task(self, cid, path, namespace="default", via_dir=None):
+        """The file ``path`` as a process that containerd execs into task ``cid`` reads it: ``cp`` there copies it
+        into ``via_dir`` (a host directory bound read-write at the same path in the container), or else beside
+        itself, read here through the task's root (/proc/<pid>/root: a daemon in the root pid namespace only),
+        once ``ctr`` has returned the exit status, then removed. Not from ctr's stdout: ctr 2.1.9's ``tasks exec`` deletes the exec'd process as
+        soon as its exit status comes, and that deletion closes ctr's own FIFO readers; a short output not yet
+        copied out of the FIFO is lost, with rc 0 and nothing on stderr (a few in a hundred on a loaded 2-core
+        machine: CI's flake of issue 43; fixed after 2.1.9 by containerd's commit 3778cc36f, "ctr: drain exec
+        output before cleanup"). cp's own write is done before its exit: nothing is in flight."""
+        exec_id = "x" + uuid.uuid4().hex[:6]
+        copy = (os.path.join(via_dir, "read-" + exec_id) if via_dir else "%s.gpuckpt-read-%s" % (path, exec_id))
+        res = self.ctr("tasks", "exec", "--exec-id", exec_id, cid, "/bin/cp", path, copy, namespace=namespace,
+                       check=False)
+        assert res.returncode == 0, "exec of cp in %s: rc=%d %s" % (cid, res.returncode, res.stderr)
+        if via_dir:
+            inside = copy
+        else:
+            pid = [int(ln.split()[1]) for ln in self.ctr("tasks", "ls", namespace=namespace).stdout.splitlines()[1:]
+                   if ln.split() and ln.split()[0] == cid][0]
+            inside = "/proc/%d/root%s" % (pid, copy)
+        try:
+            with open(inside) as fh:
+                return fh.read().strip()
+        finally:
+            os.unlink(inside)
 
     def import_skeleton(self, namespace="default"):
         if IMAGE not in self.ctr("images", "ls", "-q", namespace=namespace).stdout.split():

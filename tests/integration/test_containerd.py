@@ -84,9 +84,7 @@ class ContainerdWorkload(CountingWorkload):
         return tree(self.task()["pid"])
 
     def layer_file(self):
-        res = self.daemon.ctr("tasks", "exec", "--exec-id", "x" + uuid.uuid4().hex[:6], self.id, "/bin/cat",
-                              "/var/written-in-the-layer", namespace=self.namespace, check=False)
-        return res.stdout.strip()
+        return self.daemon.read_in_task(self.id, "/var/written-in-the-layer", namespace=self.namespace)
 
     def vars(self, image_dir, **extra):
         v = {"gpuckpt_container": self.id, "gpuckpt_runtime": "containerd", "gpuckpt_image_dir": image_dir,

@@ -324,10 +324,12 @@ def migrate_vars(cluster, mid, **extra):
     return v
 
 
-def layer_of(cluster, host, cid):
-    res = cluster["daemons"][host].ctr("tasks", "exec", "--exec-id", "x" + uuid.uuid4().hex[:6], cid, "/bin/cat",
-                                       "/var/written-in-the-layer", namespace="k8s.io", check=False)
-    return res.stdout.strip()
+def layer_of(cluster, host, cid, made):
+    """The writable layer's file of pod container ``cid``, read by a process exec'd there, through its work dir."""
+    daemon = cluster["daemons"][host]
+    info = json.loads(daemon.ctr("containers", "info", cid, namespace="k8s.io").stdout)
+    name = info["Labels"]["io.kubernetes.container.name"]
+    return daemon.read_in_task(cid, "/var/written-in-the-layer", namespace="k8s.io", via_dir=made[name].dir)
 
 
 def container_pid(cluster, host, cid):
@@ -366,7 +368,7 @@ def test_a_pod_of_two_gpu_containers_migrates_to_the_named_node_and_a_rerun_chan
         w.went_on_intact(before[name])
         w.no_count_twice()
     # each container's writable layer as it was checkpointed, not written again by its entrypoint
-    assert sorted(layer_of(cluster, "hostb", cid) for cid in ids) == ["logger", "trainer"]
+    assert sorted(layer_of(cluster, "hostb", cid, made) for cid in ids) == ["logger", "trainer"]
     # The trainer had GPUs 0 and 1 of node-a; the device plugin gave its new container GPUs 1 and 2 of node-b: each
     # of its CUDA processes was restored with the driver's map, place by place, and the restored container's /dev
     # holds the nodes of its new GPUs only (CRIU brought back the old /dev/nvidia0 and /dev/nvidia1).
