@@ -94,6 +94,27 @@ def diagnostics(daemon, hdir):
     return out
 
 
+def gpus_cgroup_devices(pid):
+    """Which GPU device nodes the cgroup of ``pid`` lets it open, tried from a child in that cgroup: {node: allowed}
+    for /dev/nvidia0..7 of the host (cgroup v2's device rules are a BPF program, not readable as a list)."""
+    with open("/proc/%d/cgroup" % pid) as fh:
+        cg = [ln.split(":", 2)[2].strip() for ln in fh if ln.startswith("0::")][0]
+    code = ("import os, sys\n"
+            "open('/sys/fs/cgroup%s/cgroup.procs', 'w').write(str(os.getpid()))\n"
+            "out = {}\n"
+            "for m in range(8):\n"
+            "    p = '/dev/nvidia%%d' %% m\n"
+            "    if os.path.exists(p):\n"
+            "        try:\n"
+            "            os.close(os.open(p, os.O_RDWR)); out[p] = True\n"
+            "        except OSError as e:\n"
+            "            out[p] = e.strerror\n"
+            "print(out)\n" % cg)
+    res = subprocess.run([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         universal_newlines=True, check=False, timeout=30)
+    return {"cgroup": cg, "probe": res.stdout.strip()[-2000:]}
+
+
 class PodTorch(TorchWorkload):
     """torch_counter.py as the container ``trainer`` of pod default/gpu-test-pod."""
 
@@ -223,8 +244,16 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
                 result["gpu_pairs"]
             expect_minors = dst_minors
         dev = "/proc/%d/root/dev" % result["pids"][0]
-        assert sorted(n for n in os.listdir(dev) if n.startswith("nvidia") and n[6:].isdigit()) == \
-            ["nvidia%d" % m for m in expect_minors]
+        nodes = {}
+        for n in sorted(os.listdir(dev)):
+            if n.startswith("nvidia"):
+                st = os.lstat(os.path.join(dev, n))
+                nodes[n] = {"rdev": [os.major(st.st_rdev), os.minor(st.st_rdev)], "ctime": st.st_ctime}
+        # (issue 43, 9: on two GPUs the restored /dev once held nvidia0 beside nvidia1: when each node was made,
+        # against the restore's stages, says who made it; and which device nodes the container's cgroup allows)
+        record("gpu_k8s_pod_restored_dev", nodes=nodes, resumed_at=result["resumed_at"], timings=result["timings"],
+               expect_minors=expect_minors, cgroup=gpus_cgroup_devices(result["pids"][0]))
+        assert sorted(n for n in nodes if n[6:].isdigit()) == ["nvidia%d" % m for m in expect_minors], nodes
         from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import devices as gpus
         now_on = gpus.process_gpus(new_pid, inv)
         record("gpu_k8s_pod_restored_onto", gpu_pairs=result["gpu_pairs"], process_gpus=now_on)

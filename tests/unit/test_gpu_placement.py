@@ -200,3 +200,25 @@ def test_a_spec_naming_a_gpu_the_driver_does_not_list_is_refused(inv, tmp_path):
     assert err.value.stage == "preflight"
     assert gpus.stale_spec_devices({"linux": {"devices": [dev(1), dev(3)]}}, str(tmp_path)) == []
     assert gpus.lists_nvidia_devices(spec) and not gpus.lists_nvidia_devices({"linux": {"devices": []}})
+
+
+def test_a_gpu_node_the_drivers_restore_makes_again_is_removed_before_the_unlock(contained):
+    """On 2 x H100 (driver 580.159.04) the driver's restore of a container moved onto GPU 1 made /dev/nvidia0 again
+    inside it (issue 43, 9): the backend syncs its /dev again after the CUDA restore (engine: after_gpu_restore)."""
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.runc import RuncBackend
+    pid, root, unused = contained
+    spec = {"linux": {"devices": [dev(1)]}}
+    backend = RuncBackend()
+    backend.adopt_devices(pid, [pid], spec, [["GPU-a", "GPU-b"]], sync=True)
+    dev_dir = "/proc/%d/root/dev" % pid
+
+    def gpu_nodes():
+        return sorted(n for n in os.listdir(dev_dir)
+                      if stat.S_ISCHR(os.lstat(os.path.join(dev_dir, n)).st_mode) and n[6:].isdigit())
+
+    assert gpu_nodes() == ["nvidia1"]
+    subprocess.run(["nsenter", "-t", str(pid), "-m", "--", "mknod", "-m", "666", "%s/dev/nvidia0" % root, "c", "195",
+                    "0"], check=True)  # what the driver's restore did
+    assert gpu_nodes() == ["nvidia0", "nvidia1"]
+    backend.after_gpu_restore()
+    assert gpu_nodes() == ["nvidia1"]

@@ -385,6 +385,7 @@ def restore_from(image_dir, manifest, backend, drv, gpu_pairs, clock, validate_w
         moved = None
         if not by_runtime:
             moved = _restore_gpu_memory(backend, drv, cuda_pids, gpu_pairs, parallel)
+            backend.after_gpu_restore()  # (still locked: what that restore made in a container's /dev goes)
         clock.stop("cuda_restore")
         report = None
         if probe:

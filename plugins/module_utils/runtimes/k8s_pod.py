@@ -428,7 +428,7 @@ class KubernetesPodBackend(ContainerBackend):
     def _restored_trees(self, api, namespace, name, records, found):
         """The restored containers' process trees, in the checkpoint's order, each process given the GPU pairs
         of its container (onto the GPUs the device plugin gave the new container, place by place)."""
-        pids, self._pairs_by_pid, inv = [], {}, None
+        pids, self._pairs_by_pid, self._devices_synced, inv = [], {}, [], None
         for rec in records:
             pid, tree = self._member().resolve(found[rec["name"]])
             pids += [p for p in tree if p not in pids]
@@ -438,19 +438,21 @@ class KubernetesPodBackend(ContainerBackend):
             inv = gpu_devices.inventory() if inv is None else inv
             pairs = self._onto_new_gpus(rec.get("gpus") or [], new_spec, inv, pid,
                                         "container %s of pod %s/%s" % (rec["name"], namespace, name))
+
             for p in tree:
                 self._pairs_by_pid[p] = pairs
         return pids
 
-    @staticmethod
-    def _onto_new_gpus(old, new_spec, inv, pid, what):
+    def _onto_new_gpus(self, old, new_spec, inv, pid, what):
         """The pairs that map a container's checkpointed GPUs ``old`` onto those of its new spec (None: the same
-        places), its /dev made to hold the new ones; None when it had and has no GPU."""
+        places), its /dev made to hold the new ones (again after the driver's restore: after_gpu_restore); None
+        when it had and has no GPU."""
         new = gpu_devices.spec_gpus(new_spec, inv)
         if not old and not new:
             return None
         pairs = gpu_devices.placement_pairs(old, new, what)
         gpu_devices.sync_device_nodes(pid, new_spec)
+        self._devices_synced.append((pid, new_spec))
         return pairs
 
     def _restored_container(self, api, namespace, name, cname):
