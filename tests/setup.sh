@@ -96,6 +96,16 @@ if [ ! -x "$par_tree/criu/criu" ] || [ "$CRIU_PATCH" -nt "$par_tree/criu/criu" ]
   make -C "$par_tree" -j"$(nproc)" criu >"$repo/.build/criu-parallel-reads-build.log" 2>&1 \
     || { tail -n 40 "$repo/.build/criu-parallel-reads-build.log"; exit 1; }
 fi
+# CRIU's own cuda plugin, from the same source tree: built only, never installed (a CRIU that loaded it would
+# drive the GPU behind the engine). tests/integration/test_criu_cuda_plugin.py puts it where this CRIU looks,
+# in a private mount namespace, and shows that the collection's CRIU commands never load it.
+if [ ! -f "$src_tree/plugins/cuda/cuda_plugin.so" ]; then
+  fetch_criu_tarball
+  [ -f "$src_tree/Makefile" ] || { mkdir -p "$repo/.build" && tar -C "$repo/.build" -xf "$CRIU_TARBALL"; }
+  log "building CRIU's cuda plugin (not installed)"
+  make -C "$src_tree" -j"$(nproc)" cuda_plugin >"$repo/.build/criu-cuda-plugin-build.log" 2>&1 \
+    || { tail -n 40 "$repo/.build/criu-cuda-plugin-build.log"; exit 1; }
+fi
 criu_ok || { log "CRIU $CRIU_VERSION is not installed at $CRIU_PREFIX/sbin/criu"; exit 1; }
 "$CRIU_PREFIX/sbin/criu" check >/dev/null 2>&1 || { "$CRIU_PREFIX/sbin/criu" check; exit 1; }
 

@@ -183,6 +183,8 @@ def _criu(criu_path, check_criu):
         from ..runtimes.criu import Criu
         c = Criu(criu_path)
         criu.update(installed=True, path=c.path, version=c.version())
+        # where CRIU would find plugins, and CRIU's own cuda plugin if it is there (the collection loads none)
+        criu["plugins"] = c.plugin_facts()
         criu["supported"] = tuple(int(x) for x in criu["version"].split(".")[:2]) >= (4, 0)
         if check_criu:
             ok, text = c.check()

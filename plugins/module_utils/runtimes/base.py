@@ -77,14 +77,18 @@ def map_by_ns_pid(manifest, new_pids):
 #   original may still run), and a rollback waits for its dumped tree to be reaped first
 # - gates_restore: its restore(..., gate=) holds the restored tree, not yet run, at a criu_gate.RestoreGate
 #   until the engine's verdict on the image's pages (checked beside the restore, not before it)
+# - keeps_criu_plugins_off: every CRIU it runs is told to load no plugin (criu.py: an empty --libdir, or a CRIU
+#   configuration runc reads last), so CRIU's own cuda plugin never drives the GPU behind the engine; False: a
+#   daemon runs CRIU with the node's own configuration (Docker, Podman, containerd's checkpoint), and a cuda
+#   plugin that CRIU would load there refuses the workload before anything is frozen
 Capabilities = namedtuple("Capabilities", "uses_criu can_hold_stopped cuda_in_sandbox owns_cuda_stage restores_host_pids "
-                                          "gates_restore")
+                                          "gates_restore keeps_criu_plugins_off")
 
 
 class Backend(object):
     name = "base"
     capabilities = Capabilities(uses_criu=True, can_hold_stopped=True, cuda_in_sandbox=False, owns_cuda_stage=False,
-                                restores_host_pids=False, gates_restore=False)
+                                restores_host_pids=False, gates_restore=False, keeps_criu_plugins_off=True)
     extra = ()           # the user's CRIU options
     auto_flags = ()      # CRIU options the tree needs, found by plan_tree
     tcp_established = False
@@ -290,6 +294,21 @@ def criu_preflight(criu, full=True):
     return {"criu_version": version, "criu_path": criu.path}
 
 
+def refuse_cuda_plugin(criu, runtime):
+    """Refuse (InvalidTarget) when the CRIU that ``runtime``'s daemon runs, with the node's own configuration,
+    would load CRIU's cuda plugin: it would restore and unlock the GPU inside CRIU, behind the engine (all
+    restored before any unlocked, validation before unlock)."""
+    found = criu.plugin_facts(env={})
+    plugin_dir = found["plugin_dir"]
+    cuda = found["cuda_plugin"]
+    if cuda and plugin_dir and os.path.dirname(cuda) == plugin_dir.rstrip("/"):
+        raise InvalidTarget("%s runs CRIU with this node's configuration, and that CRIU would load its cuda plugin %s, "
+                            "which restores and unlocks the GPU behind the engine; nothing was frozen"
+                            % (runtime, cuda), stage="preflight",
+                            hint="remove %s, or point CRIU at an empty plugin directory in /etc/criu/default.conf "
+                                 "(a line 'libdir /var/lib/gpuckpt/criu-no-plugins')" % cuda)
+
+
 def network_lock_problem(root_pid, criu_options=()):
     """Why CRIU could not lock the network of the workload, or None.
 
@@ -353,6 +372,8 @@ class ContainerBackend(Backend):
 
     def preflight(self, full=True):
         facts = criu_preflight(self.criu, full)
+        if not self.capabilities.keeps_criu_plugins_off:
+            refuse_cuda_plugin(self.criu, self.name)
         facts.update(self.runtime_facts())
         return facts
 

@@ -41,6 +41,7 @@ from ..cuda import devices as gpu_devices
 from .containerd_api import DEFAULT_ADDRESS, RUNC_OPTIONS_URL, Client, ContainerdError, runc_options
 from ..core.errors import CommandError, GpuCkptError, InvalidTarget
 from .base import ContainerBackend, mount_hint, ns_pid
+from .criu import no_plugins_dir, write_config
 from .runc import CGROUP2_ROOT, cgroup2_frozen, cgroup2_path
 
 CRIU_SUBDIR = "checkpoint"
@@ -57,7 +58,8 @@ STOP_WAIT = 30  # seconds a killed task may take to stop before its removal is g
 
 class ContainerdBackend(ContainerBackend):
     name = "containerd"
-    capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True)  # paused (cgroup freezer)
+    # paused (cgroup freezer); its checkpoint's CRIU is the shim's, run with the node's configuration
+    capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True, keeps_criu_plugins_off=False)
     passes_criu_flags = ("--tcp-established", "--ext-unix-sk", "--file-locks")
 
     def __init__(self, address=None, namespace=None, runc_root=None, criu_path=None, criu_options=(), timeout=None):
@@ -218,6 +220,8 @@ class ContainerdBackend(ContainerBackend):
         pairs = self.placement(manifest, record["spec"])
         api = self.client()
         created = snapshot = False
+        plugins_off = no_plugins_dir(work_dir)  # CRIU's plugin directory: empty, until the restore returned
+        libdir = plugins_off.__enter__()
         try:
             self._check_namespace(api)
             existing = api.container(self.container)
@@ -231,7 +235,7 @@ class ContainerdBackend(ContainerBackend):
                                     % (self.namespace, record.get("image")))
             spec = record["spec"]
             dest_cgroup = self._cgroup_for(spec, rt)
-            criu_config = self._criu_config(work_dir, manifest, dest_cgroup)
+            criu_config = self._criu_config(work_dir, manifest, dest_cgroup, libdir)
             spec.setdefault("annotations", {})[CRIU_CONFIG_ANNOTATION] = criu_config
             options = _b64decode(rt.get("runtime_options_b64"))
             if self.runc_root:
@@ -262,6 +266,7 @@ class ContainerdBackend(ContainerBackend):
                 self._remove(api, record.get("snapshotter") if snapshot else None, record.get("snapshot_key"))
             raise
         finally:
+            plugins_off.__exit__(None, None, None)
             api.close()
         return tree
 
@@ -287,17 +292,14 @@ class ContainerdBackend(ContainerBackend):
             raise InvalidTarget("cgroup %s is frozen on this host; nothing was restored" % path, stage="preflight")
         return path
 
-    def _criu_config(self, work_dir, manifest, cgroup):
+    def _criu_config(self, work_dir, manifest, cgroup, libdir):
         """A CRIU configuration file for this restore (runc hands it to CRIU): the CRIU options the dump
-        needed, and the cgroup root. runc reads it instead of its default /etc/criu/runc.conf."""
-        path = os.path.join(work_dir, "criu-restore.conf")
+        needed, the cgroup root, and ``libdir``, an empty plugin directory (criu.py: CRIU reads this file
+        last, so it loads no plugin). runc reads it instead of its default /etc/criu/runc.conf."""
         lines = [opt.lstrip("-") for opt in self.criu_flags(manifest)]
         if cgroup:
             lines.append("cgroup-root %s" % cgroup)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "w") as fh:
-            fh.write("".join(line + "\n" for line in lines))
-        return path
+        return write_config(os.path.join(work_dir, "criu-restore.conf"), lines, libdir)
 
     def bind(self, manifest):
         super(ContainerdBackend, self).bind(manifest)

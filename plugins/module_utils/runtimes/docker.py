@@ -80,6 +80,7 @@ def _api(sock_path, method, path, body=None, timeout=60, stage=None):
 
 class DockerBackend(ContainerBackend):
     name = "docker"
+    capabilities = ContainerBackend.capabilities._replace(keeps_criu_plugins_off=False)  # dockerd runs its CRIU
     passes_criu_flags = ()  # docker checkpoint takes no CRIU options
 
     def __init__(self, docker_path=None, docker_host=None, criu_path=None, criu_options=(), timeout=None):

@@ -39,7 +39,7 @@ from ..core.wait import wait_for
 from ..cuda import devices as gpu_devices
 from ..k8s.restore_protocol import (CONTAINERS_SUBDIR, FAILED, RESTORED, container_path, read_claim,
                                     read_restore_ticket, set_claim, write_restore_ticket)
-from .base import ContainerBackend, criu_preflight
+from .base import ContainerBackend
 from .containerd import ContainerdBackend
 from .containerd_api import Client, ContainerdError
 
@@ -91,7 +91,8 @@ def _is_pod_container(labels, namespace, name):
 
 class KubernetesPodBackend(ContainerBackend):
     name = "k8s_pod"
-    capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True)
+    # (its containers' checkpoints are containerd's: the shim's CRIU, with the node's configuration)
+    capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True, keeps_criu_plugins_off=False)
     passes_criu_flags = ContainerdBackend.passes_criu_flags
 
     def __init__(self, address=None, runc_root=None, criu_path=None, criu_options=(), timeout=None, pod_uid=None,
@@ -120,11 +121,6 @@ class KubernetesPodBackend(ContainerBackend):
     def runtime_facts(self):
         facts = self._member().runtime_facts()
         facts["kubernetes_pod"] = self.pod
-        return facts
-
-    def preflight(self, full=True):
-        facts = criu_preflight(self.criu, full)
-        facts.update(self.runtime_facts())
         return facts
 
     # -- finding the pod ---------------------------------------------------------------------------------

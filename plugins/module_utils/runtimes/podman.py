@@ -49,6 +49,7 @@ def _with_criu_log(stderr):
 
 class PodmanBackend(ContainerBackend):
     name = "podman"
+    capabilities = ContainerBackend.capabilities._replace(keeps_criu_plugins_off=False)  # its own environment for CRIU
 
     def __init__(self, podman_path=None, root=None, runroot=None, criu_path=None, criu_options=(), timeout=None):
         super(PodmanBackend, self).__init__(criu_path, criu_options, timeout)

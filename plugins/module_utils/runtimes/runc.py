@@ -38,6 +38,7 @@ from ..cuda import devices as gpu_devices
 from ..core.errors import CommandError, InvalidTarget
 from ..core.run import find_binary, run, run_detaching
 from .base import ContainerBackend, mount_hint
+from .criu import no_plugins_dir, plugin_free_env
 
 CGROUP2_ROOT = "/sys/fs/cgroup"  # the unified hierarchy; tests point this elsewhere
 DEFAULT_ROOT = "/run/runc"  # runc's own default --root for root
@@ -140,8 +141,11 @@ class RuncBackend(ContainerBackend):
             args.append("--leave-running")
         args += self.criu_flags() + [self.container]
         try:
-            res = run(self._cmd(*args), stage="runtime-dump", timeout=self.timeout, new_session=True,
-                      hint="see dump.log in the work dir")
+            # runc's CRIU inherits this environment: a configuration that names an empty plugin directory (criu.py)
+            with no_plugins_dir(work_dir) as libdir:
+                res = run(self._cmd(*args), stage="runtime-dump", timeout=self.timeout, new_session=True,
+                          env=plugin_free_env(libdir, os.path.join(work_dir, "criu-dump.conf")),
+                          hint="see dump.log in the work dir")
         except CommandError as exc:
             log = os.path.join(work_dir, "dump.log")
             if os.path.exists(log):
@@ -215,7 +219,9 @@ class RuncBackend(ContainerBackend):
         try:
             args = ["restore", "--detach", "--image-path", image_dir, "--work-path", work_dir, "--bundle", bundle]
             args += self.criu_flags(manifest) + [self.container]
-            rc = run_detaching(self._cmd(*args), relay.stdin, relay.stdin, timeout=self.timeout, env=env)
+            with no_plugins_dir(work_dir) as libdir:  # (after cgroup_env's configuration, which it keeps)
+                rc = run_detaching(self._cmd(*args), relay.stdin, relay.stdin, timeout=self.timeout,
+                                   env=plugin_free_env(libdir, os.path.join(work_dir, "criu-restore.conf"), env=env))
         finally:
             relay.stdin.close()
         if rc != 0:

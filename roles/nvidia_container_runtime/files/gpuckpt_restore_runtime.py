@@ -237,6 +237,12 @@ def criu_config(path, record, cgroup=None):
             fh.write(o.lstrip("-") + "\n")
         if cgroup:
             fh.write("cgroup-root %s\n" % cgroup)
+        # CRIU reads this file last: an empty plugin directory of its own, so that CRIU's cuda plugin never
+        # restores and unlocks the GPU behind the engine (plugins/module_utils/runtimes/criu.py)
+        libdir = os.path.join(os.path.dirname(os.path.abspath(path)), "criu-no-plugins")
+        shutil.rmtree(libdir, ignore_errors=True)
+        os.mkdir(libdir, 0o700)
+        fh.write("libdir %s\n" % libdir)
     return [o for o in list(record.get("auto_flags") or []) + list(record.get("criu_options") or [])
             if o in RUNC_RESTORE_FLAGS]
 
