@@ -182,6 +182,8 @@ def test_on_cgroup_v2_criu_is_told_the_new_containers_cgroup(tmp_path, monkeypat
     conf = str(tmp_path / "criu.conf")
     flags = handler.criu_config(conf, {"auto_flags": ["--file-locks", "--link-remap"]}, handler.cgroup_root(spec))
     assert flags == ["--file-locks"]
-    assert open(conf).read() == "link-remap\ncgroup-root /k8s.io/new-container\n"
+    # (and, read last by CRIU, an empty plugin directory of its own: CRIU's cuda plugin is never loaded)
+    assert open(conf).read() == "link-remap\ncgroup-root /k8s.io/new-container\nlibdir %s\n" % (tmp_path / "criu-no-plugins")
+    assert os.listdir(str(tmp_path / "criu-no-plugins")) == []
     monkeypatch.setattr(handler, "CGROUP_FS", str(tmp_path / "v1"))
     assert handler.cgroup_root(spec) is None
