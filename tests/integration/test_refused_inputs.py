@@ -20,7 +20,8 @@ def _now(playbook, tmp_path, within):
                     args=("-e", "within=%s" % within))
 
 
-@pytest.mark.parametrize("within", ["-5", "x", "0", "nan", "inf", "-inf", "1e400", "''"])
+# (one of each kind: the unit tests of gpu_protect's and the CLI's checks take the rest; each run is a playbook)
+@pytest.mark.parametrize("within", ["-5", "x", "inf", "''"])
 def test_checkpoint_now_refuses_a_within_that_is_no_positive_finite_number(tmp_path, playbook, within):
     run = _now(playbook, tmp_path, within)
     assert run.rc != 0, run.stdout
@@ -31,7 +32,7 @@ def test_checkpoint_now_refuses_a_within_that_is_no_positive_finite_number(tmp_p
     assert not [r for r in run.results if "Checkpoint the job now" in r["_task"]], "the module must not run"
 
 
-@pytest.mark.parametrize("within", ["90", "0.5"])
+@pytest.mark.parametrize("within", ["0.5"])
 def test_checkpoint_now_takes_a_positive_within(tmp_path, playbook, within):
     """The check lets a number through: the module runs (and fails here, since no job is protected in this dir)."""
     run = _now(playbook, tmp_path, within)
@@ -40,7 +41,7 @@ def test_checkpoint_now_takes_a_positive_within(tmp_path, playbook, within):
     assert res["_status"] == "failed" and "not protected on this node" in res["msg"], res
 
 
-@pytest.mark.parametrize("within", [-5, 0, float("nan"), float("inf")])
+@pytest.mark.parametrize("within", [0, float("nan")])
 def test_the_module_refuses_a_within_that_is_no_positive_finite_number(tmp_path, playbook, within):
     """gpu_protect itself, for a task that passes the number straight (json: NaN and Infinity)."""
     play = tmp_path / "play.yml"
