@@ -18,6 +18,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOSTS = (("hosta", "127.0.0.2"), ("hostb", "127.0.0.3"))
+# Two test runs side by side (tests/run.sh's shards) must never share a host's address: with GPUCKPT_TEST_NET=N,
+# every 127.0.0.X a test names is 127.0.N.X (all of 127/8 is this machine's loopback).
+TEST_NET = int(os.environ.get("GPUCKPT_TEST_NET", "0") or 0)
+
+
+def on_test_net(address):
+    """``address`` on this run's loopback net (GPUCKPT_TEST_NET), or as it is when it is no 127.0.0.X."""
+    if TEST_NET and address.startswith("127.0.0."):
+        return "127.0.%d.%s" % (TEST_NET, address.rsplit(".", 1)[1])
+    return address
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"  # sshd wants an absolute path (it re-executes itself)
 
 
@@ -82,7 +92,7 @@ def _wait_port(addr, port, timeout=15.0):
 
 class LoopbackHosts(object):
     def __init__(self, base, port=22, pid_namespaces=True, python="/usr/bin/python3", hosts=HOSTS, cpusets=None):
-        self.hosts = tuple(hosts)  # (name, address): an IPv6 address as ::1, bare
+        self.hosts = tuple((n, on_test_net(a)) for n, a in hosts)  # (name, address): an IPv6 address as ::1, bare
         self.cpusets = split_cpus(self.hosts, cpusets)
         self.base = os.path.abspath(base)
         self.port = port
