@@ -5,13 +5,15 @@ calls the double's blocking sync once per tick, so it really stops counting whil
 """
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
 import time
+import uuid
 
-from helpers import alive
+from helpers import REPO, alive
 
 CHECKPOINT = "gpuckpt.fleet.checkpoint"
 RESTORE = "gpuckpt.fleet.restore"
@@ -269,3 +271,99 @@ def test_parallel_driver_calls_keep_the_consistent_freeze(tmp_path, workloads, f
     restore(image_dir, parallel=True)
     w.wait_counting(beyond=stopped)
     assert w.intact()
+
+
+# -- a distributed (NCCL) job, checkpointable by its configuration (issue 45) ------------------------------------
+NCCL_RANKS = os.path.join(REPO, "tests", "workloads", "nccl_ranks.py")
+RESTORABLE_NCCL = {"NCCL_P2P_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0", "NCCL_CUMEM_HOST_ENABLE": "0",
+                   "NCCL_NVLS_ENABLE": "0"}
+
+
+class NcclJob(object):
+    """tests/workloads/nccl_ranks.py: a launcher with its TCP store and 2 ranks of the libcuda TEST DOUBLE sharing
+    /dev/shm/nccl-<tag>, each counting into <dir>/rank<N>.count."""
+
+    def __init__(self, directory, fakecuda, env):
+        self.dir, self.tag = directory, "gpuckpt-test-%s" % uuid.uuid4().hex[:8]
+        subprocess.run([sys.executable, NCCL_RANKS, "--dir", directory, "--fakecuda", fakecuda.lib, "--tag", self.tag,
+                        "--daemon"], env=dict({k: v for k, v in os.environ.items() if not k.startswith("NCCL_")},
+                                              **dict(fakecuda.env, **env)), check=True)
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and not (self.counts()[0] > 2 and self.counts()[1] > 2):
+            time.sleep(0.05)
+        assert self.counts()[0] > 2 and self.counts()[1] > 2, "the ranks do not count"
+        with open(os.path.join(directory, "launcher.pid")) as fh:
+            self.pid = int(fh.read())
+
+    def counted(self, r):
+        try:
+            with open(os.path.join(self.dir, "rank%d.count" % r)) as fh:
+                return [int(x) for x in fh.read().split()]
+        except OSError:
+            return []
+
+    def counts(self):
+        return [(self.counted(r) or [0])[-1] for r in range(2)]
+
+    def counting_on(self, beyond, timeout=20):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if all(c > b + 2 for c, b in zip(self.counts(), beyond)):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def no_count_twice(self):
+        for r in range(2):
+            seen = self.counted(r)
+            assert seen == list(range(seen[0], seen[0] + len(seen))), "rank %d counted %s" % (r, seen[-20:])
+
+    def kill(self):
+        for d in os.listdir("/proc"):
+            try:
+                with open("/proc/%s/cmdline" % d, "rb") as fh:
+                    if self.tag.encode() in fh.read():
+                        os.kill(int(d), 9)
+            except (OSError, ValueError):
+                pass
+        if os.path.exists("/dev/shm/nccl-" + self.tag):
+            os.unlink("/dev/shm/nccl-" + self.tag)
+
+
+def test_an_nccl_job_started_as_the_driver_can_restore_is_checkpointed_and_restored(tmp_path, playbook, fakecuda):
+    """Both ranks locked before any is checkpointed, the launcher's rendezvous connections (both ends in the tree)
+    dumped without the user naming tcp_established, restored, and every rank counting on from its count."""
+    job = NcclJob(str(tmp_path / "job"), fakecuda, RESTORABLE_NCCL)
+    image_dir = str(tmp_path / "img")
+    try:
+        run = _ckpt(playbook, fakecuda, job.pid, image_dir)
+        assert run.rc == 0, run.stdout
+        res = run.task("Checkpoint pid")
+        assert len(res["cuda_pids"]) == 2 and res["gpu_stage"] == "done", res
+        calls = [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")]
+        assert calls == ["lock", "lock", "checkpoint", "checkpoint"], calls
+        with open(os.path.join(image_dir, "manifest.json")) as fh:
+            assert "--tcp-established" in json.load(fh)["runtime"]["auto_flags"]
+        held = job.counts()
+        time.sleep(0.3)
+        assert job.counts() == held
+        run = _restore(playbook, fakecuda, image_dir)
+        assert run.rc == 0, run.stdout
+        assert job.counting_on(held), (held, job.counts())
+        job.no_count_twice()
+    finally:
+        job.kill()
+
+
+def test_an_nccl_job_with_ncclss_defaults_is_refused_naming_what_makes_it_checkpointable(tmp_path, playbook,
+                                                                                        fakecuda):
+    job = NcclJob(str(tmp_path / "job"), fakecuda, {})
+    try:
+        run = _ckpt(playbook, fakecuda, job.pid, str(tmp_path / "img"), gpuckpt_tcp_established=True)
+        res = run.task("Checkpoint pid")
+        assert run.rc != 0 and res["stage"] == "preflight" and "nothing was frozen" in res["msg"], res
+        assert "NCCL_P2P_DISABLE=1 NCCL_CUMEM_ENABLE=0" in res["msg"] and "rank 0 of 2" in res["msg"], res["msg"]
+        assert not [c for c, unused in fakecuda.calls() if c == "lock"], "nothing may be locked"
+        assert job.counting_on(job.counts())
+    finally:
+        job.kill()

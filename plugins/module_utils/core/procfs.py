@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import re
+import socket
+import struct
 
 try:  # a package import; the transfer's receiver program defines these names before this code
     from .errors import InvalidTarget
@@ -441,6 +443,48 @@ def tcp_connections(pids):
         except (OSError, StopIteration, ValueError, IndexError):
             pass
     return sorted(set(out))
+
+
+def tcp_endpoints(pids):
+    """The established (or closing) TCP connections that ``pids`` hold: a list of (local, remote) address texts as
+    /proc/net/tcp{,6} gives them ("0100007F:9C40"), read in the network namespace of the first pid."""
+    inodes = _socket_inodes(pids)
+    out = []
+    if not inodes:
+        return out
+    net = "/proc/%d/net/" % pids[0]
+    for name in ("tcp", "tcp6"):
+        try:
+            with open(net + name) as fh:
+                next(fh)
+                for line in fh:
+                    f = line.split()
+                    if len(f) > 9 and f[9] in inodes and f[3] not in ("0A", "07"):  # not LISTEN, not CLOSE
+                        out.append((f[1], f[2]))
+        except (OSError, StopIteration, ValueError, IndexError):
+            pass
+    return sorted(set(out))
+
+
+def tcp_outside(pids):
+    """The TCP connections of ``pids`` whose other end the tree does not hold (a peer process outside it, or
+    on another host), as "local -> remote" text; [] when every connection runs between two of its own sockets
+    (torchrun's rendezvous store and its ranks, say)."""
+    ends = tcp_endpoints([int(p) for p in pids])
+    ours = set(ends)
+    return ["tcp port %d -> %s" % (_hex_port(local), _addr_text(remote)) for local, remote in ends
+            if (remote, local) not in ours]
+
+
+def _addr_text(hexaddr):
+    """"0100007F:9C40" as "127.0.0.1:40000" (an IPv6 address as [..]:port)."""
+    host, unused, port = hexaddr.partition(":")
+    try:
+        raw = b"".join(struct.pack("<I", int(host[i:i + 8], 16)) for i in range(0, len(host), 8))
+        text = socket.inet_ntop(socket.AF_INET if len(raw) == 4 else socket.AF_INET6, raw)
+        return ("%s:%d" if len(raw) == 4 else "[%s]:%d") % (text, int(port, 16))
+    except (ValueError, OSError, struct.error):
+        return hexaddr
 
 
 def criu_needs(pids):

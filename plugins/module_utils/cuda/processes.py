@@ -26,7 +26,11 @@ def nvidia_fds(pid):
     return sorted(out)
 
 
-def unsupported_features(pid):
+NCCL_FEATURE = "NCCL (a distributed job's communicators)"
+IPC_FEATURE = "CUDA IPC memory"
+
+
+def unsupported_features(pid, env=None):
     """What the driver's checkpoint API cannot undo, detectable before freezing (driver 580.159.04,
     measured on the GPU machine, docs/benchmarks):
     - NCCL: the ranks checkpoint, but their restore fails (CUDA_ERROR_NOT_SUPPORTED) and they stay
@@ -35,10 +39,12 @@ def unsupported_features(pid):
       DeepSpeed, accelerate) start each rank with WORLD_SIZE > 1 in its environment. A 2-rank NVLink
       job started without a launcher showed none of these: that case is not caught here.
     - CUDA IPC memory: producer and consumer map CUDA's /dev/shm/cuda.shm.* segment (no other CUDA
-      process did); the consumer's restore fails (CUDA_ERROR_INVALID_VALUE) and it stays frozen."""
+      process did); the consumer's restore fails (CUDA_ERROR_INVALID_VALUE) and it stays frozen.
+    An NCCL job started with the environment that makes NCCL use transports the driver restores is
+    checkpointable all the same: nccl.py decides that, for all its ranks together."""
     found = []
     shm = _shm_maps(pid)
-    env = environ(pid)
+    env = environ(pid) if env is None else env
     nccl_loaded = any("libnccl" in os.path.basename(p) for p in _mapped_files(pid))
     try:
         world = int(env.get("WORLD_SIZE", "1") or 1)
@@ -46,9 +52,9 @@ def unsupported_features(pid):
         world = 1
     if any("/dev/shm/nccl-" in m for m in shm) or any(n.startswith("NCCL") for n in _thread_names(pid)) or (
             nccl_loaded and world > 1):
-        found.append("NCCL (a distributed job's communicators)")
+        found.append(NCCL_FEATURE)
     if any(os.path.basename(m).startswith("cuda.shm.") for m in shm):
-        found.append("CUDA IPC memory")
+        found.append(IPC_FEATURE)
     return found
 
 

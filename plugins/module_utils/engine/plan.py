@@ -19,6 +19,7 @@ from ..core.errors import DriverUnavailable, InvalidTarget
 from ..core.journal import identities
 from ..cuda import devices as gpu_devices
 from ..cuda import driver as cuda
+from ..cuda import nccl
 from ..cuda import processes as gpu_procs
 from ..cuda import usage as gpu_usage
 from ..runtimes.base import network_lock_problem
@@ -143,15 +144,38 @@ def _refuse_what_the_runtime_cannot(backend, opts, root):
     return runtime_facts
 
 
-def _cuda_processes(backend, opts, root, pids):
+def _distributed(backend, pids):
+    """The verdict on a distributed (NCCL) job in the tree (cuda/nccl.py), refused before anything is frozen when the
+    driver could not restore it, or when a rank's connection leads out of the tree (another host: a multi-node job).
+    Returns the verdict; its ``restorable`` lets the tree's own TCP connections (torchrun's rendezvous) be dumped."""
+    if backend.capabilities.cuda_in_sandbox:  # (a sandbox's processes are not the host's: /proc cannot tell)
+        return {"distributed": False, "restorable": False, "ranks": [], "refusal": None}
+    verdict = nccl.judge(pids)
+    first = (verdict["ranks"] or [{}])[0].get("pid")
+    if verdict["refusal"]:
+        raise InvalidTarget(verdict["refusal"] + "; nothing was frozen", stage="preflight", pid=first,
+                            hint="restart the job with that environment (docs/multi_gpu.md), or use the framework's "
+                                 "own checkpoints")
+    outside = procfs.tcp_outside(pids) if verdict["restorable"] else []
+    if outside:
+        raise InvalidTarget("NCCL job of pid %d holds TCP connections whose other end is not in the checkpointed tree "
+                            "(%s): a rank or its rendezvous is on another host (a multi-node job) or in another "
+                            "process tree; nothing was frozen" % (first, ", ".join(outside[:3])), stage="preflight",
+                            pid=first, hint="checkpoint the tree that holds every rank and its rendezvous (torchrun's "
+                                            "root); jobs whose ranks span hosts are not checkpointed (docs/multi_gpu.md)")
+    return verdict
+
+
+def _cuda_processes(backend, opts, root, pids, verdict):
     """The driver, why it is missing (or None), and the tree's CUDA pids, each running and of features
-    the driver's checkpoint API can restore."""
+    the driver's checkpoint API can restore (NCCL ranks: as the distributed verdict decided)."""
     drv, driver_problem = backend.load_cuda(opts.libcuda_path)
     sandboxed = backend.capabilities.cuda_in_sandbox
     cuda_pids, states = find_cuda_pids(drv, backend.cuda_candidates(root, pids), driver_problem,
                                        host_pids=not sandboxed)
     for p in ([] if sandboxed else cuda_pids):  # (a sandbox's pids are not the host's: /proc cannot tell)
-        features = gpu_procs.unsupported_features(p)
+        features = [f for f in gpu_procs.unsupported_features(p)
+                    if not (verdict["restorable"] and f == gpu_procs.NCCL_FEATURE)]
         if features:
             raise InvalidTarget("pid %d uses %s, which the driver's checkpoint API does not support (it checkpoints "
                                 "such a process but cannot restore it, so the job would stay frozen); nothing was "
@@ -201,9 +225,11 @@ def plan_checkpoint(target, image_dir, opts, backend):
     Returns the CheckpointContext the steps share."""
     root, pids = backend.resolve(target)
     runtime_facts = _refuse_what_the_runtime_cannot(backend, opts, root)
-    backend.plan_tree(pids)  # file locks, external unix sockets: the runtime's flags, or a refusal
+    verdict = _distributed(backend, pids)
+    # file locks, external unix sockets, TCP: the runtime's flags, or a refusal
+    backend.plan_tree(pids, internal_tcp=verdict["restorable"])
     image.check_dir(image_dir)
-    drv, driver_problem, cuda_pids = _cuda_processes(backend, opts, root, pids)
+    drv, driver_problem, cuda_pids = _cuda_processes(backend, opts, root, pids, verdict)
     gpu_stage = _gpu_stage(backend, drv, driver_problem, cuda_pids)
     _check_quiesce(backend, opts, root, cuda_pids)
     proc_states = {str(p): (procfs.read_stat(p) or {}).get("state") for p in pids}

@@ -107,21 +107,24 @@ class Backend(object):
         """The pids to ask the driver about: the workload's host pids (a sandbox: its own pids)."""
         return pids
 
-    def plan_tree(self, pids):
+    def plan_tree(self, pids, internal_tcp=False):
         """Before anything is frozen: find what CRIU must be told for this tree, or cannot do, and
         set ``auto_flags`` (recorded in the image; a restore passes them again), or refuse.
         - file locks: --file-locks (without it CRIU's dump fails after the GPU stage ran);
         - a datagram unix socket connected to a named peer outside the tree (/dev/log): --ext-unix-sk;
         - one end of a unix stream connection to a process outside the tree: refused (CRIU cannot);
-        - established TCP connections: --tcp-established when ``tcp_established``, else refused."""
+        - established TCP connections: --tcp-established when ``tcp_established``, or when
+          ``internal_tcp`` (the engine found that both ends of each are the tree's: a distributed job's
+          rendezvous and ranks, nccl.py), else refused."""
         needs = procfs.criu_needs(pids)
+        tcp_ok = self.tcp_established or internal_tcp
         flags = []
         if needs["ext_unix_stream"]:
             raise InvalidTarget("the workload holds %s; CRIU cannot checkpoint one end of a unix stream connection; "
                                 "nothing was frozen" % needs["ext_unix_stream"][0], stage="preflight",
                                 hint="checkpoint a tree that holds both ends (their common parent), or close that "
                                      "connection first")
-        if needs["tcp"] and not self.tcp_established:
+        if needs["tcp"] and not tcp_ok:
             raise InvalidTarget("the workload holds established TCP connections (%s); nothing was frozen"
                                 % ", ".join(needs["tcp"][:3]), stage="preflight",
                                 hint="set tcp_established: true to checkpoint them (CRIU --tcp-established: the "
@@ -130,7 +133,7 @@ class Backend(object):
             flags.append("--file-locks")
         if needs["ext_unix_dgram"]:
             flags.append("--ext-unix-sk")
-        if self.tcp_established:
+        if self.tcp_established or (internal_tcp and needs["tcp"]):
             flags.append("--tcp-established")
         flags = [f for f in flags if f not in (self.extra or ())]
         if self.passes_criu_flags is not None:

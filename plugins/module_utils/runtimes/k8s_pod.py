@@ -194,12 +194,12 @@ class KubernetesPodBackend(ContainerBackend):
         self.container = "%s/%s" % (namespace, name)
         return root, pids
 
-    def plan_tree(self, pids):
+    def plan_tree(self, pids, internal_tcp=False):
         """Each container's CRIU needs, found on its own tree: its own options go to its own checkpoint."""
         flags = []
         for cname, member in self.members:
             member.tcp_established = self.tcp_established
-            member.plan_tree(self.trees[cname][1])
+            member.plan_tree(self.trees[cname][1], internal_tcp=internal_tcp)
             flags += [f for f in member.auto_flags if f not in flags]
         self.auto_flags = flags
         self.criu_flags()

@@ -214,7 +214,7 @@ class RunscBackend(ContainerBackend):
             return True
         return bool(self.sandbox_host_pid and gpu_procs.nvidia_fds(self.sandbox_host_pid))
 
-    def plan_tree(self, pids):
+    def plan_tree(self, pids, internal_tcp=False):
         """runsc saves its own kernel's state (files, sockets, TCP included): there are no CRIU flags."""
         self.auto_flags, self.criu_needs = [], {}
         return []
