@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import stat
 import struct
 
 try:  # a package import; the transfer's receiver program defines these names before this code
@@ -487,6 +488,60 @@ def _addr_text(hexaddr):
         return hexaddr
 
 
+def io_uring_users(pids):
+    """The pids among ``pids`` that hold an io_uring (its ring mapped, or its fd open): CRIU cannot dump one
+    ("Unknown ... anon_inode:[io_uring]"). libuv (1.45+) makes one by itself: PyTorch's TCPStore, torchrun's
+    rendezvous, node."""
+    out = []
+    for pid in pids:
+        try:
+            with open("/proc/%d/maps" % pid) as fh:
+                if any("anon_inode:[io_uring]" in ln for ln in fh):
+                    out.append(pid)
+                    continue
+            for fd in os.listdir("/proc/%d/fd" % pid):
+                try:
+                    if os.readlink("/proc/%d/fd/%s" % (pid, fd)) == "anon_inode:[io_uring]":
+                        out.append(pid)
+                        break
+                except OSError:
+                    continue
+        except OSError:
+            continue
+    return out
+
+
+GHOST_LIMIT = 1 << 20  # CRIU's default --ghost-limit: the largest deleted file it dumps
+
+
+def largest_deleted_file(pids):
+    """The size of the largest deleted (unlinked) regular file that ``pids`` map or hold open, 0 when none: CRIU
+    dumps each into the image as a "ghost file", and refuses one over its --ghost-limit (NCCL's shared-memory
+    transport maps unlinked /dev/shm/nccl-* segments of 34 MB, measured on 2 x H100)."""
+    largest = 0
+    for pid in pids:
+        try:
+            with open("/proc/%d/maps" % pid) as fh:
+                ranges = [ln.split()[0] for ln in fh if ln.rstrip().endswith("(deleted)")]
+            paths = ["/proc/%d/map_files/%s" % (pid, r) for r in ranges]
+            for fd in os.listdir("/proc/%d/fd" % pid):
+                try:
+                    if os.readlink("/proc/%d/fd/%s" % (pid, fd)).endswith(" (deleted)"):
+                        paths.append("/proc/%d/fd/%s" % (pid, fd))
+                except OSError:
+                    continue
+        except OSError:
+            continue
+        for path in paths:
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                largest = max(largest, st.st_size)
+    return largest
+
+
 def criu_needs(pids):
     """What CRIU must be told, or cannot do, for the tree ``pids``, found before anything is frozen:
     {"file_locks": {pid: [...]}, "ext_unix_dgram": [...], "ext_unix_stream": [...], "tcp": [...]}.
@@ -494,7 +549,8 @@ def criu_needs(pids):
     named peer with --ext-unix-sk (and reconnects it on restore, e.g. /dev/log) and cannot dump one
     end of a stream connection at all. Peers are seen only in this host's network namespace."""
     pids = [int(p) for p in pids]
-    needs = {"file_locks": file_locks(pids), "ext_unix_dgram": [], "ext_unix_stream": [], "tcp": tcp_connections(pids)}
+    needs = {"file_locks": file_locks(pids), "ext_unix_dgram": [], "ext_unix_stream": [], "tcp": tcp_connections(pids),
+             "io_uring": io_uring_users(pids), "ghost_bytes": largest_deleted_file(pids)}
     ours = set(_socket_inodes(pids))
     if any(net_namespace(p) == net_namespace() for p in pids[:1]):
         table = unix_sockets()

@@ -124,6 +124,13 @@ class Backend(object):
                                 "nothing was frozen" % needs["ext_unix_stream"][0], stage="preflight",
                                 hint="checkpoint a tree that holds both ends (their common parent), or close that "
                                      "connection first")
+        if needs["io_uring"]:
+            p = needs["io_uring"][0]
+            raise InvalidTarget("pid %d (%s) holds an io_uring, which CRIU cannot checkpoint; nothing was frozen"
+                                % (p, (procfs.read_stat(p) or {}).get("comm")), stage="preflight", pid=p,
+                                hint="libuv makes one by itself: PyTorch's TCPStore server (torchrun's agent holds "
+                                     "one in PyTorch 2.11 whatever its options) and node; start the ranks with a "
+                                     "launcher of the job's own and USE_LIBUV=0 (docs/multi_gpu.md)")
         if needs["tcp"] and not tcp_ok:
             raise InvalidTarget("the workload holds established TCP connections (%s); nothing was frozen"
                                 % ", ".join(needs["tcp"][:3]), stage="preflight",
@@ -133,9 +140,13 @@ class Backend(object):
             flags.append("--file-locks")
         if needs["ext_unix_dgram"]:
             flags.append("--ext-unix-sk")
+        if needs["ghost_bytes"] > procfs.GHOST_LIMIT:  # a deleted file it maps or holds, larger than CRIU takes
+            flags.append("--ghost-limit=%d" % (needs["ghost_bytes"] + procfs.GHOST_LIMIT))
         if self.tcp_established or (internal_tcp and needs["tcp"]):
             flags.append("--tcp-established")
-        flags = [f for f in flags if f not in (self.extra or ())]
+            if needs["tcp"]:
+                flags += self._tcp_lock_flags()
+        flags = [f for f in flags if f not in (self.extra or ()) and f.split("=")[0] not in (self.extra or ())]
         if self.passes_criu_flags is not None:
             blocked = [f for f in flags if f not in self.passes_criu_flags]
             if blocked:
@@ -146,6 +157,21 @@ class Backend(object):
         self.criu_needs = needs
         self.criu_flags()  # the user's own options too: refused here, before anything is frozen
         return flags
+
+    def _tcp_lock_flags(self):
+        """How CRIU is to lock the TCP connections it dumps: by default with iptables-restore, which this host may
+        lack (the GPU machines here do); then with nftables where this CRIU and kernel can (libnftables, no binary),
+        else refused before anything is frozen."""
+        extra = list(self.extra or ())
+        if any(o == "--network-lock" or o.startswith("--network-lock=") for o in extra) or \
+                shutil.which("iptables-restore") or not self.capabilities.uses_criu:
+            return []
+        if self.criu.has_feature("network_lock_nftables"):
+            return ["--network-lock=nftables"]
+        raise InvalidTarget("the workload's TCP connections are locked by CRIU during the dump with iptables-restore, "
+                            "which is not installed on this host, and this CRIU cannot lock them with nftables; "
+                            "nothing was frozen", stage="preflight",
+                            hint="install iptables (the gpuckpt.fleet.criu role does)")
 
     def criu_flags(self, manifest=None):
         """The CRIU options for a dump (``manifest`` None) or for the restore of ``manifest``; for a
@@ -282,6 +308,8 @@ def _why(needs):
         out.append(needs["ext_unix_dgram"][0])
     if needs["tcp"]:
         out.append("TCP connections")
+    if needs.get("ghost_bytes", 0) > procfs.GHOST_LIMIT:
+        out.append("a deleted file of %d bytes that it maps or holds open" % needs["ghost_bytes"])
     return ", ".join(out)
 
 

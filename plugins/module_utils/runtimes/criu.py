@@ -236,6 +236,11 @@ class Criu(object):
         out = (res.stdout + res.stderr).strip()
         return res.rc == 0, out
 
+    def has_feature(self, feature):
+        """`criu check --feature FEATURE` (e.g. network_lock_nftables): whether this CRIU and kernel have it."""
+        res = run([self.path, "check", "--feature", feature], timeout=60, check=False, stage="preflight")
+        return res.rc == 0
+
     def dump(self, pid, images_dir, work_dir, after="exit", shell_job=False, extra=(), timeout=None):
         """``after``: what becomes of the tree once dumped: exit (CRIU kills it), running, or stopped."""
         cmd = [self.path, "dump", "-t", pid, "-D", images_dir, "-W", work_dir, "-o", "dump.log", "-v2"]

@@ -77,7 +77,7 @@ class RecordingBackend(Backend):
     def preflight(self, full=True):
         return {}
 
-    def plan_tree(self, pids):
+    def plan_tree(self, pids, internal_tcp=False):
         return []
 
     def load_cuda(self, libcuda_path):
