@@ -207,7 +207,8 @@ class Stream(object):
         except ValueError:
             raise self.failure("the receiver answered %r while %s" % (line[:200], what))
         if doc.get("error"):
-            raise self.failure("the receiver refused (%s)" % doc["error"], retryable=False, fenced=doc.get("fenced"))
+            raise self.failure("the receiver refused (%s)" % doc["error"], retryable=False, fenced=doc.get("fenced"),
+                               answered=True)
         return doc
 
     def wait_ready(self):
@@ -266,25 +267,28 @@ class Stream(object):
         self.err.seek(0)
         return self.err.read().decode("utf-8", "replace").strip()[-3000:]
 
-    def failure(self, msg, retryable=True, fenced=False):
+    def failure(self, msg, retryable=True, fenced=False, answered=False):
         """The TransferError of this stream, with the receiver's own words; not retryable when the target's disk
-        is full or the receiver exited refusing (receiver.REFUSED); details.fenced: a replica store's StaleEpoch."""
+        is full (said in its stderr or its refusal) or the receiver exited refusing (receiver.REFUSED);
+        details.fenced: a replica store's StaleEpoch. ``answered``: ssh and its Python ran, so the hint is not them."""
         try:
             self.proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             pass
         err = self.stderr()
-        disk_full = "No space left on device" in err
+        disk_full = any("No space left on device" in text or "Errno 28]" in text for text in (err, msg))
         retryable = retryable and not disk_full and self.proc.returncode != receiver.REFUSED
         said = [ln for ln in err.splitlines() if ln.startswith("gpuckpt receiver: ")]
         if said:  # the receiver's own words say more than the broken stream
             msg += " (%s)" % said[-1][len("gpuckpt receiver: "):]
+        hint = ("free space on the target" if disk_full else "the receiver on %s ran and stopped for the reason above"
+                % self.target if answered or said else "check that this host reaches %s over ssh and that its Python 3 "
+                "runs" % self.target)
         return TransferError("transfer to %s, stream %d: %s%s" % (self.target, self.index, msg,
                                                                   ": the target's disk is full" if disk_full else ""),
                              retryable=retryable, stage="transfer", cmd=self.cmd[:-1] + ["<receiver>"],
                              rc=self.proc.returncode, details={"fenced": True} if fenced else None,
-                             stderr=err, hint="free space on the target" if disk_full else
-                             "check that this host reaches %s over ssh and that its Python 3 runs" % self.target)
+                             stderr=err, hint=hint)
 
     def close(self, timeout):
         """Send the end mark and wait for the receiver to exit; raises its failure."""
