@@ -36,10 +36,10 @@ description:
     node). It refuses a record that names another owner (only a failover moves the owner) or a higher epoch. A job's
     epoch moves only by C(failover), C(fence) and C(reprotect); a push or a commit at a higher epoch than the
     record's is refused, never adopted.
-  - C(handover) records that a migration (migrate.yml, drain.yml) moved the job from O(node) to O(target), both up:
-    the epoch raised by one and O(target) named as the owner, so that O(node)'s pushes are refused from then on. It
-    leaves a record that already names O(target), and refuses one of a third owner. A replica with no record of the
-    job gets none.
+  - C(handover) records that a migration (migrate.yml, drain.yml) moved the job from O(node) to O(target), both up.
+    The epoch is raised by one and O(target) named as the owner, so that O(node)'s pushes are refused from then on.
+    It leaves a record that already names O(target), and refuses one of a third owner. A replica with no record of
+    the job gets none.
   - The image's signature is not checked here; C(gpuckpt.fleet.gpu_restore) checks it, with the key, before a
     restore.
 author: gpuckpt.fleet maintainers (@gpuckpt)
