@@ -66,7 +66,7 @@ options:
     description: For C(carry_plan), the inventory name of the host the migration moved the workload to.
     type: str
   pid_file:
-    description: For C(pid_file), the job's pid file on this host (the C(pid_file) of RV(carry.spec)).
+    description: For C(pid_file), the job's pid file on this host (C(pid_file) in the C(spec) of RV(carry)).
     type: path
 notes:
   - The job's config carries the environment its checkpoints run with (the C(gpuckpt_environment) of the node), which

@@ -232,7 +232,7 @@ def replica_step(p, check_mode):
     if p["state"] == "adopt":
         owner = p["node"] or p["target"] or platform.node()
         doc = replica_owner.adopt(p["journal_dir"], p["job"], p["epoch"], owner, p["lost_node"], p["image_id"],
-                            write=not check_mode)
+                                  write=not check_mode)
         return dict(changed=not check_mode, adopted=doc, epoch=doc["epoch"],
                     msg="%s runs job %s from epoch %s on" % (owner, p["job"], doc["epoch"]))
     out, changed = {}, False
@@ -240,8 +240,8 @@ def replica_step(p, check_mode):
         ok, why, changed = replica.reverify(p["root"], p["job"], p["image_id"], write=not check_mode)
         out.update(verified=ok, reason=why, msg="image %s %s" % (p["image_id"], "verifies" if ok else "does not verify: %s" % why))
     elif p["state"] == "failover":
-        res = replica_owner.failover_verified(p["root"], p["job"], p["lost_node"], p["target"], p["candidates"], p["reason"],
-                                        write=not check_mode)
+        res = replica_owner.failover_verified(p["root"], p["job"], p["lost_node"], p["target"], p["candidates"],
+                                              p["reason"], write=not check_mode)
         changed = not check_mode
         out.update(image_id=res["image_id"], image_path=res["image_path"], epoch=res["epoch"],
                    skipped_images=res["skipped"],
@@ -263,7 +263,7 @@ def replica_step(p, check_mode):
                                                           "" if changed else " already")))
     elif p["state"] == "fence":
         record = replica_owner.failover(p["root"], p["job"], p["lost_node"], p["target"], p["image_id"], p["reason"],
-                                  write=not check_mode)
+                                        write=not check_mode)
         changed = not check_mode
         out.update(epoch=record["epoch"], msg="job %s on this replica: %s at epoch %s; %s is fenced" % (
             p["job"], p["target"], record["epoch"], p["lost_node"]))

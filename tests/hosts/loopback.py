@@ -28,6 +28,8 @@ def on_test_net(address):
     if TEST_NET and address.startswith("127.0.0."):
         return "127.0.%d.%s" % (TEST_NET, address.rsplit(".", 1)[1])
     return address
+
+
 SSHD = shutil.which("sshd") or "/usr/sbin/sshd"  # sshd wants an absolute path (it re-executes itself)
 
 

@@ -49,7 +49,8 @@ class PluginNamespace(object):
 
     def __init__(self, base, fakecuda):
         self.criu = _criu_module().Criu().path
-        usage = subprocess.run([self.criu, "--help"], stdout=subprocess.PIPE, universal_newlines=True).stdout
+        usage = subprocess.run([self.criu, "--help"], stdout=subprocess.PIPE, universal_newlines=True,
+                               check=False).stdout
         self.plugin_dir = re.search(r"--libdir .*\(by default (\S+)\)", usage).group(1).rstrip("/")
         parent = os.path.dirname(self.plugin_dir)
         assert os.path.isdir(parent), parent
@@ -156,9 +157,9 @@ def test_engine_checkpoint_and_restore_keep_the_plugin_out(tmp_path, playbook, f
 
         n, pids = len(w.pids), sorted(w.pids)
         calls = _driver_calls(fakecuda)
-        assert [c for c, _ in calls] == ["lock"] * n + ["checkpoint"] * n + ["restore"] * n + ["unlock"] * n, calls
+        assert [c for c, unused in calls] == ["lock"] * n + ["checkpoint"] * n + ["restore"] * n + ["unlock"] * n, calls
         for i in range(4):
-            assert sorted(int(p) for _, p in calls[i * n:(i + 1) * n]) == pids, calls
+            assert sorted(int(p) for unused, p in calls[i * n:(i + 1) * n]) == pids, calls
         assert all(fakecuda.state(p) == "running" for p in w.pids)
 
         state = os.path.join(image_dir, ".gpuckpt")
@@ -217,7 +218,7 @@ def test_without_the_fix_criu_loads_the_plugin_and_unlocks_behind_the_engine(tmp
         first, second = (str(p) for p in sorted(w.pids))
         assert sorted(by_plugin) == sorted([("restore", first), ("unlock", first), ("restore", second),
                                             ("unlock", second)]), by_plugin
-        ops = [c for c, _ in by_plugin]
+        ops = [c for c, unused in by_plugin]
         assert ops.index("unlock") < len(ops) - 1 - ops[::-1].index("restore"), \
             "CRIU's plugin unlocked a process before every one was restored: %s" % by_plugin
         assert all(fakecuda.state(p) == "running" for p in w.pids)  # nobody validated anything

@@ -355,8 +355,8 @@ def test_an_nccl_job_started_as_the_driver_can_restore_is_checkpointed_and_resto
         job.kill()
 
 
-def test_an_nccl_job_with_ncclss_defaults_is_refused_naming_what_makes_it_checkpointable(tmp_path, playbook,
-                                                                                        fakecuda):
+def test_an_nccl_job_with_ncclss_defaults_is_refused_naming_what_makes_it_checkpointable(
+        tmp_path, playbook, fakecuda):
     job = NcclJob(str(tmp_path / "job"), fakecuda, {})
     try:
         run = _ckpt(playbook, fakecuda, job.pid, str(tmp_path / "img"), gpuckpt_tcp_established=True)

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A deterministic data-parallel training job for the GPU machine: one rank per GPU, NCCL between them. Each rank
 appends every step's loss, exactly (float.hex), to <out>/rank<R>.losses: a run that was checkpointed and restored
 must log the very losses of an uninterrupted run.

@@ -1,4 +1,3 @@
-#!/usr/bin/env python3
 """A CPU stand-in of a 2-rank NCCL job under a launcher, for the libcuda TEST DOUBLE (no GPU): the root is the
 "launcher" (torchrun's agent) with its rendezvous store, a TCP listener on 127.0.0.1; each rank is a child that
 registers with the double as a CUDA process, maps the job's NCCL shared memory (/dev/shm/nccl-<tag>, as NCCL's

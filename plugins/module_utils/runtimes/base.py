@@ -146,7 +146,7 @@ class Backend(object):
             flags.append("--tcp-established")
             if needs["tcp"]:
                 flags += self._tcp_lock_flags()
-        flags = [f for f in flags if f not in (self.extra or ()) and f.split("=")[0] not in (self.extra or ())]
+        flags = [f for f in flags if f not in (self.extra or ()) and f.split("=", maxsplit=1)[0] not in (self.extra or ())]
         if self.passes_criu_flags is not None:
             blocked = [f for f in flags if f not in self.passes_criu_flags]
             if blocked:

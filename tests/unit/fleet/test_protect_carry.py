@@ -16,8 +16,8 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import protect
 def write_job(protect_dir, name, **over):
     os.makedirs(protect_dir, exist_ok=True)
     cfg = {"job": name, "node": "node-a", "interval_s": 300, "keep": 2, "epoch": 1, "image_root": "/srv/images",
-           "replicas": [{"name": "rep1", "host": "10.0.0.2", "root": "/r"}, {"name": "node-b", "host": "10.0.0.3",
-                                                                              "root": "/r"}],
+           "replicas": [{"name": "rep1", "host": "10.0.0.2", "root": "/r"},
+                        {"name": "node-b", "host": "10.0.0.3", "root": "/r"}],
            "checkpoint": {"lock_timeout": 7, "runc_root": "/run/runc-a", "quiesce_signal": ["SIGUSR1", 10]},
            "progress_file": "/srv/train/progress.json", "progress_key": "step"}
     cfg.update(over)

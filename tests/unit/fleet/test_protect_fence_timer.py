@@ -73,8 +73,7 @@ def _walk(tasks):
     for t in tasks:
         yield t
         for key in ("block", "rescue", "always"):
-            for sub in _walk(t.get(key) or []):
-                yield sub
+            yield from _walk(t.get(key) or [])
 
 
 def test_the_role_installs_the_fence_timer_with_the_job_and_removes_it_with_the_job():
