@@ -37,10 +37,7 @@ CARRIED_OPTIONS = tuple(k for k in ENGINE_OPTIONS if k != "libcuda_path")
 
 def _migrated_workload(journal_dir, migration_id):
     """(root pid, container) of what migration ``migration_id`` checkpointed on this host, from its source journal."""
-    doc = Journal(journal_dir, migration_id, "source").read()
-    if not doc:
-        raise InvalidTarget("migration %s has no source journal in %s: nothing to carry" % (migration_id, journal_dir),
-                            stage="preflight")
+    doc = Journal(journal_dir, migration_id, "source").read() or {}  # (none: nothing of it to carry)
     pids = doc.get("pids") or []
     return (int(pids[0]) if pids else None), doc.get("container")
 
@@ -110,6 +107,9 @@ def write_pid_file(pid_file, journal_dir, migration_id):
     if not os.path.isabs(pid_file):
         raise InvalidTarget("pid_file %r must be an absolute path" % (pid_file,), stage="preflight")
     if not os.path.islink(pid_file) and read_pid(pid_file) == pid:
+        # (the same pid again, as CRIU restores a bare tree; still written now: the runner takes a pid file for the
+        # job's only while it is younger than the job's process, which the restore started anew)
+        os.utime(pid_file)
         return False, pid
     parent = os.path.dirname(pid_file)
     os.makedirs(parent, exist_ok=True)
