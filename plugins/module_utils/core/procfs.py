@@ -428,22 +428,8 @@ def unix_sockets():
 
 def tcp_connections(pids):
     """The established (or closing) TCP connections that ``pids`` hold, as "local -> remote" text."""
-    inodes = _socket_inodes(pids)
-    out = []
-    if not inodes:
-        return out
-    net = "/proc/%d/net/" % pids[0]
-    for name in ("tcp", "tcp6"):
-        try:
-            with open(net + name) as fh:
-                next(fh)
-                for line in fh:
-                    f = line.split()
-                    if len(f) > 9 and f[9] in inodes and f[3] not in ("0A", "07"):  # not LISTEN, not CLOSE
-                        out.append("tcp port %d -> port %d" % (_hex_port(f[1]), _hex_port(f[2])))
-        except (OSError, StopIteration, ValueError, IndexError):
-            pass
-    return sorted(set(out))
+    return sorted({"tcp port %d -> port %d" % (_hex_port(local), _hex_port(remote))
+                   for local, remote in tcp_endpoints(pids)})
 
 
 def tcp_endpoints(pids):
