@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import threading
 import time
 import uuid
 
@@ -18,7 +19,7 @@ import pytest
 from containerd_daemon import CTR, IMAGE, available as containerd_available, start_on_host, stop_on_host
 from helpers import COUNTER, FAKE_LIBCUDA, REPO, CountingWorkload, RuncOnLoopbackHosts, write_runc_bundle
 from loopback import LoopbackHosts
-from loopback_workloads import Controller, RemoteWorkload, fakecuda_host_vars, processes
+from loopback_workloads import RECOVER, Controller, RemoteWorkload, fakecuda_host_vars, processes
 
 DRAIN = "gpuckpt.fleet.drain"
 HOSTS = (("hosta", "127.0.0.12"), ("hostb", "127.0.0.13"), ("hostc", "127.0.0.14"))  # apart from the two-host tests
@@ -383,3 +384,220 @@ def test_with_a_deadline_a_target_never_measured_is_probed_before_the_plan_and_n
         left = [p for root, dirs, files in os.walk(hosts3.path(name)) for p in dirs if p.startswith(".gpuckpt-probe-")]
         assert left == [], (name, left)
     assert w.one_copy_runs_intact()
+
+
+# ---- issue 43, item 2: a target that dies mid-move is that move's failure, never the drain's ---------------------
+def target_journals(hosts, host):
+    """{migration id: target journal} of the drain's moves on ``host``."""
+    d, out = hosts.path(host, "journal"), {}
+    for f in os.listdir(d) if os.path.isdir(d) else []:
+        if f.startswith("drain-") and f.endswith(".target.json"):
+            try:
+                with open(os.path.join(d, f)) as fh:
+                    out[f[:-len(".target.json")]] = json.load(fh)
+            except (OSError, ValueError):
+                pass
+    return out
+
+
+def line_of(report, start):
+    """The report's line that begins with ``start`` (the report in the failure otherwise)."""
+    found = [x for x in report.split("\n") if x.lstrip().startswith(start.strip())]
+    assert found, "no line %r in:\n%s" % (start, report)
+    return found[0]
+
+
+def crash_between_shell_starts(hosts, name):
+    """hosts.crash(name) at a moment when none of the host's processes is in pyenv's startup. The loopback hosts
+    share this machine's files: a root shell's pyenv rehash (root's .bashrc runs it for every ssh command) killed
+    while it held its lock (~/.pyenv/shims/.pyenv-shim) would hold every later shell of every host up for 60 s,
+    as the crash of a real host does not."""
+    for unused in range(500):
+        hosts.freeze(name)  # (every process of the host stopped: none starts or ends while they are looked at)
+        busy = []
+        for p in hosts.processes(name):
+            try:
+                with open("/proc/%d/cmdline" % p, "rb") as fh:
+                    argv = fh.read().split(b"\0")
+                if b"/libexec/pyenv" in b" ".join(argv) or argv[0].endswith(b"pyenv"):  # (pyenv, its rehash)
+                    busy.append(p)
+            except OSError:
+                pass
+        if not busy:
+            hosts.crash(name)
+            return
+        hosts.thaw(name)
+        time.sleep(0.01)
+    raise AssertionError("%s never stopped starting shells" % name)
+
+
+def states(w):
+    return sorted(s for unused, s in processes(w.dir))
+
+
+def twice(w, role="parent"):
+    seen = w.counted(role)
+    return sorted({c for i, c in enumerate(seen[1:]) if c <= seen[i]})
+
+
+def test_a_target_that_dies_once_its_copy_runs_is_that_moves_failure_and_no_rerun_rewinds_silently(
+        drain, playbook, hosts3, started):
+    """Two jobs, one move at a time: the 2 GiB one goes first, to hostc; the small one to hostb. hostc dies (every
+    process killed, files kept) while its restored copy already counts (its unlock is slowed, so the restore has
+    not returned yet: the controller's task there ends UNREACHABLE). That is the move's failure: the drain goes on
+    with the other move, reports, and says that the job is HELD (stopped) on hosta, with the command that settles
+    it. After hostc's restart a plain re-run settles the move: hostc answers that its copy was brought up and is
+    gone, so resuming the source would rewind the job; the re-run does not, and says so (nothing written twice).
+    recover.yml with gpuckpt_accept_rewind=true, as that line says, resumes it and says how long the lost copy ran
+    at most: each job runs once, intact, and what was written twice is what the lost copy wrote."""
+    first, second = started(), started()
+    set_gpus(hosts3, big={first.pid: 2048})
+    delay = hosts3.path("hostc", "fakecuda", "delay")
+    with open(delay, "w") as fh:
+        # Each unlock returns 3 s after the process it unlocked runs on: the copy counts while its restore (and the
+        # controller's task on hostc) has not returned.
+        fh.write("unlock 0 3000\n")
+    box = {}
+
+    def crash_once_the_copy_runs():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            for mid, doc in target_journals(hosts3, "hostc").items():
+                if doc.get("phase") == "restoring" and doc.get("identities"):
+                    seen = first.counts()["parent"]
+                    while first.counts()["parent"] < seen + 3:  # the source is stopped: this is the copy counting
+                        assert time.monotonic() < deadline
+                        time.sleep(0.01)
+                    crash_between_shell_starts(hosts3, "hostc")
+                    box.update(mid=mid, counted=first.counts(), at=time.monotonic())
+                    return
+            time.sleep(0.005)
+
+    t = threading.Thread(target=crash_once_the_copy_runs)
+    t.daemon = True
+    t.start()
+    try:
+        run = drain()
+        t.join(30)
+        assert "mid" in box, run.stdout[-6000:]
+        assert run.rc not in (0, 4), run.stdout[-6000:]  # a failed move, never an UNREACHABLE end of the drain
+        report = "\n".join(lines(run, "Where each workload runs now"))
+        assert "MOVED   pid %d (python3) -> hostb" % second.pid in report, report
+        held = line_of(report, "HELD    pid %d (python3) on hosta" % first.pid)
+        assert "hostc could not be asked" in held and "recover" in held and box["mid"] in held, report
+        assert states(first) == ["T", "T"], "held, stopped: %s" % states(first)
+        assert "hosta is not empty" in run.task("The node is not empty")["msg"]
+        assert where(hosts3, second) == "hostb" and second.one_copy_runs_intact()
+    finally:
+        os.unlink(delay)
+        if "mid" in box:
+            hosts3.boot("hostc")
+
+    again = drain()  # hostc answers again; its copy died with it
+    assert again.rc != 0, again.stdout[-6000:]
+    report = "\n".join(lines(again, "Where each workload runs now"))
+    held = line_of(report, "HELD    pid %d (python3) on hosta" % first.pid)
+    assert "rewind" in held and "gpuckpt_accept_rewind=true" in held, report
+    assert states(first) == ["T", "T"] and twice(first) == [], "nothing resumed, nothing written twice"
+
+    # The operator accepts the rewind with the command the line names: the job runs on from its freeze, and the
+    # play says what was rolled back.
+    accepted = playbook(RECOVER, {"source": "hosta", "target": "hostc", "migration_id": box["mid"],
+                                  "gpuckpt_accept_rewind": True}, inventory=hosts3.path("inventory.yml"))
+    assert accepted.rc == 0, accepted.stdout[-6000:]
+    said = accepted.task("Report where the workload runs")["msg"]
+    assert "rolled back: the workload runs on hosta" in said and "its copy on hostc was brought up" in said, said
+    assert "s at most" in said, said
+    assert where(hosts3, first) == "hosta"
+    for w in (first, second):
+        assert w.one_copy_runs_intact()
+    # What was written twice is exactly what the lost copy wrote, and no more.
+    assert twice(first) and max(twice(first)) <= box["counted"]["parent"], (twice(first), box)
+    assert twice(second) == []
+
+
+# ---- issue 43, item 3: "empty" is read from the hosts at the end --------------------------------------------------
+class WorkloadOn(RemoteWorkload):
+    """A counting job on ``host`` whose pids start at ``first_pid`` (kept apart from the other host's jobs, whose
+    pids a move onto this host would need free)."""
+
+    def __init__(self, hosts, host, workdir, first_pid):
+        self.dir = workdir
+        res = hosts.ssh(host, "echo %d > /proc/sys/kernel/ns_last_pid; python3 %s --dir %s --daemon --fakecuda %s --mb 8"
+                        % (first_pid - 1, COUNTER, workdir, FAKE_LIBCUDA))
+        self.pid = int(res.stdout.strip().splitlines()[-1])
+        self.wait_counting()
+
+
+def test_two_drains_started_together_onto_each_other_never_both_call_their_node_empty(
+        playbook, hosts3, started, tmp_path):
+    """hosta drained onto hostb and hostb onto hosta, both at once: each drain marks its node before it plans, and
+    checks its target's mark again right before a move. A drain ends 0 ("runs no GPU workload any more") only
+    when its node is found empty at its end; whatever the interleaving, no job is left on a node whose drain
+    said so, and each job runs once."""
+    ja = started()
+    jb = WorkloadOn(hosts3, "hostb", str(tmp_path / "jb"), 30001)
+    set_gpus(hosts3)
+    try:
+        inventory = hosts3.path("inventory.yml")
+        runs = {}
+
+        def drain_of(node, target):
+            runs[node] = playbook(DRAIN, {"node": node, "targets": target}, inventory=inventory)
+
+        threads = [threading.Thread(target=drain_of, args=a) for a in (("hosta", "hostb"), ("hostb", "hosta"))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(runs) == ["hosta", "hostb"], runs
+        at = {"hosta": [w for w in (ja, jb) if where(hosts3, w) == "hosta"],
+              "hostb": [w for w in (ja, jb) if where(hosts3, w) == "hostb"]}
+        for node, run in runs.items():
+            said_empty = "runs no GPU workload any more" in run.stdout
+            assert (run.rc == 0) == said_empty == (at[node] == []), (node, run.rc, at, run.stdout[-5000:])
+            for w in at[node]:
+                assert "pid %d" % w.pid in run.task("The node is not empty")["msg"], run.stdout[-5000:]
+        for w in (ja, jb):
+            assert w.one_copy_runs_intact()
+    finally:
+        jb.kill()
+
+
+def test_a_job_started_on_the_node_after_the_plan_keeps_it_from_being_called_empty(drain, hosts3, started):
+    """The plan names one job; a second starts on the node while the first one's move runs. The drain moves the
+    first, finds the second when it reads the node again at its end, and fails naming it: the node is not empty."""
+    first = started()
+    set_gpus(hosts3)
+    delay = hosts3.path("hosta", "fakecuda", "delay")
+    with open(delay, "w") as fh:
+        fh.write("checkpoint 0 4000\n")  # the move lasts long enough for the late job to be counting
+    box, old = {}, source_journals(hosts3)
+
+    def start_after_the_plan():
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline and not frozen_moves(hosts3, old):
+            time.sleep(0.02)
+        box["late"] = started()
+        box["at"] = time.monotonic()
+
+    t = threading.Thread(target=start_after_the_plan)
+    t.daemon = True
+    t.start()
+    try:
+        run = drain()
+        done = time.monotonic()
+        t.join(60)
+    finally:
+        os.unlink(delay)
+    late = box["late"]
+    assert box["at"] < done, "the late job must be counting before the drain ends"
+    assert "1 workload(s) to move" in "\n".join(lines(run, "The plan"))
+    assert run.rc != 0, run.stdout[-5000:]
+    report = "\n".join(lines(run, "Where each workload runs now"))
+    assert "MOVED   pid %d (python3) -> " % first.pid in report, report
+    assert "pid %d" % late.pid in report and "pid %d" % late.pid in run.task("The node is not empty")["msg"], report
+    assert "runs no GPU workload any more" not in run.stdout
+    assert where(hosts3, late) == "hosta" and where(hosts3, first) in ("hostb", "hostc")
+    for w in (first, late):
+        assert w.one_copy_runs_intact()

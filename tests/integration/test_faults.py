@@ -480,9 +480,14 @@ def test_a_target_copy_that_died_with_its_pids_reused_is_not_trusted(playbook, h
             hosts.ssh("hostb", "kill -9 %s" % out, check=False)
     assert squatters == pids, "could not reuse pids %s on hostb" % pids
     try:
-        run = recover(playbook, mid)
+        # The copy ran before it died: resuming the source rewinds the job, which only the operator may accept.
+        held = recover(playbook, mid)
+        assert held.rc != 0 and "gpuckpt_accept_rewind=true" in held.task("Report where the workload runs")["msg"]
+        assert [s for unused, s in processes(w.dir)] == ["T", "T"], "held, never resumed silently"
+        run = recover(playbook, mid, gpuckpt_accept_rewind=True)
         assert run.rc == 0, run.stdout
-        assert "rolled back: the workload runs on hosta" in run.task("Report where the workload runs")["msg"]
+        said = run.task("Report where the workload runs")["msg"]
+        assert "rolled back: the workload runs on hosta" in said and "rolled back to its freeze" in said, said
         alive = hosts.ssh("hostb", "for p in %s; do test -e /proc/$p && echo $p; done" % " ".join(map(str, pids)))
         assert sorted(int(x) for x in alive.stdout.split()) == sorted(pids), "unrelated processes were killed"
         assert w.one_copy_runs_intact() and runs_on(hosts, w) == "hosta"

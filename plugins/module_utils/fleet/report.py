@@ -100,3 +100,162 @@ def throughput_update(recorded, plan, outcomes, now=None):
         if rate:
             out[m["target"]] = {"bytes_s": float(rate), "measured_at": now, "by": m["migration_id"]}
     return out
+
+
+# -- the end of a drain, read from the hosts ----------------------------------------------------------------
+#
+# Nothing here is taken from the plan or from what a move said of itself: where each workload runs is what the
+# hosts show at the end (issue 43, 3). ``seen`` of a move: its journals as gpu_migration's status read them at
+# the end, {"source": journal or None, "target": journal or None, "target_error": why the target could not be
+# asked, or ""}; ``node_after``: the node's workloads as cuda_process_facts (workloads: true) found them again at
+# the end, or None when the node could not be asked.
+
+SOURCE_DONE = ("committed", "resumed", "rolled_back")  # a source journal whose migration is over
+NOT_FROZEN = (None, "planned")  # a source journal whose checkpoint never froze anything
+
+
+def describe_key(key):
+    """A workload named only by its key (a drain mark's record): ``process:4242`` -> ``pid 4242``."""
+    runtime, _sep, ident = str(key).partition(":")
+    if runtime == "process":
+        return "pid %s" % ident
+    if runtime == "k8s_pod":
+        return "pod %s" % ident
+    return "container %s (%s)" % (ident.split("/")[-1], runtime)
+
+
+def _runs(journal):
+    return bool(journal) and bool(journal.get("exists", True)) and bool(journal.get("running_pids"))
+
+
+def _identity_keys(identities):
+    return {(int(i.get("pid") or 0), i.get("starttime"), i.get("boot_id")) for i in (identities or {}).values()
+            if isinstance(i, dict)}
+
+
+def _copies_seen(seen):
+    """The identities of every copy a move committed and that runs on its target: on hosts that share one pid
+    space (two "hosts" on one kernel), the node sees those processes too, and they are no workload of the node."""
+    out = set()
+    for s in (seen or {}).values():
+        tgt = (s or {}).get("target") or {}
+        if tgt.get("phase") == "committed":
+            out |= _identity_keys(tgt.get("identities"))
+    return out
+
+
+def _held_line(what, node, out, seen, by=""):
+    src = (seen or {}).get("source") or {}
+    how = "stopped" if src.get("stopped_pids") else "exited, its image on %s is the way back" % node
+    return "  HELD    %s on %s (%s since its freeze%s): %s" % (what, node, how, by,
+                                                               (out or {}).get("reason") or "not settled")
+
+
+def move_state(seen, key, node_keys):
+    """Where a move's workload is, as the hosts show it: moved (its target committed and runs it), held (the
+    source's migration is not over: stopped, or exited with its image), on_node (the node runs it), unseen (the
+    source was released and the target could not be asked), gone (the source was released and the target does not
+    run it: lost), ended (never frozen, or given back, and the node no longer runs it: it ended on its own)."""
+    seen = seen or {}
+    src, tgt = seen.get("source") or {}, seen.get("target") or {}
+    if tgt.get("phase") == "committed" and _runs(tgt):
+        return "moved"
+    if src.get("exists") and src.get("phase") not in SOURCE_DONE + NOT_FROZEN:
+        return "held"
+    if key in node_keys:
+        return "on_node"
+    if src.get("phase") == "committed":
+        return "unseen" if seen.get("target_error") else "gone"
+    return "ended"
+
+
+def end_state(node, plan, outcomes, seen, node_after, earlier=None):
+    """The end of a drain as the hosts show it. ``outcomes`` and ``seen``: by migration id, for this drain's moves
+    and for those of an earlier drain settled first (``earlier``: their drain mark records, each with its
+    ``workload`` key and ``target``). Returns {"lines", "empty", "still": what keeps the node from being empty,
+    "held", "gone"}. The node is empty only when it could be asked and runs no GPU workload (a copy that a move
+    committed and that the node sees only because both share one pid space is not the node's), and no move's
+    source is held there."""
+    outcomes, seen = outcomes or {}, seen or {}
+    copies = _copies_seen(seen)
+    found = [] if node_after is None else [
+        w for w in node_after if not (_identity_keys(w.get("identities")) & copies)]
+    node_keys = {w["key"]: w for w in found}
+    lines = ["Drain of %s (where each workload runs, as the hosts showed it at the end):" % node]
+    held, gone, accounted = {}, [], set()
+    for r in earlier or []:
+        mid, out, s = r["migration_id"], outcomes.get(r["migration_id"]) or {}, seen.get(r["migration_id"])
+        if s is None:
+            continue  # not settled by this run (its target is not in the inventory): the node's mark keeps it
+        key = r["workload"]
+        what = describe(node_keys[key]) if key in node_keys else describe_key(key)
+        by = "move %s of an earlier drain" % mid
+        state, tgt = move_state(s, key, node_keys), (s.get("target") or {})
+        if state == "moved":
+            accounted.add(key)
+            lines.append("  MOVED   %s -> %s (%s): runs there (pids %s)" % (
+                what, r["target"], by, ",".join(map(str, tgt.get("running_pids") or []))))
+        elif state == "held":
+            held[key] = what
+            lines.append(_held_line(what, node, out, s, "; " + by))
+        elif state in ("on_node", "ended"):  # given back (or never frozen): the plan has it again, if it runs
+            given_back = (s.get("source") or {}).get("phase") in ("resumed", "rolled_back")
+            lines.append("  SETTLED %s (%s): %s%s" % (
+                what, by, "rolled back to %s" % node if given_back else "it had not begun",
+                "; " + out["rewind"] if out.get("rewind") else ""))
+        elif state == "unseen":
+            lines.append("  UNSEEN  %s (%s): %s could not be asked at the end (%s)" % (
+                what, by, r["target"], s.get("target_error")))
+        elif state == "gone":
+            gone.append(what)
+            lines.append("  GONE    %s (%s): runs neither on %s nor on %s (%s)" % (
+                what, by, node, r["target"], out.get("reason") or "its settlement said %s" % (out.get("status") or "nothing")))
+    for m in plan["moves"]:
+        mid, key, what, target = m["migration_id"], m["workload"]["key"], describe(m["workload"]), m["target"]
+        out, s = outcomes.get(mid) or {}, seen.get(mid) or {}
+        state, tgt = move_state(s, key, node_keys), (s.get("target") or {})
+        accounted.add(key)
+        if state == "moved":
+            est = (m.get("estimate") or {}).get("duration_s")
+            lines.append("  MOVED   %s -> %s: downtime %s, move took %s (estimated %s), image %s (estimated %s); runs "
+                         "there (pids %s)" % (
+                             what, target, _secs(out.get("downtime_s")), _secs(out.get("took_s")), _secs(est),
+                             gib(out.get("image_bytes")) if out.get("image_bytes") is not None else "?",
+                             gib(m.get("image_estimate_bytes")), ",".join(map(str, tgt.get("running_pids") or []))))
+        elif state == "held":
+            held[key] = what
+            lines.append(_held_line(what, node, out, s))
+        elif state == "on_node":
+            why = out.get("reason") or out.get("status") or "the move did not report"
+            lines.append("  STAYED  %s on %s: %s" % (what, node, why))
+        elif state == "unseen":
+            lines.append("  UNSEEN  %s: not on %s, and %s could not be asked at the end (%s)" % (
+                what, node, target, s.get("target_error")))
+        elif state == "ended":
+            lines.append("  ENDED   %s: no longer runs on %s, and its move had not frozen it, or gave it back (%s)" % (
+                what, node, out.get("reason") or out.get("status") or "the move did not report"))
+        else:
+            gone.append(what)
+            lines.append("  GONE    %s: runs neither on %s nor on %s (%s)" % (
+                what, node, target, out.get("reason") or "its move said %s" % (out.get("status") or "nothing")))
+    for st in plan.get("stays") or []:
+        key, what = st["workload"]["key"], describe(st["workload"])
+        accounted.add(key)
+        if key in held:
+            continue  # (a move of an earlier drain holds it: its line says what settles it)
+        if key in node_keys:
+            lines.append("  STAYED  %s on %s: %s" % (what, node, st["reason"]))
+        else:
+            lines.append("  ENDED   %s: no longer runs on %s (it was to stay: %s)" % (what, node, st["reason"]))
+    for w in plan.get("left_out") or []:
+        accounted.add(w["key"])
+        if w["key"] in node_keys:
+            lines.append("  LEFT    %s on %s: %s" % (describe(w), node, w.get("reason")))
+    for w in found:
+        if w["key"] not in accounted and w["key"] not in held:
+            lines.append("  STILL   %s on %s: not in this drain's plan (it started after the plan)" % (describe(w), node))
+    if node_after is None:
+        lines.append("  ?       %s could not be asked at the end: whether it is empty is not known" % node)
+    still = [describe(w) for w in found] + [what for key, what in held.items() if key not in node_keys]
+    return {"lines": lines, "empty": node_after is not None and not still, "still": still,
+            "held": list(held.values()), "gone": gone}

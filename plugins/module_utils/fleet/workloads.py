@@ -148,11 +148,17 @@ def select(workloads, include=None, exclude=None):
 
 
 def discover(facts, libcuda_path=None):
-    """The workloads of this host, from its facts (cuda_process_facts'), each with its tree's facts."""
+    """The workloads of this host, from its facts (cuda_process_facts'), each with its tree's facts and the
+    ``identities`` of its processes (pid, start time, boot: a drain's end tells the node's own workloads from
+    the copies its moves committed, which the node sees too where both share one pid space)."""
+    from ..core.journal import identities
     from ..cuda import driver as cuda_driver
     from ..engine import facts as host_facts
     drv, unused = cuda_driver.load(libcuda_path)
-    return from_facts(facts, lambda root, pids: host_facts.tree_facts(drv, root, pids))
+    found = from_facts(facts, lambda root, pids: host_facts.tree_facts(drv, root, pids))
+    for w in found:
+        w["identities"] = identities(sorted({int(w["root_pid"])} | {int(p) for p in w["tree"].get("pids") or []}))
+    return found
 
 
 def with_pods(workloads, api_pods, allow_owned=False):
