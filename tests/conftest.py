@@ -22,6 +22,28 @@ def pytest_configure(config):
         raise pytest.UsageError("run `bash tests/setup.sh` first (collection link, venv, CRIU, test double)")
 
 
+# How long each test file took in a whole run (seconds, tests/file_seconds.json): the files run longest first, so
+# that tests/run.sh's workers, each taking a whole file at a time, end close together.
+FILE_SECONDS = os.path.join(REPO, "tests", "file_seconds.json")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    try:
+        with open(FILE_SECONDS) as fh:
+            seconds = json.load(fh)
+    except (OSError, ValueError):
+        return
+    known = sorted(seconds.values())
+    middle = known[len(known) // 2] if known else 0  # a new file: about as long as most
+
+    def weight(item):
+        path = os.path.relpath(str(item.path), REPO)
+        return -seconds.get(path, middle)
+
+    order = {item: index for index, item in enumerate(items)}
+    items.sort(key=lambda item: (weight(item), os.path.relpath(str(item.path), REPO), order[item]))
+
+
 @pytest.fixture
 def fakecuda(tmp_path, monkeypatch):
     fc = FakeCuda(str(tmp_path / "fakecuda"))

@@ -18,9 +18,12 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 HOSTS = (("hosta", "127.0.0.2"), ("hostb", "127.0.0.3"))
-# Two test runs side by side (tests/run.sh's shards) must never share a host's address: with GPUCKPT_TEST_NET=N,
+# Two test runs side by side (tests/run.sh's workers, a developer's second run) must never share a host's address: with GPUCKPT_TEST_NET=N,
 # every 127.0.0.X a test names is 127.0.N.X (all of 127/8 is this machine's loopback).
+# Under pytest-xdist (tests/run.sh's integration workers), worker gwK adds 10 + K to it: each worker its own net.
 TEST_NET = int(os.environ.get("GPUCKPT_TEST_NET", "0") or 0)
+if os.environ.get("PYTEST_XDIST_WORKER", "").startswith("gw"):
+    TEST_NET += 10 + int(os.environ["PYTEST_XDIST_WORKER"][2:])
 
 
 def on_test_net(address):
@@ -176,8 +179,15 @@ class LoopbackHosts(object):
         if self.pidns:
             cmd = ["unshare", "--pid", "--fork", "--mount", "--mount-proc", "--propagation", "unchanged",
                    self.python, os.path.join(HERE, "nsinit.py")] + cmd
+        env = None
+        if self.pidns:  # (its own mount namespace: nsinit binds this profile over root's ~/.bashrc there)
+            profile = os.path.join(d, "bashrc")
+            with open(profile, "w") as fh:
+                fh.write("# A test host's shell profile (tests/hosts/nsinit.py): nothing beyond the system's.\n")
+            env = dict(os.environ, GPUCKPT_HOST_SHELL_PROFILE=profile)
         log = open(os.path.join(d, "sshd.log"), "ab")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
+                                env=env)
         self.pids[name] = proc.pid
 
     def processes(self, name):

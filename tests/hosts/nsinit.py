@@ -5,6 +5,13 @@ import signal
 import subprocess
 import sys
 
+# The host's own shell profile (LoopbackHosts writes it), bound over root's ~/.bashrc in this host's mount
+# namespace: bash reads ~/.bashrc for every command ssh runs, and this machine's runs `pyenv init`, a rehash of
+# about 0.3 s per Ansible task (a crash mid-rehash leaves pyenv's lock behind, and every later login waits 60 s
+# on it). A fleet node has no such profile.
+profile, bashrc = os.environ.pop("GPUCKPT_HOST_SHELL_PROFILE", ""), os.path.expanduser("~/.bashrc")
+if profile and os.path.isfile(bashrc):
+    subprocess.run(["mount", "--bind", profile, bashrc], check=True)
 child = subprocess.Popen(sys.argv[1:])
 
 

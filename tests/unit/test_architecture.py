@@ -19,7 +19,7 @@ ALLOWED = {
     "runtimes": {"core", "cuda", "k8s"},
     "engine": {"core", "cuda", "runtimes"},
     "migration": {"core", "cuda", "runtimes", "engine"},
-    "fleet": {"core", "cuda", "runtimes", "engine", "migration"},
+    "fleet": {"core", "cuda", "k8s", "runtimes", "engine", "migration"},
 }
 # Third-party packages a room may import (lazily, where the host has them); the rest is the standard library.
 THIRD_PARTY = {

@@ -17,6 +17,7 @@ states, RSS, GPU memory per GPU or unknown), which is what ``migration/planner.p
 from __future__ import annotations
 
 from ..core import procfs
+from ..k8s.names import K8S_NAMESPACE, POD_NAME, POD_NAMESPACE, POD_UID
 
 
 def tree_root(pid, read_stat=procfs.read_stat):
@@ -38,8 +39,6 @@ def _key(runtime, ident):
     return "%s:%s" % (runtime, ident)
 
 
-K8S_NAMESPACE = "k8s.io"  # the containerd namespace of the kubelet's CRI: pods' containers
-POD_NAMESPACE, POD_NAME, POD_UID = "io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.pod.uid"
 
 
 def _in_pod(c):

@@ -38,6 +38,7 @@ import tarfile
 
 from ..core import procfs
 from ..cuda import devices as gpu_devices
+from ..k8s.names import K8S_NAMESPACE, KUBELET_LABELS
 from .containerd_api import DEFAULT_ADDRESS, RUNC_OPTIONS_URL, Client, ContainerdError, runc_options
 from ..core.errors import CommandError, GpuCkptError, InvalidTarget
 from .base import ContainerBackend, mount_hint, ns_pid
@@ -48,9 +49,6 @@ CRIU_SUBDIR = "checkpoint"
 ROOTFS_DIFF = "rootfs-diff.tar"
 RUNC_RUNTIME = "io.containerd.runc.v2"
 CRIU_CONFIG_ANNOTATION = "org.criu.config"
-KUBELET_NAMESPACE = "k8s.io"  # the containers of the kubelet's CRI (Kubernetes pods)
-KUBELET_LABELS = ("io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.pod.uid",
-                  "io.kubernetes.container.name", "io.cri-containerd.kind")
 RECORD_KEYS = ("labels", "image", "runtime", "runtime_options_url", "spec_url", "spec", "snapshotter",
                "snapshot_key", "snapshot_parent", "sandbox")  # what a restore needs of the container's record
 STOP_WAIT = 30  # seconds a killed task may take to stop before its removal is given up
@@ -100,7 +98,7 @@ class ContainerdBackend(ContainerBackend):
                 api.namespace = namespace
                 tasks = [{"id": t["id"], "pid": t["pid"], "status": t["status"], "namespace": namespace}
                          for t in api.tasks() if t["pid"] and t["status"] in ("running", "paused")]
-                if namespace == KUBELET_NAMESPACE and tasks:
+                if namespace == K8S_NAMESPACE and tasks:
                     # The kubelet's labels say which pod each container belongs to: a drain moves a pod whole.
                     labels = {c["id"]: c["labels"] for c in api.containers()}
                     for t in tasks:

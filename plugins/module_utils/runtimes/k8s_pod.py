@@ -37,15 +37,13 @@ from ..core import procfs
 from ..core.errors import GpuCkptError, InvalidTarget
 from ..core.wait import wait_for
 from ..cuda import devices as gpu_devices
+from ..k8s.names import CONTAINER_NAME, K8S_NAMESPACE, KIND, POD_NAME, POD_NAMESPACE, POD_UID
 from ..k8s.restore_protocol import (CONTAINERS_SUBDIR, FAILED, RESTORED, container_path, read_claim,
                                     read_restore_ticket, set_claim, write_restore_ticket)
 from .base import ContainerBackend
 from .containerd import ContainerdBackend
 from .containerd_api import Client, ContainerdError
 
-K8S_NAMESPACE = "k8s.io"
-POD_NAMESPACE, POD_NAME, POD_UID = "io.kubernetes.pod.namespace", "io.kubernetes.pod.name", "io.kubernetes.pod.uid"
-CONTAINER_NAME, KIND = "io.kubernetes.container.name", "io.cri-containerd.kind"
 STOP_WAIT = 120  # seconds a committed source waits for the kubelet to stop its deleted pod's containers
 # Kubernetes names: namespaces and container names are DNS labels, pod names DNS subdomains
 DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?\Z")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import stat
 import sys
 import zlib
 
@@ -44,18 +43,6 @@ if cut and "remove_probe" not in cmd:
     sys.exit(255)
 sys.exit(subprocess.call(["sh", "-c", cmd]))
 '''
-
-
-@pytest.fixture
-def fake_ssh(tmp_path, monkeypatch):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    ssh = bindir / "ssh"
-    ssh.write_text(FAKE_SSH % {"py": sys.executable})
-    ssh.chmod(ssh.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", "%s:%s" % (bindir, os.environ["PATH"]))
-    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
-    return tmp_path / "ssh.log"
 
 
 def _target():

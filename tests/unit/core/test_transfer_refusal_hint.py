@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 import sys
 
 import pytest
@@ -37,16 +36,6 @@ sys.stdout.write(json.dumps({"ready": False, "error": error}) + "\n")
 sys.stdout.flush()
 sys.exit(2)
 '''
-
-
-@pytest.fixture
-def fake_ssh(tmp_path, monkeypatch):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    ssh = bindir / "ssh"
-    ssh.write_text(FAKE_SSH % {"py": sys.executable})
-    ssh.chmod(ssh.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", "%s:%s" % (bindir, os.environ["PATH"]))
 
 
 def _send(tmp_path, retries=0):

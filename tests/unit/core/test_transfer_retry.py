@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import stat
 import sys
 
 import pytest
@@ -36,18 +35,6 @@ if mode == "full":
     sys.exit(1)
 sys.exit(subprocess.call(["sh", "-c", cmd]))
 '''
-
-
-@pytest.fixture
-def fake_ssh(tmp_path, monkeypatch):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    ssh = bindir / "ssh"
-    ssh.write_text(FAKE_SSH % {"py": sys.executable})
-    ssh.chmod(ssh.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", "%s:%s" % (bindir, os.environ["PATH"]))
-    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
-    return tmp_path / "ssh.log"
 
 
 def _image(tmp_path, nonce="n0nce0001"):

@@ -1,11 +1,7 @@
 """CRIU's words for a container mount it cannot dump are turned into what the user can do about it."""
 from __future__ import annotations
 
-import os
-import sys
-
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from plugins.module_utils.runtimes.base import mount_hint  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.base import mount_hint
 
 
 def test_a_mount_made_by_a_hook_points_to_cdi():
@@ -25,8 +21,8 @@ def test_other_failures_keep_the_default():
 def test_the_probe_gives_the_host_side_nsenter_no_loader_variables(monkeypatch):
     """nsenter runs on the host as root: a workload's LD_PRELOAD must not reach its loader; it is set
     again inside, through the container's env; other variables (secrets too) stay out of argv."""
-    from plugins.module_utils.core import procfs
-    from plugins.module_utils.runtimes import base
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes import base
     seen = {}
     monkeypatch.setattr(procfs, "environ", lambda pid: {"LD_PRELOAD": "/w/evil.so", "TOKEN": "s3cret", "PATH": "/bin"})
     monkeypatch.setattr(base, "find_binary", lambda *a, **k: "/usr/bin/nsenter")

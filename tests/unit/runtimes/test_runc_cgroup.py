@@ -6,13 +6,11 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from plugins.module_utils.core.errors import InvalidTarget  # noqa: E402
-from plugins.module_utils.runtimes import runc as runc_mod  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes import runc as runc_mod
 
 
 @pytest.fixture

@@ -48,18 +48,6 @@ sys.exit(subprocess.call(["sh", "-c", cmd]))
 
 
 @pytest.fixture
-def fake_ssh(tmp_path, monkeypatch):
-    bindir = tmp_path / "bin"
-    bindir.mkdir()
-    ssh = bindir / "ssh"
-    ssh.write_text(FAKE_SSH % {"py": sys.executable})
-    ssh.chmod(ssh.stat().st_mode | stat.S_IEXEC)
-    monkeypatch.setenv("PATH", "%s:%s" % (bindir, os.environ["PATH"]))
-    monkeypatch.setenv("FAKE_SSH_LOG", str(tmp_path / "ssh.log"))
-    return tmp_path / "ssh.log"
-
-
-@pytest.fixture
 def small_chunks(monkeypatch):
     """1 MiB chunks instead of 64 MiB, so that small files have many."""
     for mod in (image, transfer):

@@ -13,10 +13,11 @@ import sys
 
 import pytest
 
+from helpers import REPO
+
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.restore_handler import handler_program
 
-SOURCE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "roles",
-                      "nvidia_container_runtime", "files", "gpuckpt_restore_runtime.py")
+SOURCE = os.path.join(REPO, "roles", "nvidia_container_runtime", "files", "gpuckpt_restore_runtime.py")
 with open(SOURCE) as fh:
     PROGRAM = handler_program(fh.read())
 handler = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpuckpt_restore_runtime", loader=None))
