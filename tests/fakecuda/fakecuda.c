@@ -24,7 +24,9 @@
  * Errors are injected with lines "<call> <pid> <code>" in $FAKECUDA_STATE_DIR/inject, where <call>
  * is lock|checkpoint|restore|unlock|getstate (pid as the caller sees it; 0 matches any pid). A call is
  * made slow (a big GPU memory, a hung driver) with lines "<call> <pid> <milliseconds>" in
- * $FAKECUDA_STATE_DIR/delay: it sleeps that long after its state change, outside the big lock. Every
+ * $FAKECUDA_STATE_DIR/delay: it sleeps that long after its state change, outside the big lock. A line of the
+ * same form in $FAKECUDA_STATE_DIR/hold holds the call (after its state change) until the test removes that
+ * line or file, for at most that long: a slow step that ends on the test's word, not a clock's. Every
  * call is appended to $FAKECUDA_STATE_DIR/calls.log as "<call> <pid> <time>", so tests can check
  * the order (all locks before any checkpoint). $FAKECUDA_API_VERSION, or a number in
  * $FAKECUDA_STATE_DIR/api_version, overrides what cuDriverGetVersion reports (13000: driver 580).
@@ -199,6 +201,12 @@ static int transition(const char *call, int pid, int from, int to) {
     big_unlock(lk);
     int ms = lookup("delay", call, pid);
     if (ms > 0) usleep((useconds_t)ms * 1000);
+    /* A hold: the call does not return while its line is in the file (the test removes it), at most its ms. */
+    int hold = lookup("hold", call, pid);
+    for (int waited = 0; hold > 0 && waited < hold; waited += 20) {
+        usleep(20000);
+        if (lookup("hold", call, pid) <= 0) break;
+    }
     return rc;
 }
 

@@ -59,7 +59,8 @@ def pages_arriving(hosts, mid):
 
 
 def fakecuda(hosts, host, kind, line):
-    """Tell the libcuda test double of ``host`` to fail (kind inject) or slow down (kind delay) a call."""
+    """Tell the libcuda test double of ``host`` to fail (kind inject), slow down (kind delay) or hold until the test
+    removes the file (kind hold) a call."""
     with open(hosts.path(host, "fakecuda", kind), "a") as fh:
         fh.write(line + "\n")
 
@@ -68,7 +69,7 @@ def fakecuda(hosts, host, kind, line):
 def clean_fakecuda(hosts):
     yield
     for host in ("hosta", "hostb"):
-        for kind in ("inject", "delay"):
+        for kind in ("inject", "delay", "hold"):
             try:
                 os.unlink(hosts.path(host, "fakecuda", kind))
             except OSError:
@@ -202,7 +203,8 @@ def test_a_freeze_longer_than_the_recovery_waits_is_never_decided_under_it(playb
     checkpoint stops at its next step and rolls itself back; the next recovery finds it done."""
     w = remote_workload()
     mid = "t-long-freeze"
-    fakecuda(hosts, "hosta", "delay", "checkpoint 0 12000")
+    # The CUDA checkpoint returns when the test says so (at most 120 s), however slow the machine is meanwhile.
+    fakecuda(hosts, "hosta", "hold", "checkpoint 0 120000")
     ctl = Controller(hosts, tmp_path, {"source": "hosta", "target": "hostb", "pid": w.pid, "migration_id": mid})
     wait_for("the freeze", lambda: phase(hosts, "hosta", mid, "source") == "freezing", timeout=60)
     ctl.kill()
@@ -211,6 +213,7 @@ def test_a_freeze_longer_than_the_recovery_waits_is_never_decided_under_it(playb
     said = busy.task("Resume the source")["msg"]
     assert "the checkpoint of" in said and "held by" in said, said
     assert phase(hosts, "hosta", mid, "source") == "freezing"
+    os.unlink(hosts.path("hosta", "fakecuda", "hold"))  # the checkpoint returns: it finds its fence
     wait_for("the fenced checkpoint to roll back", lambda: phase(hosts, "hosta", mid, "source") == "rolled_back",
              timeout=60, poll=0.2)
     assert settle_checks(playbook, hosts, w, mid) == "hosta"
