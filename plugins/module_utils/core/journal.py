@@ -23,8 +23,6 @@ Plain Python with the standard library only: the receiving end of a transfer car
 """
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
 import re
@@ -34,7 +32,7 @@ try:  # a package import; the transfer's receiver program defines these names be
     from .errors import InvalidTarget, TransactionError
     from .fsutil import Reserve, atomic_write, check_private_ancestors, make_dirs_private, read_json
     from .procfs import boot_id, read_stat
-    from .wait import wait_for
+    from .wait import flock_within
 except ImportError:  # pragma: no cover - only in the receiver program
     pass
 
@@ -171,19 +169,13 @@ class Journal(object):
             return self
         self._ensure_dir()
         fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-
-        def taken():
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    os.close(fd)
-                    raise
-                return False
-
-        if not wait_for(taken, wait, "the %s's journal lock of migration %s" % (self.role, self.id), interval=0.02,
-                        backoff=1.5, max_interval=0.2, on_timeout="return"):
+        try:
+            taken = flock_within(fd, wait, "the %s's journal lock of migration %s" % (self.role, self.id),
+                                 on_timeout="return")
+        except OSError:
+            os.close(fd)
+            raise
+        if not taken:
             os.close(fd)
             h = self.holder()
             raise JournalBusy(

@@ -33,8 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import errno
-import fcntl
 import os
 import re
 import stat
@@ -45,7 +43,7 @@ try:  # a package import; the receiver program defines these names before this c
     from .fsutil import (UnsafePath, atomic_write, check_private_ancestors, identity, make_dirs_private, open_beneath,
                          open_dir, read_json, remove_tree)
     from .image import MANIFEST, STATE_DIR, Image, image_bytes
-    from .wait import wait_for
+    from .wait import flock_within
 except ImportError:  # pragma: no cover - only in the receiver program, where they are globals
     pass
 
@@ -158,18 +156,8 @@ def _job_locked(root, job, create, wait=LOCK_WAIT):
     lock_fd = None
     try:
         lock_fd = open_beneath(fd, JOB_LOCK, os.O_RDWR | os.O_CREAT)
-
-        def taken():
-            try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                return True
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                    raise
-                return False
-
-        wait_for(taken, wait, "the lock of job %s in the replica store %s" % (job, root), interval=0.02, backoff=1.5,
-                 max_interval=0.5, stage="replica")
+        flock_within(lock_fd, wait, "the lock of job %s in the replica store %s" % (job, root), stage="replica",
+                     max_interval=0.5)
         yield fd
     finally:
         if lock_fd is not None:

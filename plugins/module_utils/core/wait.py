@@ -10,6 +10,8 @@ program is assembled from core/ and may use it.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import time
 
 try:  # a package import; the receiver program defines these names before this code
@@ -53,3 +55,20 @@ def wait_for(predicate, timeout, what, interval=0.05, max_interval=None, backoff
         pause = pause * backoff
         if max_interval is not None:
             pause = min(pause, max_interval)
+
+
+def flock_within(fd, timeout, what, on_timeout="raise", stage=None, hint=None, max_interval=0.2):
+    """Take an exclusive flock on ``fd`` within ``timeout`` seconds (None: no deadline; 0: one try), through the
+    waiter. Returns True once held; on timeout raises WaitTimeout naming ``what``, or returns False with
+    ``on_timeout="return"``. An error other than "held by another" is raised as it is."""
+    def taken():
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                raise
+            return False
+
+    return bool(wait_for(taken, timeout, what, interval=0.02, backoff=1.5, max_interval=max_interval,
+                         on_timeout=on_timeout, stage=stage, hint=hint))

@@ -27,7 +27,6 @@ at its next step and undoes what it did, and the unit's ExecStopPost gives back 
 """
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import signal
@@ -39,6 +38,7 @@ from ..core import transfer
 from ..core.errors import GpuCkptError, InvalidTarget
 from ..core.fsutil import identity, remove_tree
 from ..core.journal import Journal, process_identity
+from ..core.wait import flock_within
 from ..engine import checkpoint as engine_checkpoint
 from ..engine import give_back as engine_give_back
 from ..engine.steps import now_iso
@@ -63,16 +63,13 @@ class JobLock(object):
 
     def acquire(self, wait=0.0):
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        deadline = time.monotonic() + max(0.0, float(wait or 0))
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except OSError as exc:
-                if exc.errno not in (errno.EAGAIN, errno.EACCES) or time.monotonic() >= deadline:
-                    os.close(fd)
-                    return False
-                time.sleep(0.2)
+        try:
+            taken = flock_within(fd, max(0.0, float(wait or 0)), "job lock %s" % self.path, on_timeout="return")
+        except OSError:
+            taken = False
+        if not taken:
+            os.close(fd)
+            return False
         os.ftruncate(fd, 0)
         os.write(fd, str(os.getpid()).encode())
         self.fd = fd
