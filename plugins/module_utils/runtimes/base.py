@@ -8,6 +8,7 @@ which host pids make up the workload, how to write RAM+CPU state to an image dir
 """
 from __future__ import annotations
 
+import abc
 import json
 import os
 import shutil
@@ -85,7 +86,7 @@ Capabilities = namedtuple("Capabilities", "uses_criu can_hold_stopped cuda_in_sa
                                           "gates_restore keeps_criu_plugins_off")
 
 
-class Backend(object):
+class Backend(metaclass=abc.ABCMeta):
     name = "base"
     capabilities = Capabilities(uses_criu=True, can_hold_stopped=True, cuda_in_sandbox=False, owns_cuda_stage=False,
                                 restores_host_pids=False, gates_restore=False, keeps_criu_plugins_off=True)
@@ -210,29 +211,35 @@ class Backend(object):
         """After the driver restored the GPU memory, before the unlock: put right what that restore changed in
         the workload's runtime (a container's /dev). Nothing here."""
 
+    @abc.abstractmethod
     def preflight(self, full=True):
         """Check the runtime is present and usable; return facts for the manifest (versions...).
         ``full=False`` skips the slow checks (kept for restore, where time is downtime)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def resolve(self, target):
         """Validate ``target`` and return (root_host_pid, [host pids of the workload])."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def dump(self, target, image_dir, work_dir, after):
         """Write the workload's state into image_dir; afterwards the workload exits, runs on, or is
         left stopped (``after``: exit|running|stopped). On failure the workload must run on (the
         runtime thaws it). Returns a dict recorded in the manifest under 'runtime'."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def restore(self, image_dir, work_dir, manifest):
         """Bring the workload back from image_dir; return its host pids (root first)."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def resume(self, pids):
         """Let a workload left stopped by dump(after='stopped') run again."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def kill(self, pids):
         """Stop what a failed restore brought up, so the target is left clean."""
         raise NotImplementedError
@@ -385,10 +392,12 @@ class ContainerBackend(Backend):
             self._criu = Criu(self._criu_path)
         return self._criu
 
+    @abc.abstractmethod
     def runtime_facts(self):
         """The runtime's own version facts (and checks), merged into preflight()'s."""
         raise NotImplementedError
 
+    @abc.abstractmethod
     def remove(self):
         """Remove self.container (forcefully)."""
         raise NotImplementedError
@@ -397,6 +406,7 @@ class ContainerBackend(Backend):
         """Whether this runtime is installed and in use on this host (for facts: no error when not)."""
         return False
 
+    @abc.abstractmethod
     def running_containers(self):
         """[{id, pid (host pid of its init), status, ...}] of the containers that run or are paused."""
         raise NotImplementedError

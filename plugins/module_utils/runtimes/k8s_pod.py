@@ -156,6 +156,11 @@ class KubernetesPodBackend(ContainerBackend):
             running[cname] = c["id"]
         return running
 
+    def running_containers(self):
+        """None of its own: a pod's containers are containerd's in the kubelet's namespace, which the containerd
+        backend lists with their pod's labels (fleet/workloads groups them into pods)."""
+        return []
+
     def _running_containers(self, namespace, name):
         """({container name: container id} of the pod's running containers on this node, the pod's uid)."""
         api = self.client()

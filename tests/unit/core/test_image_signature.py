@@ -44,6 +44,15 @@ class RecordingBackend(Backend):
     def kill(self, pids):
         self.calls.append("kill")
 
+    def resolve(self, target):
+        raise AssertionError("a restore resolves no workload")
+
+    def dump(self, target, image_dir, work_dir, after):
+        raise AssertionError("a restore dumps nothing")
+
+    def resume(self, pids):
+        raise AssertionError("a restore resumes no held source")
+
 
 def _image(tmp_path, sign_key=None, name="img"):
     d = tmp_path / name

@@ -50,6 +50,22 @@ class _Container(base.ContainerBackend):
     def remove(self):
         self.removed += 1
 
+    # (what these tests never reach: the placement of a restored container's GPUs alone)
+    def resolve(self, target):
+        raise AssertionError("not reached")
+
+    def dump(self, target, image_dir, work_dir, after):
+        raise AssertionError("not reached")
+
+    def restore(self, image_dir, work_dir, manifest):
+        raise AssertionError("not reached")
+
+    def runtime_facts(self):
+        raise AssertionError("not reached")
+
+    def running_containers(self):
+        raise AssertionError("not reached")
+
     def adopt_devices(self, pid, tree, spec, pairs, sync):
         self.adopted.append((pid, pairs, sync))
 
