@@ -375,3 +375,41 @@ def test_a_run_killed_while_it_holds_the_job_frozen_is_given_back_by_the_next_op
         w.no_count_twice()
     finally:
         w.kill()
+
+
+def test_a_migrated_protected_job_takes_its_protection_along(playbook, fleet, tmp_path):
+    """A protected job migrated from its node to the target (issue 43, 7): its replica's record names the target at
+    the next epoch, its timer and config leave the node, the target protects it (its timer's run is verified there),
+    and a failover of the old node is refused (the job runs elsewhere): one copy, counting on, memory intact."""
+    w = RemoteWorkload(fleet, "node", str(tmp_path / "moved"))
+    try:
+        fleet.ssh("node", "echo %d > %s" % (w.pid, os.path.join(w.dir, "job.pid")))
+        jobs = [job_spec(w, "moved", keep=2)]
+        assert protect(playbook, fleet, jobs).rc == 0
+        run_timer(fleet, "node", "moved")
+        record = os.path.join(fleet.host_vars["replica"]["gpuckpt_protect_replica_root"], "moved", "job.json")
+        with open(record) as fh:
+            before = json.load(fh)
+        assert before["owner"] == "node", before
+
+        moved = playbook("gpuckpt.fleet.migrate", {"source": "node", "target": "target", "pid": w.pid,
+                                                   "migration_id": "m-carry-moved"},
+                         inventory=fleet.path("inventory.yml"))
+        assert moved.rc == 0, moved.stdout
+        assert w.one_copy_runs_intact()
+        with open(record) as fh:
+            after = json.load(fh)
+        assert after["owner"] == "target" and after["epoch"] == before["epoch"] + 1, after
+        assert after["history"][-1]["event"] == "moved", after
+        node_cfg = os.path.join(fleet.host_vars["node"]["gpuckpt_protect_dir"], "moved.json")
+        target_cfg = os.path.join(fleet.host_vars["target"]["gpuckpt_protect_dir"], "moved.json")
+        assert not os.path.exists(node_cfg) and os.path.exists(target_cfg)
+
+        rc, doc, out = run_timer(fleet, "target", "moved")  # protected where it runs now
+        assert doc["replicas"]["replica"] == "verified", out
+        refused = failover(playbook, fleet, "moved", jobs, lost_node_confirmed=True)
+        assert refused.rc != 0 and "target already owns job moved" in refused.stdout, refused.stdout
+        assert w.one_copy_runs_intact()
+        w.no_count_twice()
+    finally:
+        w.kill()

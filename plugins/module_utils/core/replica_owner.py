@@ -155,20 +155,42 @@ def adopt(journal_dir, job, epoch, owner, lost_node=None, image_id=None, write=T
 
 
 # -- a migration's handover -----------------------------------------------------------------------------
+def _made_owner(record):
+    """The history entry that made the record's owner the owner (a re-protect keeps the owner), or None."""
+    for entry in reversed(record.get("history") or []):
+        if entry.get("event") != "reprotected":
+            return entry if entry.get("owner") == record["owner"] else None
+    return None
+
+
 def handover(root, job, from_node, to_node, reason=None, write=True):
     """A migration (migrate.yml, drain.yml) moved ``job`` from ``from_node`` to ``to_node``, both up: the record
     names ``to_node`` as the owner, at the epoch raised by one, so that ``from_node``'s pushes are refused from
     then on and its fence check stops any copy left there. Idempotent: a record that already names ``to_node``
-    is left as it is. Refuses (FailoverRefused) a record of a third owner. A replica that has no record of the job
-    (it never got a push) gets none. Returns {"record" (None without one), "changed"}."""
+    because a move from ``from_node`` made it the owner is left as it is (a re-run). Refuses (FailoverRefused) a
+    record of a third owner, and one that names ``to_node`` since anything else (a failover from ``from_node``: the
+    workload moved was a stale copy, or not this job's at all; never passed over in silence). A replica that has
+    no record of the job (it never got a push) gets none. Returns {"record" (None without one), "changed"}."""
     _check_node(from_node)
     _check_node(to_node, "target")
     if from_node == to_node:
         raise InvalidTarget("a handover needs two nodes, got %s twice" % from_node, stage="preflight")
     with _job_locked(root, job, False) as fd:
         record = _read_record(fd, job)
-        if record is None or record["owner"] == to_node:
+        if record is None:
             return {"record": record, "changed": False}
+        if record["owner"] == to_node:
+            made = _made_owner(record)
+            if made and made.get("event") == "moved" and made.get("from") == from_node:
+                return {"record": record, "changed": False}
+            raise FailoverRefused("job %s already belongs to %s at epoch %s on this replica, since %s, not since a move "
+                                  "from %s: the workload moved from %s is not the job's copy (a stale one, or another "
+                                  "job's); nothing handed over" % (
+                                      job, to_node, record["epoch"],
+                                      "its %s (from %s) at epoch %s" % (made.get("event"), made.get("from"),
+                                                                        made.get("epoch")) if made else "its first record",
+                                      from_node, from_node),
+                                  stage="preflight", details={"record": record})
         if record["owner"] != from_node:
             raise FailoverRefused("job %s belongs to %s at epoch %s on this replica, not to %s: it was not moved from "
                                   "there" % (job, record["owner"], record["epoch"], from_node), stage="preflight",

@@ -8,8 +8,9 @@ nowhere: its timer stayed on the old node (checkpointing a pid that was no longe
 old node restored an older image while the job ran on (two copies). So once a migration has committed (the
 target runs the workload), finish_or_roll_back.yml carries it (playbooks/tasks/carry_protection.yml):
 
-1. ``carry_plan`` on the source: whether the migrated workload (the source journal's root pid, or its container)
-   is one of the source's protected jobs, and what the target needs to protect it (the role's job spec, the
+1. ``carry_plan`` on the source: whether the migrated workload (the source journal's root process, by its
+   identity: never a bare pid, see find_job; or its container) is one of the source's protected jobs (not one
+   fenced here), and what the target needs to protect it (the role's job spec, the
    replicas, the source's systemd);
 2. each replica's record handed to the target (core/replica_owner.handover: owner the target, epoch + 1), so that
    a copy left on the source is fenced and a failover of the source is refused;
@@ -27,7 +28,9 @@ import os
 
 from ..core.errors import GpuCkptError, InvalidTarget
 from ..core.journal import Journal
+from . import protect_history as hist
 from .protect import ENGINE_OPTIONS
+from .protect_fence import fence_state, identity_is_the_job
 from .protect_job import job_names, load_config, read_pid
 
 # What of a job's checkpoint options is the job's own, carried to the target: the rest of its config's "checkpoint"
@@ -36,24 +39,56 @@ CARRIED_OPTIONS = tuple(k for k in ENGINE_OPTIONS if k != "libcuda_path")
 
 
 def _migrated_workload(journal_dir, migration_id):
-    """(root pid, container) of what migration ``migration_id`` checkpointed on this host, from its source journal."""
+    """(root pid, its identity, container) of what migration ``migration_id`` checkpointed on this host, from its
+    source journal."""
     doc = Journal(journal_dir, migration_id, "source").read() or {}  # (none: nothing of it to carry)
     pids = doc.get("pids") or []
-    return (int(pids[0]) if pids else None), doc.get("container")
+    pid = int(pids[0]) if pids else None
+    ident = (doc.get("identities") or {}).get(str(pid)) if pid is not None else None
+    return pid, ident, doc.get("container")
 
 
-def find_job(protect_dir, pid=None, container=None):
-    """The config of the protected job whose workload is ``pid`` (its pid file names it) or ``container``, or None."""
+def find_job(protect_dir, pid=None, container=None, ident=None):
+    """(the config of the protected job whose workload is ``pid`` or ``container``, or None; why each other job
+    that named it was passed over).
+
+    A pid is never matched bare: pids are reused (a job that ended, or that was failed over, leaves a pid file
+    naming a pid that a later workload may get; the loopback tests start every workload at the same pid), so the
+    process ``ident`` (its identity, as the migration's journal recorded it before it moved it away) must be the
+    job's by the runner's own rule (protect_fence.identity_is_the_job: the identity the job's last checkpoint
+    recorded, else a start no later than the pid file was written). A job fenced on this host is passed over too:
+    its copy here was stopped, the job runs elsewhere. Raises InvalidTarget when two jobs claim the workload."""
+    found, passed = [], []
     for name in job_names(protect_dir):
         try:
             cfg = load_config(protect_dir, name)
         except GpuCkptError:
             continue
-        if container and cfg.get("container") == container:
-            return cfg
-        if not container and pid is not None and cfg.get("pid_file") and read_pid(cfg["pid_file"]) == pid:
-            return cfg
-    return None
+        if container:
+            if cfg.get("container") != container:
+                continue
+        elif pid is None or not cfg.get("pid_file") or read_pid(cfg["pid_file"]) != pid:
+            continue
+        folder = hist.state_dir(protect_dir, cfg["job"])
+        fenced = fence_state(cfg, folder)
+        if fenced:
+            passed.append("job %s: fenced on this host since %s (%s)" % (cfg["job"], fenced.get("at"),
+                                                                         fenced.get("reason")))
+            continue
+        if not container:
+            if not ident:
+                passed.append("job %s: its pid file names pid %d, but the migration recorded no identity of it"
+                              % (cfg["job"], pid))
+                continue
+            if not identity_is_the_job(ident, cfg["pid_file"], hist.read_state(folder, hist.IDENTITY)):
+                passed.append("job %s: its pid file names pid %d, but the process moved is not the job's (another "
+                              "process that got its pid)" % (cfg["job"], pid))
+                continue
+        found.append(cfg)
+    if len(found) > 1:
+        raise InvalidTarget("the migrated workload (%s) is claimed by jobs %s: protect it again where it runs"
+                            % (container or "pid %s" % pid, ", ".join(c["job"] for c in found)), stage="preflight")
+    return (found[0] if found else None), passed
 
 
 def job_spec(cfg):
@@ -76,14 +111,15 @@ def job_spec(cfg):
 def carry_plan(protect_dir, journal_dir, migration_id, target):
     """What carrying the protection of migration ``migration_id``'s workload to ``target`` takes (see the module doc):
     {"job" (None when the workload is no protected job here), "carry", "why", "spec", "replicas" (every replica of
-    the job: each is told the new owner), "target_replicas" (those the target pushes to: all but itself),
+    the job: each is told the new owner), "passed_over" (why each job that named the workload is not it), "target_replicas" (those the target pushes to: all but itself),
     "systemd" (whether this host runs the job's timer under systemd)}."""
-    pid, container = _migrated_workload(journal_dir, migration_id)
-    cfg = find_job(protect_dir, pid=pid, container=container)
+    pid, ident, container = _migrated_workload(journal_dir, migration_id)
+    cfg, passed = find_job(protect_dir, pid=pid, container=container, ident=ident)
     out = {"job": None, "carry": False, "why": None, "spec": None, "replicas": [], "target_replicas": [],
-           "systemd": os.path.isdir("/run/systemd/system")}
+           "passed_over": passed, "systemd": os.path.isdir("/run/systemd/system")}
     if cfg is None:
-        return dict(out, why="the migrated workload is no protected job of this host")
+        return dict(out, why="the migrated workload is no protected job of this host"
+                             + ("" if not passed else " (passed over: %s)" % "; ".join(passed)))
     names = [r["name"] for r in cfg["replicas"]]
     out.update(job=cfg["job"], replicas=names, target_replicas=[n for n in names if n != target])
     if cfg.get("pod"):

@@ -85,16 +85,28 @@ def is_the_job(pid, pid_file, ident):
     st = procfs.read_stat(pid)
     if st is None or st["state"] in ("Z", "X"):
         return False
-    if ident and ident.get("pid") == pid:
-        return same_process(ident) is not None
-    btime = _boot_time()
+    return identity_is_the_job({"pid": pid, "starttime": st["starttime"], "boot_id": procfs.boot_id()}, pid_file, ident)
+
+
+def identity_is_the_job(proc, pid_file, ident):
+    """is_the_job's rule for a process known by its identity ``proc`` ({"pid", "starttime", "boot_id"}: a live
+    process's, or one a migration's journal recorded before it moved it away): the job's ``ident`` (identity.json,
+    its last checkpoint's) when it is of this pid (the same start time and boot), else a start of ``proc`` no later
+    than ``pid_file`` was written (the start of a process of an earlier boot cannot be told: not the job's)."""
+    boot = procfs.boot_id()
+    if ident and ident.get("pid") == proc["pid"]:
+        return (ident.get("starttime") == proc.get("starttime")
+                and (ident.get("boot_id") or boot) == (proc.get("boot_id") or boot))
+    if proc.get("boot_id") and boot and proc["boot_id"] != boot:
+        return False
     try:
         written = os.stat(pid_file).st_mtime
     except OSError:
         return False
-    if btime is None:
+    btime = _boot_time()
+    if btime is None or proc.get("starttime") is None:
         return True
-    return btime + st["starttime"] / float(os.sysconf("SC_CLK_TCK")) <= written + PID_FILE_SLACK
+    return btime + proc["starttime"] / float(os.sysconf("SC_CLK_TCK")) <= written + PID_FILE_SLACK
 
 
 def _kill_tree(root):
