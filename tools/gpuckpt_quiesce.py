@@ -200,8 +200,8 @@ class Cooperative(object):
         how = self._wait(number, lease)
         waited = time.monotonic()
         self._pid = os.getpid()  # (a restored process has its pid back; its /tmp may be another host's)
-        _remove(self._file(REQUEST))
-        self.handled, self.requested = number, 0
+        self.handled = number  # (a next request may have come already: it stays asked)
+        self.requested = self.requested if self.requested > number else 0
         kw = {} if self.timeout is None else {"timeout": self.timeout}
         self.dist.init_process_group(self.backend, store=self.dist.PrefixStore("gpuckpt/%d/" % number, self.store),
                                      rank=self.rank, world_size=self.world_size, **kw)

@@ -73,8 +73,12 @@ def main():
     lib = ctypes.CDLL(lib_path)
     lib.fakeCudaAttach()
     memory = bytearray(pattern(int(os.environ["RANK"])))
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
+    # torchrun's store (its agent's), under a prefix of this attempt: a restarted job's gloo would otherwise read
+    # the addresses the ranks of the attempt before left there, and fail to connect
+    world, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, False, use_libuv=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore("attempt-%s/" % os.environ.get(
+        "TORCHELASTIC_RESTART_COUNT", "0"), store), rank=rank, world_size=world)
     want = pattern_digest(rank)
     with open(os.path.join(out, "launcher.pid"), "w") as fh:
         fh.write("%d\n" % os.getppid())

@@ -24,7 +24,7 @@ from ..core import image
 from ..core import memdir
 from ..core import procfs
 from ..core.errors import GpuCkptError, InvalidTarget
-from ..core.journal import process_identity
+from ..core.journal import process_identity, same_process
 from ..core.progress import StageProgress
 from ..cuda import nccl
 from ..cuda import processes as gpu_procs
@@ -107,9 +107,15 @@ class _Steps(object):
             c.locked.append(p)
         self.clock.stop("cuda_lock")
 
+    def _here(self, c, p):
+        """Whether the checkpointed pid ``p`` still needs its undo: the same process (a rank a cooperative job lost,
+        or that its launcher killed, needs nothing unlocked), or the copy an undump brought back."""
+        return p in c.pid_map or same_process(c.identities.get(str(p))) is not None
+
     def unlock(self, c):
         for p in c.locked:
-            self.drv.unlock(c.pid_map.get(p, p))
+            if self._here(c, p):
+                self.drv.unlock(c.pid_map.get(p, p))
 
     def checkpoint_gpu(self, c):
         try:
@@ -121,7 +127,8 @@ class _Steps(object):
 
     def restore_gpu(self, c):
         for p in c.checkpointed:
-            self.drv.restore(c.pid_map.get(p, p))
+            if self._here(c, p):
+                self.drv.restore(c.pid_map.get(p, p))
 
     def dump(self, c):
         sender = self.sender
