@@ -99,7 +99,6 @@ def install(signum=signal.SIGUSR1, release=None):
     return signal.signal(signum, handler)
 
 
-
 # -- the cooperative protocol (gpuckpt.fleet's engine/cooperative.py is the other side) ---------------------------
 REQUEST = "gpuckpt-request.%d"
 RESUME = "gpuckpt-resume.%d"

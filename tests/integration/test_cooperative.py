@@ -25,7 +25,7 @@ JOB = os.path.join(REPO, "tests", "workloads", "coop_ddp_job.py")
 LAUNCHER = os.path.join(REPO, "tools", "gpuckpt_quiesce.py")
 
 pytestmark = pytest.mark.skipif(subprocess.run([sys.executable, "-c", "import torch.distributed as d; "
-                                                "assert d.is_gloo_available()"], capture_output=True).returncode != 0,
+                                                "assert d.is_gloo_available()"], capture_output=True, check=False).returncode != 0,
                                 reason="PyTorch with gloo is not installed (tests/requirements.txt)")
 
 
@@ -62,18 +62,25 @@ def _with(text):
 class CoopJob(object):
     """The stand-in job under the libuv-less torchrun, in a session of its own (reparented to init)."""
 
-    def __init__(self, directory, fakecuda, env=None, pause=0.05):
+    def __init__(self, directory, fakecuda, env=None, pause=0.05, hosts=None, host=None):
         self.dir, self.fakecuda, self.tag = directory, fakecuda, "coop-%s" % uuid.uuid4().hex[:8]
         os.makedirs(directory)
-        env = dict(os.environ, **dict(fakecuda.env, **(env or {})))
-        env.pop("NCCL_P2P_DISABLE", None)
         cmd = [sys.executable, LAUNCHER, "--standalone", "--nproc-per-node", "2", "--max-restarts", "1",
                "--monitor-interval", "0.1", JOB, directory, fakecuda.lib, self.tag, str(pause)]
-        subprocess.run(["setsid", "-f", "sh", "-c", 'exec "$@" >"%s" 2>&1 </dev/null' % os.path.join(directory, "out.log"),
-                        "sh"] + cmd, env=env, check=True)
+        start = ["setsid", "-f", "sh", "-c", 'exec "$@" >"%s" 2>&1 </dev/null' % os.path.join(directory, "out.log"),
+                 "sh"] + cmd
+        if hosts is None:
+            env = dict(os.environ, **dict(fakecuda.env, **(env or {})))
+            env.pop("NCCL_P2P_DISABLE", None)
+            subprocess.run(start, env=env, check=True)
+        else:  # (high in the host's pid space: CRIU restores the same pids on the other host, whose low ones are taken)
+            hosts.ssh(host, "echo 20000 > /proc/sys/kernel/ns_last_pid; env %s %s" % (" ".join(
+                "%s=%s" % kv for kv in sorted(dict(hosts.host_vars[host]["gpuckpt_environment"], **(env or {})).items())),
+                " ".join("'%s'" % a for a in start)))
         self.wait(lambda: all(len(self.steps(r)) > 3 for r in range(2)), 90, "the ranks to train")
         with open(os.path.join(directory, "launcher.pid")) as fh:
-            self.pid = int(fh.read())
+            self.pid = int(fh.read())  # (as the launcher's host sees it)
+        self.host_pid = self.pid if hosts is None else _by_ns_pid(self.pid, _with(self.tag))
 
     def wait(self, cond, timeout, what):
         deadline = time.monotonic() + timeout
@@ -104,7 +111,7 @@ class CoopJob(object):
         return [(self.steps(r) or [-1])[-1] for r in range(2)]
 
     def ranks(self):
-        return _children(self.pid)
+        return _children(self.host_pid)
 
     def cycles(self, r):
         try:
@@ -125,8 +132,8 @@ class CoopJob(object):
             steps = self.steps(r)
             assert steps == list(range(len(steps))), "rank %d logged %s" % (r, steps[-30:])
             assert {ln[2] for ln in self.lines(r)} == {pattern_digest(r)}, "rank %d's memory digest changed" % r
-        assert _with(self.tag) == sorted([self.pid] + self.ranks()) and len(self.ranks()) == 2, \
-            (_with(self.tag), self.pid, self.ranks())
+        assert _with(self.tag) == sorted([self.host_pid] + self.ranks()) and len(self.ranks()) == 2, \
+            (_with(self.tag), self.host_pid, self.ranks())
         assert all(self.fakecuda.state(p) == "running" for p in self.ranks()), \
             [self.fakecuda.state(p) for p in self.ranks()]
 
@@ -161,7 +168,7 @@ class Controller(object):
     """ansible-playbook running the cooperative playbook, in a session of its own: the test may kill its whole tree
     (the module and what it started) at a moment of its choosing."""
 
-    def __init__(self, tmp_path, fakecuda, extra_vars):
+    def __init__(self, tmp_path, fakecuda, extra_vars, inventory=None, limit=None):
         self.record = str(tmp_path / ("results-%s.jsonl" % uuid.uuid4().hex[:6]))
         env = dict(os.environ, **fakecuda.env)
         env.update({"ANSIBLE_COLLECTIONS_PATH": COLLECTIONS,
@@ -169,9 +176,11 @@ class Controller(object):
                     "ANSIBLE_CALLBACKS_ENABLED": "record_results", "ANSIBLE_LOCALHOST_WARNING": "false",
                     "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false", "ANSIBLE_NOCOLOR": "1",
                     "ANSIBLE_PIPELINING": "true", "GPUCKPT_RECORD": self.record})
-        self.proc = subprocess.Popen([ANSIBLE_PLAYBOOK, PLAYBOOK, "-i", "localhost,", "-e", "ansible_connection=local",
-                                      "-e", "ansible_python_interpreter=%s" % MANAGED_PYTHON,
-                                      "-e", json.dumps(extra_vars)], stdout=subprocess.PIPE,
+        where = ["-i", inventory, "--limit", limit] if inventory else \
+            ["-i", "localhost,", "-e", "ansible_connection=local", "-e", "ansible_python_interpreter=%s" % MANAGED_PYTHON]
+        env["ANSIBLE_SSH_CONTROL_PATH_DIR"] = str(tmp_path / "cp")
+        self.proc = subprocess.Popen([ANSIBLE_PLAYBOOK, PLAYBOOK] + where + ["-e", json.dumps(extra_vars)],
+                                     stdout=subprocess.PIPE,
                                      stderr=subprocess.STDOUT, env=env, cwd=REPO, universal_newlines=True,
                                      start_new_session=True)
 
@@ -242,9 +251,9 @@ def _in_session(sid):
     return {p for p, (unused, s) in _live().items() if s == sid}
 
 
-def _run(tmp_path, fakecuda, **extra):
+def _run(tmp_path, fakecuda, inventory=None, limit=None, **extra):
     extra.setdefault("hold_dir", str(tmp_path / "hold"))
-    return Controller(tmp_path, fakecuda, extra).finish()
+    return Controller(tmp_path, fakecuda, extra, inventory, limit).finish()
 
 
 def _calls(fakecuda, *names):
@@ -394,3 +403,44 @@ def test_the_controller_killed_mid_way_the_next_checkpoint_gives_the_job_back(tm
     for r in range(2):
         assert [c["resumed_by"] for c in job.cycles(r)] == ["resume", "resume"], job.cycles(r)
     job.check()
+
+
+def test_checkpointed_on_one_loopback_host_and_restored_on_the_other(tmp_path, fakecuda, hosts):
+    """A migration by the modules alone: dumped on hosta (its own pid namespace), restored on hostb from the same
+    image (the loopback hosts share the filesystem), told to resume there."""
+    job = CoopJob(str(tmp_path / "job"), fakecuda, hosts=hosts, host="hosta")
+    try:
+        image_dir = str(tmp_path / "img")
+        inventory = hosts.path("inventory.yml")
+        run = _run(tmp_path, fakecuda, inventory, "hosta", op="checkpoint", pid=job.pid, image_dir=image_dir)
+        assert run.rc == 0, run.stdout
+        step = run.task("gpu_checkpoint")["quiesce"]["step"]
+        assert job.last() == [step, step] and not _with(job.tag)
+        run = _run(tmp_path, fakecuda, inventory, "hostb", op="restore", image_dir=image_dir)
+        assert run.rc == 0, run.stdout
+        assert len(run.task("gpu_restore")["cooperative_resumed"]) == 2
+        job.host_pid = _by_ns_pid(job.pid, _with(job.tag))
+        assert hosts.pids["hostb"] in _ancestors(job.host_pid), "the job runs on hostb"
+        job.counting_on([step] * 2)
+        job.check()
+    finally:
+        job.kill()
+
+
+def _by_ns_pid(ns_pid, pids):
+    for p in pids:
+        with open("/proc/%d/status" % p) as fh:
+            if [ln.split()[-1] for ln in fh if ln.startswith("NSpid:")] == [str(ns_pid)]:
+                return p
+    raise AssertionError("no process of %s is pid %d in its namespace" % (pids, ns_pid))
+
+
+def _ancestors(pid):
+    out = []
+    while pid > 1:
+        try:
+            pid = _stat(pid)[1]
+        except OSError:
+            break
+        out.append(pid)
+    return out

@@ -234,8 +234,8 @@ def check_alive(report, pid):
     ident = (report.get("identities") or {}).get(str(pid))
     if ident is not None and not same_process(ident):
         raise GpuCkptError("%s exited after it acknowledged request %d, before it was frozen; the ranks locked so far "
-                           "are unlocked and every rank left is told to resume" % (_acked_name(report, pid),
-                                                                                  report["request"]),
+                           "are unlocked and every rank left is told to resume"
+                           % (_acked_name(report, pid), report["request"]),
                            stage="cuda_lock", pid=pid,
                            hint="the job lost a rank; its launcher decides what becomes of the others")
 
