@@ -123,8 +123,8 @@ def _remove(path):
 class Cooperative(object):
     """The rank's side of a cooperative checkpoint. Create it after ``torch.distributed.init_process_group`` (every
     rank), call ``step_boundary(step)`` after each step (or every ``every`` steps: the check is one all-reduce of
-    one number). When gpuckpt.fleet asks (its request file, then ``signum``), all ranks stop at the same boundary:
-    ``on_release(step)`` callbacks, every process group destroyed (NCCL's communicators go with them: the driver
+    one number, on the CPU, read a boundary later). When gpuckpt.fleet asks (its request file, then ``signum``),
+    all ranks stop at the same boundary: ``on_release(step)`` callbacks, every process group destroyed (NCCL's communicators go with them: the driver
     cannot restore live ones), the cache given back, an acknowledgement with the step, and a wait. Once told to
     resume (or after ``lease_s`` seconds of its own running time without word: its controller died), the process
     group is created again on a fresh prefix of the rendezvous store it kept (a plain init_process_group would read
@@ -148,6 +148,8 @@ class Cooperative(object):
         self.device = (torch.device("cuda", torch.cuda.current_device()) if "nccl" in str(self.backend)
                        else torch.device("cpu"))
         self.on_release, self.on_resume = list(on_release), list(on_resume)
+        self._group = self._agreement_group()
+        self._work = self._flag = None  # the check started at the last boundary
         self.requested = 0  # the number of the request this rank has seen, 0 when none
         self.handled = 0  # the last request handled (a late signal for it is ignored)
         self.history = []  # one dict per cycle: request, step, release/wait/rejoin seconds, how it resumed
@@ -165,18 +167,31 @@ class Cooperative(object):
         elif req is None and callable(self._previous):  # not ours: the handler that was there
             self._previous(signum, frame)
 
+    def _agreement_group(self):
+        """The group the flag is all-reduced in: the default one for a CPU (gloo) job; a gloo group of the same ranks
+        for an NCCL job, so that the check never touches the GPU (no device sync, no kernel on its streams)."""
+        return self.dist.new_group(backend="gloo") if self.device.type == "cuda" else None
+
     def step_boundary(self, step):
-        """Call after every step. Returns True when the job was checkpointed here and its process group is new."""
+        """Call after every step. Returns True when the job was checkpointed here and its process group is new.
+
+        The check is an all-reduce (MAX) of one number on the CPU, started here and read at the next boundary
+        (pipelined: it runs meanwhile, on gloo's thread): every rank reads the same result at the same boundary,
+        so all stop at the same step, one boundary after the request reached them."""
         if step % self.every:
             return False
+        number = 0
+        if self._work is not None:
+            self._work.wait()
+            number = int(self._flag.item())
         if self.requested > self.handled:  # (tells gpuckpt.fleet this rank is at its boundary: one not there is named)
             _acknowledge({"request": self.requested, "pid": self._pid, "rank": self.rank, "step": step,
                           "waiting": True, "released": False})
-        flag = self.torch.tensor([self.requested], dtype=self.torch.int64, device=self.device)
-        self.dist.all_reduce(flag, op=self.dist.ReduceOp.MAX)  # every rank sees the same number: one boundary
-        number = int(flag.item())
         if number <= self.handled:
+            self._flag = self.torch.tensor([self.requested], dtype=self.torch.int64)
+            self._work = self.dist.all_reduce(self._flag, op=self.dist.ReduceOp.MAX, group=self._group, async_op=True)
             return False
+        self._work = self._flag = None
         self._cycle(number, step)
         return True
 
@@ -204,6 +219,7 @@ class Cooperative(object):
         kw = {} if self.timeout is None else {"timeout": self.timeout}
         self.dist.init_process_group(self.backend, store=self.dist.PrefixStore("gpuckpt/%d/" % number, self.store),
                                      rank=self.rank, world_size=self.world_size, **kw)
+        self._group = self._agreement_group()
         for fn in self.on_resume:
             fn(step)
         self.history.append({"request": number, "step": step, "release_s": round(released - t0, 3),

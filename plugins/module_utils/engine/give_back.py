@@ -68,9 +68,8 @@ def forget(journal):
 
 
 def _workload(doc):
-    coop = doc.get("cooperative")  # (the plan's request: its ranks are told to resume once the GPU is theirs)
-    return {"cooperative": {"request": coop["request"], "ranks": {str(p): None for p in coop.get("pids") or []}}
-            if coop else None,
+    # (the plan's cooperative request: its ranks are told to resume once the GPU is theirs, held.resume_stopped)
+    return {"cooperative": doc.get("cooperative"),
             "target": {"pids": doc.get("pids") or [], "cuda_pids": doc.get("cuda_pids") or [],
                        "identities": doc.get("identities") or {}, "states": doc.get("states") or {}},
             "runtime": {"backend": doc.get("runtime"), "container": doc.get("container"), "pod": doc.get("pod")}}

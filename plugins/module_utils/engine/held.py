@@ -64,7 +64,8 @@ def resume_stopped(manifest, backend=None, drv=None, libcuda_path=None):
         changed = True
     coop = manifest.get("cooperative")
     if coop:  # a cooperative job's ranks wait for their resume (engine/cooperative.py): after the GPU is theirs again
-        resume([int(p) for p in coop.get("ranks") or {} if int(p) in mine], coop["request"])
+        ranks = list(coop.get("ranks") or {}) or coop.get("pids") or []  # (a manifest's record, or a journal's plan)
+        resume([int(p) for p in ranks if int(p) in mine], coop["request"])
     return changed, mine
 
 
