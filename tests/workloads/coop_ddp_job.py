@@ -15,8 +15,8 @@ Started under torchrun with the gloo backend, each rank:
   python tools/gpuckpt_quiesce.py --standalone --nproc-per-node 2 --max-restarts 1 --monitor-interval 0.1 \\
       coop_ddp_job.py OUT FAKECUDA TAG [PAUSE_S]
 
-COOP_JOB_STALL="<rank>:<seconds>": that rank, once asked, stalls that long before its step boundary (a rank stuck in
-a long call, which cannot acknowledge in time).
+<out>/stall.r<R> holding a number of seconds: once asked, rank R stalls that long before its step boundary (a rank
+stuck in a long call, which cannot acknowledge in time), then removes the file.
 """
 from __future__ import annotations
 
@@ -101,8 +101,7 @@ def main():
 
     coop = gpuckpt_quiesce.Cooperative(on_release=[save, shm.close], on_resume=[shm.open])
     ddp = DistributedDataParallel(model)
-    stall = os.environ.get("COOP_JOB_STALL", "")
-    stall_s = float(stall.split(":")[1]) if stall and int(stall.split(":")[0]) == rank else 0.0
+    stall_path = os.path.join(out, "stall.r%d" % rank)
     log = open(os.path.join(out, "rank%d.log" % rank), "a")
     step = start
     while True:
@@ -118,9 +117,11 @@ def main():
             open(os.path.join(out, "rank%d.corrupt" % rank), "w").close()
         log.write("%d %s %s %d\n" % (step, loss.item().hex(), digest, os.getpid()))
         log.flush()
-        if stall_s and coop.requested:
+        if coop.requested > coop.handled and os.path.exists(stall_path):
+            with open(stall_path) as fh:
+                stall_s = float(fh.read())
+            os.unlink(stall_path)
             time.sleep(stall_s)
-            stall_s = 0.0
         if coop.step_boundary(step):
             ddp = DistributedDataParallel(model)  # (DDP holds the old process group: re-wrapped on the new one)
             with open(os.path.join(out, "rank%d.cycles" % rank), "a") as fh:
