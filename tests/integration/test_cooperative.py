@@ -185,8 +185,9 @@ class Controller(object):
                     "ANSIBLE_CALLBACKS_ENABLED": "record_results", "ANSIBLE_LOCALHOST_WARNING": "false",
                     "ANSIBLE_INVENTORY_UNPARSED_WARNING": "false", "ANSIBLE_NOCOLOR": "1",
                     "ANSIBLE_PIPELINING": "true", "GPUCKPT_RECORD": self.record})
-        where = ["-i", inventory, "--limit", limit] if inventory else [
-            "-i", "localhost,", "-e", "ansible_connection=local", "-e", "ansible_python_interpreter=%s" % MANAGED_PYTHON]
+        local = ["-i", "localhost,", "-e", "ansible_connection=local",
+                 "-e", "ansible_python_interpreter=%s" % MANAGED_PYTHON]
+        where = ["-i", inventory, "--limit", limit] if inventory else local
         env["ANSIBLE_SSH_CONTROL_PATH_DIR"] = str(tmp_path / "cp")
         self.proc = subprocess.Popen([ANSIBLE_PLAYBOOK, PLAYBOOK] + where + ["-e", json.dumps(extra_vars)],
                                      stdout=subprocess.PIPE,
