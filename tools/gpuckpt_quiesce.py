@@ -36,6 +36,7 @@ store without libuv, whose io_uring CRIU cannot dump), or torchrun with your own
 """
 from __future__ import annotations
 
+import atexit
 import ctypes
 import gc
 import json
@@ -100,6 +101,7 @@ def install(signum=signal.SIGUSR1, release=None):
 
 
 # -- the cooperative protocol (gpuckpt.fleet's engine/cooperative.py is the other side) ---------------------------
+ANNOUNCE = "gpuckpt-cooperative.%d"
 REQUEST = "gpuckpt-request.%d"
 RESUME = "gpuckpt-resume.%d"
 
@@ -156,6 +158,16 @@ class Cooperative(object):
         self.history = []  # one dict per cycle: request, step, release/wait/rejoin seconds, how it resumed
         self._pid = os.getpid()
         self._previous = signal.signal(signum, self._on_signal)
+        self._announce()
+
+    def _announce(self):
+        """/tmp/gpuckpt-cooperative.<pid>: gpuckpt.fleet's ``quiesce_mode: auto`` checkpoints this job cooperatively
+        (a drain or a migration of many workloads need not name it). Removed at exit."""
+        path = self._file(ANNOUNCE)
+        with open(path + ".tmp", "w") as fh:
+            json.dump({"pid": self._pid, "rank": self.rank, "world_size": self.world_size}, fh)
+        os.replace(path + ".tmp", path)
+        atexit.register(_remove, path)
 
     def _file(self, pattern):
         return os.path.join(ACK_DIR, pattern % self._pid)

@@ -162,9 +162,12 @@ options:
         M(gpuckpt.fleet.gpu_restore) restores the image, or when the checkpoint fails.
       - A job in NCCL's default configuration, refused otherwise, is accepted this way. Its rendezvous and
         inter-rank TCP connections within the tree are dumped without O(tcp_established).
-      - Excludes O(quiesce_command).
+      - V(auto) is V(cooperative) for a tree one of whose processes runs the helper (it announces itself in
+        C(/tmp/gpuckpt-cooperative.<its pid>)), and V(release) for any other. A drain or a migration of many
+        workloads can set it once for all.
+      - Excludes O(quiesce_command) (with V(auto), where the helper runs).
     type: str
-    choices: [release, cooperative]
+    choices: [release, cooperative, auto]
     default: release
   quiesce_lease:
     description:
@@ -176,7 +179,8 @@ options:
     default: 600
   hold_dir:
     description:
-      - Where a cooperative O(leave_running) checkpoint (outside a migration and without O(push)) keeps a record
+      - Where a cooperative (or V(auto)) O(leave_running) checkpoint (outside a migration and without O(push)) keeps
+        a record
         while it holds the job. Should this module die between the freeze and the resume, the next
         M(gpuckpt.fleet.gpu_checkpoint) of the same runtime finds the record before anything else. It restores
         and unlocks the job as the checkpoint's own undo would, and tells its ranks to resume. The result's
@@ -443,7 +447,7 @@ def main():
         quiesce_signal=dict(type="str"),
         quiesce_command=dict(type="raw"),
         quiesce_timeout=dict(type="float", default=30),
-        quiesce_mode=dict(type="str", choices=["release", "cooperative"], default="release"),
+        quiesce_mode=dict(type="str", choices=["release", "cooperative", "auto"], default="release"),
         quiesce_lease=dict(type="float", default=600),
         hold_dir=dict(type="path", default="/var/lib/gpuckpt/hold"),
         nonce=dict(type="str"),
@@ -470,7 +474,7 @@ def main():
                                  "quiesce_lease")}
     options["quiesce_command"] = command_argv(module, "quiesce_command", p["quiesce_command"])
     target = p["pid"] if p["runtime"] == "process" else p["pod"] if p["runtime"] == "k8s_pod" else p["container"]
-    held = p["quiesce_mode"] == "cooperative" and p["leave_running"] and journal is None and sender is None
+    held = p["quiesce_mode"] != "release" and p["leave_running"] and journal is None and sender is None
     run_engine(module, _checkpoint, module, target, options, journal, sender, held)
 
 

@@ -319,8 +319,8 @@ def test_refused_without_the_mode_then_checkpointed_leave_running_in_place(tmp_p
 def test_a_dumped_job_is_restored_in_place_and_told_to_resume(tmp_path, fakecuda, shared_job):
     job = shared_job
     job.check()
-    image_dir = str(tmp_path / "img")
-    run = _run(tmp_path, fakecuda, op="checkpoint", pid=job.pid, image_dir=image_dir)
+    image_dir = str(tmp_path / "img")  # (auto: the ranks announced the helper)
+    run = _run(tmp_path, fakecuda, op="checkpoint", pid=job.pid, image_dir=image_dir, quiesce_mode="auto")
     assert run.rc == 0, run.stdout
     step = run.task("gpu_checkpoint")["quiesce"]["step"]
     assert not [p for p in [job.pid] + job.ranks() if alive(p)], "the dumped job exits"

@@ -36,10 +36,11 @@ from ..core.journal import process_identity, same_process
 from ..core.wait import wait_for
 from . import quiesce
 
+ANNOUNCE = "gpuckpt-cooperative.%d"
 REQUEST = "gpuckpt-request.%d"
 RESUME = "gpuckpt-resume.%d"
 ACK = "gpuckpt-quiesced.%d"
-MODES = ("release", "cooperative")
+MODES = ("release", "cooperative", "auto")
 
 
 def request_number():
@@ -115,6 +116,24 @@ def remove_file(pid, pattern):
         return False
     finally:
         os.close(tmp_fd)
+
+
+def announced(pids):
+    """The pids among ``pids`` whose process announced the helper (``gpuckpt-cooperative.<pid>`` in its /tmp, written
+    by Cooperative()): ``quiesce_mode: auto`` checkpoints such a tree cooperatively."""
+    out = []
+    for p in pids:
+        tmp_fd = _tmp_dir(p)
+        if tmp_fd is None:
+            continue
+        try:
+            if stat.S_ISREG(os.stat(_name(p, ANNOUNCE), dir_fd=tmp_fd, follow_symlinks=False).st_mode):
+                out.append(p)
+        except OSError:
+            pass
+        finally:
+            os.close(tmp_fd)
+    return out
 
 
 def rank_name(pid, env=None):

@@ -53,24 +53,29 @@ class CheckpointOptions(object):
         if self.quiesce_mode not in cooperative.MODES:
             raise InvalidTarget("quiesce_mode must be one of %s, got %r" % (", ".join(cooperative.MODES), quiesce_mode),
                                 stage="preflight")
-        self.cooperative = self.quiesce_mode == "cooperative"
-        if self.cooperative and quiesce_command:
-            raise InvalidTarget("quiesce_mode cooperative asks the job by a signal; it excludes quiesce_command",
-                                stage="preflight")
-        if self.cooperative and (quiesce_lease is None or float(quiesce_lease) < 2 * float(quiesce_timeout or 0)):
-            raise InvalidTarget("quiesce_lease (%s) must be at least twice quiesce_timeout (%s): a rank waits that "
-                                "long for its resume" % (quiesce_lease, quiesce_timeout), stage="preflight")
-        self.quiesce_lease = float(quiesce_lease or 0)
-        quiesce_signal = quiesce_signal or ("SIGUSR1" if self.cooperative else None)
+        self.quiesce_lease, self.quiesce_timeout = float(quiesce_lease or 0), float(quiesce_timeout)
         self.quiesce_signal = quiesce.signal_number(quiesce_signal) if quiesce_signal else None
+        self.cooperative = False
+        if self.quiesce_mode == "cooperative":
+            self.choose_cooperative(quiesce_command)
         self.quiesce_command = list(quiesce_command) if quiesce_command else None
-        self.quiesce_timeout = float(quiesce_timeout)
         # The manifest's id, chosen by the caller when a receiver must know it before the image exists (a
         # protected job's push to its replica checks it); a new uuid otherwise.
         self.image_id = _checked_image_id(image_id)
         # The image in a tmpfs of its own (in_memory.py), sized to ``image_memory_bytes`` or to the estimate.
         self.image_in_memory = bool(image_in_memory)
         self.image_memory_bytes = int(image_memory_bytes) if image_memory_bytes else None
+
+    def choose_cooperative(self, quiesce_command=None):
+        """The checkpoint is a cooperative one (quiesce_mode cooperative, or auto with the helper announced)."""
+        if quiesce_command or getattr(self, "quiesce_command", None):
+            raise InvalidTarget("quiesce_mode cooperative asks the job by a signal; it excludes quiesce_command",
+                                stage="preflight")
+        if self.quiesce_lease < 2 * self.quiesce_timeout:
+            raise InvalidTarget("quiesce_lease (%s) must be at least twice quiesce_timeout (%s): a rank waits that "
+                                "long for its resume" % (self.quiesce_lease, self.quiesce_timeout), stage="preflight")
+        self.cooperative = True
+        self.quiesce_signal = self.quiesce_signal or quiesce.signal_number("SIGUSR1")
 
     @property
     def after(self):
@@ -246,6 +251,8 @@ def plan_checkpoint(target, image_dir, opts, backend):
     Returns the CheckpointContext the steps share."""
     root, pids = backend.resolve(target)
     runtime_facts = _refuse_what_the_runtime_cannot(backend, opts, root)
+    if opts.quiesce_mode == "auto" and not backend.capabilities.cuda_in_sandbox and cooperative.announced(pids):
+        opts.choose_cooperative()  # (a rank of the tree runs tools/gpuckpt_quiesce.py's Cooperative)
     verdict = _distributed(backend, pids, coop=opts.cooperative)
     # file locks, external unix sockets, TCP: the runtime's flags, or a refusal
     backend.plan_tree(pids, internal_tcp=verdict["restorable"])

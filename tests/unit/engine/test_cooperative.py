@@ -107,7 +107,7 @@ def rank_procs(tmp_path):
     for p in made:
         p.kill()
         p.wait()
-        for pattern in (cooperative.REQUEST, cooperative.RESUME, cooperative.ACK):
+        for pattern in (cooperative.REQUEST, cooperative.RESUME, cooperative.ACK, cooperative.ANNOUNCE):
             path = "/tmp/" + pattern % p.pid
             if os.path.exists(path):
                 os.unlink(path)
@@ -207,6 +207,17 @@ def test_the_lease_counts_only_the_ranks_own_running_time(monkeypatch):
     monkeypatch.setattr(gpuckpt_quiesce.time, "sleep", sleep)
     assert coop._wait(7, lease=3.0) == "lease"
     assert now["sleeps"] == 5, now  # 0.5 + 0.5 + 1 (the 1000 s jump) + 0.5 + 0.5 = 3.0
+
+
+def test_a_rank_running_the_helper_announces_itself_for_quiesce_mode_auto(rank_procs):
+    p = rank_procs()
+    assert cooperative.announced([p.pid, os.getpid()]) == [p.pid]
+    opts = CheckpointOptions(quiesce_mode="auto", quiesce_timeout=5)
+    assert not opts.cooperative and opts.quiesce_signal is None
+    opts.choose_cooperative()
+    assert opts.cooperative and opts.quiesce_signal == (SIGUSR1, "SIGUSR1")
+    with pytest.raises(InvalidTarget):
+        CheckpointOptions(quiesce_mode="auto", quiesce_command=["true"]).choose_cooperative()
 
 
 def test_options():
