@@ -148,6 +148,13 @@ class CoopJob(object):
                 os.unlink("/dev/shm/nccl-%s-r%d" % (self.tag, r))
             except OSError:
                 pass
+        # what every rank that ever ran left in /tmp (their pids as they saw them: the logs' last column)
+        for pid in {ln[3] for r in range(2) for ln in self.lines(r) if len(ln) > 3}:
+            for name in ("cooperative", "request", "resume", "quiesced"):
+                try:
+                    os.unlink("/tmp/gpuckpt-%s.%s" % (name, pid))
+                except OSError:
+                    pass
 
 
 @pytest.fixture(scope="module")
