@@ -225,6 +225,9 @@ class Cooperative(object):
                       "world_size": self.world_size, "step": step, "released": True, "backend": str(self.backend),
                       "seconds": round(released - t0, 3)})
         how = self._wait(number, lease)
+        if how == "lease":  # (no collection came back to take its request away)
+            if int((_read_json(self._file(REQUEST)) or {}).get("request") or 0) == number:
+                _remove(self._file(REQUEST))
         waited = time.monotonic()
         self._pid = os.getpid()  # (a restored process has its pid back; its /tmp may be another host's)
         self.handled = number  # (a next request may have come already: it stays asked)
