@@ -139,9 +139,54 @@ options:
       - Excludes O(quiesce_signal).
     type: raw
   quiesce_timeout:
-    description: Seconds to wait for the acknowledgements of O(quiesce_signal), or for O(quiesce_command) to end.
+    description:
+      - Seconds to wait for the acknowledgements of O(quiesce_signal), or for O(quiesce_command) to end.
+      - With O(quiesce_mode=cooperative), for every rank's acknowledgement; a rank that does not acknowledge in time
+        fails the checkpoint before anything is frozen.
     type: float
     default: 30
+  quiesce_mode:
+    description:
+      - V(release) (the default) is what O(quiesce_signal) and O(quiesce_command) do, the workload giving back memory
+        while it runs on.
+      - V(cooperative) checkpoints a distributed job at full speed, NCCL's defaults kept between checkpoints. Each
+        rank (each CUDA process) imports C(tools/gpuckpt_quiesce.py) and calls C(Cooperative().step_boundary(step))
+        once a step (docs/multi_gpu.md). The checkpoint writes a request into each rank's C(/tmp) and sends it
+        O(quiesce_signal) (V(SIGUSR1) when not given). The ranks agree on one step boundary, destroy their process
+        groups and acknowledge. Only then is the job locked, checkpointed and dumped.
+      - A rank that does not acknowledge within O(quiesce_timeout), that exits, or that still holds NCCL's
+        shared memory fails the checkpoint before anything is frozen. Every rank is then told to resume, and the
+        error names the rank.
+      - The ranks are told to resume, re-creating their process groups on a fresh prefix of their rendezvous
+        store, once the job runs again. That is after the GPU restore and unlock with O(leave_running), after
+        M(gpuckpt.fleet.gpu_restore) restores the image, or when the checkpoint fails.
+      - A job in NCCL's default configuration, refused otherwise, is accepted this way. Its rendezvous and
+        inter-rank TCP connections within the tree are dumped without O(tcp_established).
+      - V(auto) is V(cooperative) for a tree one of whose processes runs the helper (it announces itself in
+        C(/tmp/gpuckpt-cooperative.<its pid>)), and V(release) for any other. A drain or a migration of many
+        workloads can set it once for all.
+      - Excludes O(quiesce_command) (with V(auto), where the helper runs).
+    type: str
+    choices: [release, cooperative, auto]
+    default: release
+  quiesce_lease:
+    description:
+      - With O(quiesce_mode=cooperative), the seconds of its own running time after which a rank that waits for
+        its resume and was never told resumes by itself (a controller that died between the freeze and the
+        resume). Time the rank spends frozen, and a restored process's clock jump, do not count.
+      - At least twice O(quiesce_timeout).
+    type: float
+    default: 600
+  hold_dir:
+    description:
+      - Where a cooperative (or V(auto)) O(leave_running) checkpoint (outside a migration and without O(push)) keeps
+        a record
+        while it holds the job. Should this module die between the freeze and the resume, the next
+        M(gpuckpt.fleet.gpu_checkpoint) of the same runtime finds the record before anything else. It restores
+        and unlocks the job as the checkpoint's own undo would, and tells its ranks to resume. The result's
+        C(given_back) lists what it did.
+    type: path
+    default: /var/lib/gpuckpt/hold
   push:
     description:
       - Send the image to another host while it is being written, over parallel persistent ssh streams
@@ -277,10 +322,22 @@ quiesce:
     - With O(quiesce_signal), C(signal), C(pids), C(seconds), C(acknowledged) (each process's acknowledgement, as
       it wrote it), and C(not_acknowledged) with C(warning) when some did not answer in time.
     - With O(quiesce_command), C(cmd), C(rc), C(seconds), C(stdout) and C(stderr) (their last 2000 characters).
-  returned: when O(quiesce_signal) or O(quiesce_command) was given and the checkpoint was made
+    - With O(quiesce_mode=cooperative), C(mode), C(request) (its number), C(step) (the step boundary every rank
+      stopped at), C(ranks) (each rank's pid, C(rank), C(step) and C(seconds) its release took), C(seconds), and
+      C(resumed) (the pids told to resume, with O(leave_running)).
+  returned: when O(quiesce_signal), O(quiesce_command) or O(quiesce_mode=cooperative) was given and the checkpoint
+    was made
   type: dict
   sample: {"signal": "SIGUSR1", "pids": [4242], "seconds": 0.41,
            "acknowledged": {"4242": {"seq": 1, "pid": 4242, "released_bytes": 30064771072}}}
+given_back:
+  description:
+    - What the give-back before this checkpoint did, one item per record a dead cooperative checkpoint left in
+      O(hold_dir) (C(id), C(phase), C(given_back) pids, C(msg), or C(error)).
+  returned: when there was something to give back
+  type: list
+  elements: dict
+  sample: [{"id": "checkpoint-process-5f0c", "phase": "frozen", "given_back": [4242, 4243], "changed": true}]
 huge_pages:
   description:
     - With O(host_huge_pages), what was done. C(mode) and C(previous) (the setting found), C(put_back) when
@@ -363,6 +420,7 @@ import re
 from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import checkpoint as engine_checkpoint
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import give_back as engine_give_back
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
     RUNTIMES, check_path_arg, command_argv, journal_for, make_backend, run_engine)
@@ -389,6 +447,9 @@ def main():
         quiesce_signal=dict(type="str"),
         quiesce_command=dict(type="raw"),
         quiesce_timeout=dict(type="float", default=30),
+        quiesce_mode=dict(type="str", choices=["release", "cooperative", "auto"], default="release"),
+        quiesce_lease=dict(type="float", default=600),
+        hold_dir=dict(type="path", default="/var/lib/gpuckpt/hold"),
         nonce=dict(type="str"),
         push=dict(type="dict", required_one_of=[("host", "to")], options=dict(
             to=dict(type="str"),
@@ -409,13 +470,30 @@ def main():
     sender = push_sender(module, p, engine_checkpoint.push_hooks(journal))
     options = {k: p[k] for k in ("leave_running", "leave_stopped", "lock_timeout", "libcuda_path", "sign_key",
                                  "parallel", "progress_file", "nonce", "host_huge_pages", "quiesce_signal",
-                                 "quiesce_timeout", "image_in_memory", "image_memory_bytes")}
+                                 "quiesce_timeout", "image_in_memory", "image_memory_bytes", "quiesce_mode",
+                                 "quiesce_lease")}
     options["quiesce_command"] = command_argv(module, "quiesce_command", p["quiesce_command"])
-    run_engine(module, lambda: engine_checkpoint.checkpoint(
-        p["pid"] if p["runtime"] == "process" else p["pod"] if p["runtime"] == "k8s_pod" else p["container"],
-        p["image_dir"],
-        backend=make_backend(p["runtime"], p), journal=journal, sender=sender,
-        check_mode=module.check_mode, **options))
+    target = p["pid"] if p["runtime"] == "process" else p["pod"] if p["runtime"] == "k8s_pod" else p["container"]
+    held = p["quiesce_mode"] != "release" and p["leave_running"] and journal is None and sender is None
+    run_engine(module, _checkpoint, module, target, options, journal, sender, held)
+
+
+def _checkpoint(module, target, options, journal, sender, held):
+    """The engine's checkpoint; a cooperative leave_running one under a give-back record (engine/give_back.py),
+    after giving back what a dead one of this runtime left."""
+    p = module.params
+    prefix = "%s%s-" % (engine_give_back.MODULE_PREFIX, p["runtime"])
+    given_back = [] if module.check_mode else engine_give_back.give_back_all(
+        p["hold_dir"], lambda: make_backend(p["runtime"], p), prefix=prefix, libcuda_path=p["libcuda_path"])
+
+    def run(record):
+        return engine_checkpoint.checkpoint(target, p["image_dir"], backend=make_backend(p["runtime"], p),
+                                            journal=record, sender=sender, check_mode=module.check_mode, **options)
+
+    res = engine_give_back.held_run(p["hold_dir"], run, prefix) if held and not module.check_mode else run(journal)
+    if given_back:
+        res["given_back"] = given_back
+    return res
 
 
 if __name__ == "__main__":

@@ -178,6 +178,15 @@ pages_verified_beside_restore:
       action script (the system temp dir, /run, /var/tmp or /dev/shm).
   returned: when changed
   type: bool
+cooperative_resumed:
+  description:
+    - The restored ranks of a job checkpointed with O(gpuckpt.fleet.gpu_checkpoint#module:quiesce_mode=cooperative),
+      told to resume once the restore and the unlock are done. Each re-creates its process group on a fresh prefix
+      of its rendezvous store (docs/multi_gpu.md).
+  returned: when the image is of a cooperative checkpoint and the restore was made
+  type: list
+  elements: int
+  sample: [4242, 4243]
 gpu_pairs:
   description:
     - The (old, new) GPU UUID pairs passed to the driver.

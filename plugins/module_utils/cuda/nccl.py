@@ -55,11 +55,19 @@ def rank(pid):
             "rank": env.get("RANK"), "world_size": env.get("WORLD_SIZE")}
 
 
-def judge(pids):
+COOPERATIVE = ("or keep NCCL's defaults and checkpoint it cooperatively: the job imports tools/gpuckpt_quiesce.py "
+               "(Cooperative().step_boundary(step), docs/multi_gpu.md) and the checkpoint is asked with quiesce_mode: "
+               "cooperative, so its ranks release their communicators at a step boundary first (full speed between "
+               "checkpoints)")
+
+
+def judge(pids, cooperative=False):
     """The verdict on the tree ``pids`` (its CUDA processes, or all of it): {"distributed" (any live NCCL rank),
     "restorable" (the driver can restore every rank: each started with RESTORABLE_ENV, none with CUDA IPC
-    memory), "ranks" (rank() of each NCCL rank), "refusal" (why not, naming the rank and what would make it
-    checkpointable; None when restorable or not distributed)}."""
+    memory), "ranks" (rank() of each NCCL rank), "refusal" (why not, naming the rank and both ways to make it
+    checkpointable; None when restorable or not distributed)}. ``cooperative``: the ranks will be asked to release
+    their communicators before the freeze (engine/cooperative.py), so their NCCL settings do not matter (CUDA IPC
+    memory still does)."""
     ranks = [r for r in (rank(p) for p in pids) if r["nccl"]]
     out = {"distributed": bool(ranks), "restorable": False, "ranks": ranks, "refusal": None}
     if not ranks:
@@ -70,11 +78,17 @@ def judge(pids):
                                      "restore fails with CUDA_ERROR_INVALID_VALUE and the job stays frozen)"
                                      % (r["pid"], r["rank"] or "?"))
     lacking = [r for r in ranks if r["missing"]]
-    if lacking:
+    if lacking and not cooperative:
         r = lacking[0]
         return dict(out, refusal=(
             "pid %d (rank %s of %s) is an NCCL rank started without %s: the driver checkpoints such a job but cannot "
             "restore its communicators (NCCL's NVLink/cuMem and CUDA IPC transports), so it would stay frozen. To "
-            "make the job checkpointable, start every rank with %s (%s)"
-            % (r["pid"], r["rank"] or "?", r["world_size"] or "?", " ".join(r["missing"]), HOW, COST)))
-    return dict(out, restorable=True)
+            "make the job checkpointable, either start every rank with %s (%s), %s"
+            % (r["pid"], r["rank"] or "?", r["world_size"] or "?", " ".join(r["missing"]), HOW, COST, COOPERATIVE)))
+    return dict(out, restorable=True, cooperative=bool(cooperative and lacking))
+
+
+def live_communicators(pid):
+    """Whether ``pid`` still shows live NCCL communicators after it said it released them: NCCL's shared memory
+    (/dev/shm/nccl-*) mapped. (libnccl stays mapped and WORLD_SIZE stays set: those say nothing here.)"""
+    return any("/dev/shm/nccl-" in m for m in gpu_procs.shm_maps(pid))

@@ -26,6 +26,11 @@ def nvidia_fds(pid):
     return sorted(out)
 
 
+def shm_maps(pid):
+    """The /dev/shm files ``pid`` maps."""
+    return _shm_maps(pid)
+
+
 NCCL_FEATURE = "NCCL (a distributed job's communicators)"
 IPC_FEATURE = "CUDA IPC memory"
 

@@ -24,11 +24,12 @@ from ..core import image
 from ..core import memdir
 from ..core import procfs
 from ..core.errors import GpuCkptError, InvalidTarget
-from ..core.journal import process_identity
+from ..core.journal import process_identity, same_process
 from ..core.progress import StageProgress
+from ..cuda import nccl
 from ..cuda import processes as gpu_procs
 from ..runtimes.process import ProcessBackend
-from . import in_memory, quiesce
+from . import cooperative, in_memory, quiesce
 from .delivery import deliver
 from .plan import CheckpointOptions, plan_checkpoint
 from .restore import restore_from
@@ -61,7 +62,8 @@ class _Steps(object):
             "pids": c.pids, "cuda_pids": c.cuda_pids, "identities": c.identities, "states": c.states,
             "image_dir": c.image_dir, "image_dir_identity": c.made["identity"], "image_dir_created": c.made["created"],
             "after": c.after, "nonce": self.opts.nonce, "runtime": self.backend.name, "container": self.backend.container,
-            "pod": self.backend.pod, "owner": process_identity(os.getpid()), "image_in_memory": memory}
+            "pod": self.backend.pod, "owner": process_identity(os.getpid()), "image_in_memory": memory,
+            "cooperative": c.coop}
 
     def discard_dir(self, c):
         if not c.keep_image:
@@ -76,6 +78,21 @@ class _Steps(object):
         elif opts.quiesce_command:
             c.quiesce = quiesce.by_command(self.backend, c.root, opts.quiesce_command, opts.quiesce_timeout)
 
+    def ask_cooperative(self, c):
+        """Every rank to one step boundary, its communicators released, acknowledged (cooperative.py); then judged
+        again from /proc before anything is frozen."""
+        opts = self.opts
+        c.quiesce = cooperative.ask(c.coop["pids"], opts.quiesce_signal[0], opts.quiesce_signal[1],
+                                    opts.quiesce_timeout, opts.quiesce_lease, c.coop["request"])
+        cooperative.check_released(c.quiesce, nccl.live_communicators)
+
+    def resume_cooperative(self, c):
+        """Tell every rank to resume (the checkpoint's end with the job running, or its undo); once."""
+        if c.quiesce is not None and not c.coop.get("resumed"):
+            pids = [c.pid_map.get(p, p) for p in c.coop["pids"]]
+            c.coop["resumed"] = cooperative.resume(pids, c.coop["request"])
+            c.quiesce["resumed"] = c.coop["resumed"]
+
     def begin_freeze(self, c):
         c.frozen_at = time.time()
         c.journal_data["freezing"] = {"frozen_at": c.frozen_at}
@@ -84,13 +101,21 @@ class _Steps(object):
     def lock(self, c):
         lock_ms = int(self.opts.lock_timeout * 1000)
         for p in c.cuda_pids:  # one after another: each is fast, and the order is the freeze order
+            if c.quiesce is not None and c.coop is not None:
+                cooperative.check_alive(c.quiesce, p)
             self.drv.lock(p, lock_ms)
             c.locked.append(p)
         self.clock.stop("cuda_lock")
 
+    def _here(self, c, p):
+        """Whether the checkpointed pid ``p`` still needs its undo: the same process (a rank a cooperative job lost,
+        or that its launcher killed, needs nothing unlocked), or the copy an undump brought back."""
+        return p in c.pid_map or same_process(c.identities.get(str(p))) is not None
+
     def unlock(self, c):
         for p in c.locked:
-            self.drv.unlock(c.pid_map.get(p, p))
+            if self._here(c, p):
+                self.drv.unlock(c.pid_map.get(p, p))
 
     def checkpoint_gpu(self, c):
         try:
@@ -102,7 +127,8 @@ class _Steps(object):
 
     def restore_gpu(self, c):
         for p in c.checkpointed:
-            self.drv.restore(c.pid_map.get(p, p))
+            if self._here(c, p):
+                self.drv.restore(c.pid_map.get(p, p))
 
     def dump(self, c):
         sender = self.sender
@@ -167,7 +193,9 @@ class _Steps(object):
         """The steps, in order, for this plan."""
         ctx, opts = self.ctx, self.opts
         steps = [Step("image_dir", self.make_dir, self.discard_dir, phase="planned")]
-        if opts.quiesce_signal or opts.quiesce_command:
+        if opts.cooperative:  # (a rank that fails to answer has been told to resume: the undo covers what follows)
+            steps.append(Step("quiesce", self.ask_cooperative, self.resume_cooperative))
+        elif opts.quiesce_signal or opts.quiesce_command:
             steps.append(Step("quiesce", self.ask_to_quiesce))
         steps.append(Step("freeze", self.begin_freeze, phase="freezing"))
         # (a runtime that owns the CUDA stage runs it in its own dump)
@@ -178,6 +206,8 @@ class _Steps(object):
         steps.append(Step("runtime_dump", self.dump, self.undump, phase="frozen"))
         if ctx.after == "running" and engine_cuda:
             steps.append(Step("cuda_resume_source", self.resume_gpu_now))
+        if ctx.after == "running" and opts.cooperative:
+            steps.append(Step("cooperative_resume", self.resume_cooperative))
         steps.append(Step("manifest", self.write_manifest, self.remove_manifest, phase="checkpointed"))
         return steps
 
@@ -193,6 +223,7 @@ def _manifest(c, files, clock):
                     "gpus": c.cuda_gpus,
                     "processes": [gpu_procs.process_info(p) for p in c.pids] if c.after == "running" else
                     [{"pid": p} for p in c.pids]},
+         "cooperative": cooperative.record_of(c.quiesce),
          "gpu_stage": c.gpu_stage, "leave_running": c.after == "running", "leave_stopped": c.after == "stopped",
          "frozen_at": c.frozen_at,
          "sizes": {"image_bytes": sum(f["size"] for f in files.values()), "files": len(files),

@@ -19,12 +19,17 @@ unlocked; a partial image (no manifest) is removed. Only processes that are stil
 start time, boot) are touched: a pid reused since is not ours. A workload none of whose processes is left is not
 brought back from an image: it was left running, so something else ended it (the node's fence, its owner).
 
+A cooperative job (engine/cooperative.py) is also told to resume, once the GPU is its own again: its ranks wait at
+their step boundary for that word. gpu_checkpoint keeps such a record for a cooperative leave_running checkpoint
+(``hold_dir``, ``held_run``) and gives back what a dead one left before anything else (``give_back_all``).
+
 Only records of checkpoints that left the workload running are given back here: a migration's source
 (left stopped, or exited) is settled by its migration's rules (migration/transaction.py, recover.yml).
 """
 from __future__ import annotations
 
 import os
+import uuid
 
 from ..core import image, procfs
 from ..core.errors import GpuCkptError
@@ -33,6 +38,7 @@ from .held import resume_stopped
 from .steps import now_iso
 
 RECORD_SUFFIX = ".source.json"
+MODULE_PREFIX = "checkpoint-"  # (gpu_checkpoint's own records; the protect runner's have theirs)
 
 
 def records(journal_dir, prefix=""):
@@ -62,7 +68,9 @@ def forget(journal):
 
 
 def _workload(doc):
-    return {"target": {"pids": doc.get("pids") or [], "cuda_pids": doc.get("cuda_pids") or [],
+    # (the plan's cooperative request: its ranks are told to resume once the GPU is theirs, held.resume_stopped)
+    return {"cooperative": doc.get("cooperative"),
+            "target": {"pids": doc.get("pids") or [], "cuda_pids": doc.get("cuda_pids") or [],
                        "identities": doc.get("identities") or {}, "states": doc.get("states") or {}},
             "runtime": {"backend": doc.get("runtime"), "container": doc.get("container"), "pod": doc.get("pod")}}
 
@@ -132,3 +140,36 @@ def give_back(journal_dir, record_id, backend, libcuda_path=None):
         raise
     finally:
         journal.release()
+
+
+def give_back_all(journal_dir, new_backend, prefix=MODULE_PREFIX, libcuda_path=None):
+    """give_back() of every record in ``journal_dir`` whose id starts with ``prefix`` (each with a backend of its own,
+    ``new_backend()``): what the next operation runs first. Returns the results of those that did something or
+    failed; one that fails is reported as its ``error`` (the record stays)."""
+    out = []
+    for rid in records(journal_dir, prefix):
+        try:
+            res = give_back(journal_dir, rid, new_backend(), libcuda_path=libcuda_path)
+            if res.get("changed") or res.get("given_back") or res.get("held"):
+                out.append(res)
+        except GpuCkptError as exc:
+            out.append({"id": rid, "changed": False, "error": exc.msg})
+    return out
+
+
+def held_run(journal_dir, run, prefix=MODULE_PREFIX):
+    """``run(record)`` (a checkpoint that leaves the workload running) under a new record in ``journal_dir``, kept
+    while it holds the workload: should this process die between the freeze and the resume, the next give_back
+    finds it. The record goes when ``run`` returns (the workload runs, or was rolled back); one whose rollback failed
+    stays for the next give-back."""
+    record = Journal(journal_dir, prefix + uuid.uuid4().hex, "source")
+    try:
+        return run(record)
+    finally:
+        with record.hold(wait=30, purpose="the end of checkpoint %s" % record.id):
+            phase = record.phase
+            if phase is not None and phase not in ("resumed", "rolled_back", "rollback_failed"):
+                record.transition("resumed", ended="the checkpoint returned with the job running")
+                phase = "resumed"
+            if phase != "rollback_failed":
+                forget(record)

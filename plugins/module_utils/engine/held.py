@@ -10,6 +10,7 @@ from ..core import procfs
 from ..core.errors import TransactionError
 from ..core.journal import same_process
 from ..runtimes.process import ProcessBackend
+from .cooperative import resume
 from .steps import DEAD, STOPPED
 
 
@@ -61,6 +62,10 @@ def resume_stopped(manifest, backend=None, drv=None, libcuda_path=None):
                  else [p for p in target["cuda_pids"] if p in mine])
     if cuda_pids and _resume_gpu(backend, drv, libcuda_path, cuda_pids):
         changed = True
+    coop = manifest.get("cooperative")
+    if coop:  # a cooperative job's ranks wait for their resume (engine/cooperative.py): after the GPU is theirs again
+        ranks = list(coop.get("ranks") or {}) or coop.get("pids") or []  # (a manifest's record, or a journal's plan)
+        resume([int(p) for p in ranks if int(p) in mine], coop["request"])
     return changed, mine
 
 

@@ -23,7 +23,7 @@ from ..cuda import nccl
 from ..cuda import processes as gpu_procs
 from ..cuda import usage as gpu_usage
 from ..runtimes.base import network_lock_problem
-from . import quiesce
+from . import cooperative, quiesce
 
 IMAGE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
 
@@ -34,7 +34,8 @@ class CheckpointOptions(object):
     def __init__(self, leave_running=False, leave_stopped=False, lock_timeout=30.0, libcuda_path=None,
                  check_mode=False, sign_key=None, parallel=True, progress_file=None, nonce=None,
                  journal_wait=30.0, host_huge_pages=False, quiesce_signal=None, quiesce_command=None,
-                 quiesce_timeout=30.0, image_id=None, image_in_memory=False, image_memory_bytes=None):
+                 quiesce_timeout=30.0, image_id=None, image_in_memory=False, image_memory_bytes=None,
+                 quiesce_mode="release", quiesce_lease=600.0):
         if leave_running and leave_stopped:
             raise InvalidTarget("leave_running and leave_stopped exclude each other", stage="preflight")
         if lock_timeout is None or float(lock_timeout) <= 0:
@@ -48,15 +49,33 @@ class CheckpointOptions(object):
             raise InvalidTarget("quiesce_signal and quiesce_command exclude each other", stage="preflight")
         if quiesce_timeout is None or float(quiesce_timeout) <= 0:
             raise InvalidTarget("quiesce_timeout must be positive, got %s" % quiesce_timeout, stage="preflight")
+        self.quiesce_mode = quiesce_mode or "release"
+        if self.quiesce_mode not in cooperative.MODES:
+            raise InvalidTarget("quiesce_mode must be one of %s, got %r" % (", ".join(cooperative.MODES), quiesce_mode),
+                                stage="preflight")
+        self.quiesce_lease, self.quiesce_timeout = float(quiesce_lease or 0), float(quiesce_timeout)
         self.quiesce_signal = quiesce.signal_number(quiesce_signal) if quiesce_signal else None
+        self.cooperative = False
+        if self.quiesce_mode == "cooperative":
+            self.choose_cooperative(quiesce_command)
         self.quiesce_command = list(quiesce_command) if quiesce_command else None
-        self.quiesce_timeout = float(quiesce_timeout)
         # The manifest's id, chosen by the caller when a receiver must know it before the image exists (a
         # protected job's push to its replica checks it); a new uuid otherwise.
         self.image_id = _checked_image_id(image_id)
         # The image in a tmpfs of its own (in_memory.py), sized to ``image_memory_bytes`` or to the estimate.
         self.image_in_memory = bool(image_in_memory)
         self.image_memory_bytes = int(image_memory_bytes) if image_memory_bytes else None
+
+    def choose_cooperative(self, quiesce_command=None):
+        """The checkpoint is a cooperative one (quiesce_mode cooperative, or auto with the helper announced)."""
+        if quiesce_command or getattr(self, "quiesce_command", None):
+            raise InvalidTarget("quiesce_mode cooperative asks the job by a signal; it excludes quiesce_command",
+                                stage="preflight")
+        if self.quiesce_lease < 2 * self.quiesce_timeout:
+            raise InvalidTarget("quiesce_lease (%s) must be at least twice quiesce_timeout (%s): a rank waits that "
+                                "long for its resume" % (self.quiesce_lease, self.quiesce_timeout), stage="preflight")
+        self.cooperative = True
+        self.quiesce_signal = self.quiesce_signal or quiesce.signal_number("SIGUSR1")
 
     @property
     def after(self):
@@ -144,25 +163,32 @@ def _refuse_what_the_runtime_cannot(backend, opts, root):
     return runtime_facts
 
 
-def _distributed(backend, pids):
+def _distributed(backend, pids, coop=False):
     """The verdict on a distributed (NCCL) job in the tree (cuda/nccl.py), refused before anything is frozen when the
     driver could not restore it, or when a rank's connection leads out of the tree (another host: a multi-node job).
-    Returns the verdict; its ``restorable`` lets the tree's own TCP connections (torchrun's rendezvous) be dumped."""
+    Returns the verdict; its ``restorable`` lets the tree's own TCP connections (torchrun's rendezvous) be dumped.
+    ``coop`` (quiesce_mode cooperative): a job whose ranks will release their communicators before the freeze is
+    judged again once they have (cooperative.check_released); its rendezvous connections are dumped too."""
     if backend.capabilities.cuda_in_sandbox:  # (a sandbox's processes are not the host's: /proc cannot tell)
+        if coop:
+            raise InvalidTarget("quiesce_mode cooperative cannot reach the ranks inside a %s sandbox (the host does "
+                                "not see them); nothing was frozen" % backend.name, stage="preflight")
         return {"distributed": False, "restorable": False, "ranks": [], "refusal": None}
-    verdict = nccl.judge(pids)
+    verdict = nccl.judge(pids, cooperative=coop)
     first = (verdict["ranks"] or [{}])[0].get("pid")
     if verdict["refusal"]:
         raise InvalidTarget(verdict["refusal"] + "; nothing was frozen", stage="preflight", pid=first,
-                            hint="restart the job with that environment (docs/multi_gpu.md), or use the framework's "
-                                 "own checkpoints")
-    outside = procfs.tcp_outside(pids) if verdict["restorable"] else []
+                            hint="restart the job with that environment, or let it release its communicators itself "
+                                 "(quiesce_mode: cooperative, tools/gpuckpt_quiesce.py; docs/multi_gpu.md)")
+    outside = procfs.tcp_outside(pids) if verdict["restorable"] or coop else []
     if outside:
         raise InvalidTarget("NCCL job of pid %d holds TCP connections whose other end is not in the checkpointed tree "
                             "(%s): a rank or its rendezvous is on another host (a multi-node job) or in another "
                             "process tree; nothing was frozen" % (first, ", ".join(outside[:3])), stage="preflight",
                             pid=first, hint="checkpoint the tree that holds every rank and its rendezvous (torchrun's "
                                             "root); jobs whose ranks span hosts are not checkpointed (docs/multi_gpu.md)")
+    if coop:  # (its ranks release their communicators before the freeze: judged again then)
+        verdict = dict(verdict, restorable=True)
     return verdict
 
 
@@ -225,7 +251,9 @@ def plan_checkpoint(target, image_dir, opts, backend):
     Returns the CheckpointContext the steps share."""
     root, pids = backend.resolve(target)
     runtime_facts = _refuse_what_the_runtime_cannot(backend, opts, root)
-    verdict = _distributed(backend, pids)
+    if opts.quiesce_mode == "auto" and not backend.capabilities.cuda_in_sandbox and cooperative.announced(pids):
+        opts.choose_cooperative()  # (a rank of the tree runs tools/gpuckpt_quiesce.py's Cooperative)
+    verdict = _distributed(backend, pids, coop=opts.cooperative)
     # file locks, external unix sockets, TCP: the runtime's flags, or a refusal
     backend.plan_tree(pids, internal_tcp=verdict["restorable"])
     image.check_dir(image_dir)
@@ -233,10 +261,12 @@ def plan_checkpoint(target, image_dir, opts, backend):
     gpu_stage = _gpu_stage(backend, drv, driver_problem, cuda_pids)
     _check_quiesce(backend, opts, root, cuda_pids)
     proc_states = {str(p): (procfs.read_stat(p) or {}).get("state") for p in pids}
+    # (the cooperative request's number is decided now: a give-back record must know it before anything is asked)
+    coop = {"request": cooperative.request_number(), "pids": cuda_pids or [root]} if opts.cooperative else None
     cuda_gpus = _cuda_gpus(cuda_pids, backend.capabilities.cuda_in_sandbox)
     # The host's facts for the manifest are read now: asking NVML or nvidia-smi while the workload is
     # frozen added 0.05-0.7 s of downtime (more with the push's streams busy on the same cores).
     return CheckpointContext(target=target, image_dir=image_dir, root=root, pids=pids, cuda_pids=cuda_pids, drv=drv,
                              host=host_facts(drv), gpu_stage=gpu_stage, runtime_facts=runtime_facts,
                              identities=identities(pids), states=proc_states, cuda_gpus=cuda_gpus, after=opts.after,
-                             backend=backend, opts=opts)
+                             backend=backend, opts=opts, coop=coop)

@@ -31,7 +31,7 @@ from ..core.journal import identities, process_identity, same_process
 from ..core.progress import StageProgress
 from ..cuda import driver as cuda
 from ..runtimes.process import ProcessBackend
-from . import verify_beside
+from . import cooperative, verify_beside
 from .delivery import wait_for_delivery
 from .steps import DEAD, STOPPED, Clock, NoHangup, PartlyDone, describe_failure, driver_seconds, each, error_fields, \
     now_iso
@@ -285,6 +285,8 @@ def _restore_checked(img, opts, backend, journal, clock, drv, pages, verify_seco
     outcome = _bring_up(img, backend, drv, pairs, clock, opts, journal, pages)
     if pages is not None:
         verify_seconds = (verify_seconds or 0.0) + pages.result()
+    # (a cooperative job's ranks wait at their step boundary: the restore is done, they re-create their groups)
+    coop_resumed = cooperative.resume_restored(manifest.get("cooperative"), target["pids"], outcome.pids)
     if journal is not None:
         journal.transition("restored", pids=outcome.pids, cuda_pids=outcome.cuda_pids,
                            identities=identities(outcome.pids), resumed_at=outcome.resumed_at)
@@ -295,6 +297,7 @@ def _restore_checked(img, opts, backend, journal, clock, drv, pages, verify_seco
                   resumed_at=outcome.resumed_at, validation_notes=outcome.notes, probe=outcome.probe,
                   verify_seconds=verify_seconds, driver_call_seconds=driver_seconds(drv, calls0),
                   gpu_pairs=pairs or outcome.gpu_pairs or None, pages_verified_beside_restore=pages is not None,
+                  cooperative_resumed=coop_resumed if manifest.get("cooperative") else None,
                   msg="restored %d process(es) (%d on the GPU) from %s"
                   % (len(outcome.pids), len(outcome.cuda_pids), img.path))
     return result

@@ -127,3 +127,20 @@ def test_connections_between_two_sockets_of_the_tree_are_inside_it_and_one_to_a_
             p.kill()
             p.wait()
         server.close()
+
+
+def test_ncclss_defaults_refusal_names_both_ways_and_the_cooperative_mode_accepts_them(ranks):
+    pid = ranks({"RANK": "0", "WORLD_SIZE": "2"})
+    why = nccl.judge([pid])["refusal"]
+    assert nccl.HOW in why and "quiesce_mode: cooperative" in why and "gpuckpt_quiesce.py" in why
+    verdict = nccl.judge([pid], cooperative=True)
+    assert verdict["distributed"] and verdict["restorable"] and verdict["cooperative"] and verdict["refusal"] is None
+    assert nccl.live_communicators(pid), "its NCCL shared memory is mapped: a rank that did not release it"
+
+
+def test_the_cooperative_mode_does_not_accept_cuda_ipc_memory(ranks):
+    ipc = ranks({"RANK": "1", "WORLD_SIZE": "2"}, prefix="cuda.shm.")
+    rank = ranks({"RANK": "0", "WORLD_SIZE": "2"})
+    verdict = nccl.judge([rank, ipc], cooperative=True)
+    assert verdict["refusal"] is None or "CUDA IPC" in verdict["refusal"]  # (the IPC process alone is no NCCL rank)
+    assert not nccl.live_communicators(ipc)
