@@ -212,7 +212,8 @@ def migration_step(params, check_mode):
         if params["role"] != "source":
             raise InvalidTarget("plan is an action of the source's journal", stage="preflight")
         st = migration.status(journal)
-        made = plan.make(params, st, plan.HostProbe(lambda name: make_backend(name, params)))
+        from .k8s.pods import target_pod_name
+        made = plan.make(params, st, plan.HostProbe(lambda name: make_backend(name, params), target_pod_name))
         return dict(changed=False, journal=st, phase=st.get("phase"), host=plan.host_identity(), plan=made,
                     msg="plan of migration %s: %s" % (journal.id, "settle it" if made["settle"] else
                                                       "a new migration" if made["new"] else "nothing to settle"))

@@ -176,8 +176,8 @@ def make(params, journal, probe):
     plan = {"settle": settle, "new": not settle and not params.get("settle_only"), "id_reuse": "", "pod_ref": pod,
             "target_pod": None, "restore_token": None, "calls": {}}
     if pod:
-        from ..k8s.pods import target_pod_name
-        plan["target_pod"] = params.get("target_pod_name") or target_pod_name(str(pod["name"]), params["migration_id"])
+        plan["target_pod"] = params.get("target_pod_name") or probe.target_pod_name(str(pod["name"]),
+                                                                                     params["migration_id"])
         plan["restore_token"] = "".join(random.SystemRandom().choice(TOKEN_CHARS) for _ in range(40))
     if settle:
         plan.update(_settle_part(params, journal, target_journal, probe))
@@ -193,10 +193,12 @@ def host_identity():
 
 
 class HostProbe(object):
-    """What the plan reads of the source host: /proc, and the runtime's backend (built from the module's options)."""
+    """What the plan reads of the source host: /proc, and the runtime's backend (built from the module's options);
+    and the name of a pod migration's target pod (k8s/, a room above this one, handed in by the module)."""
 
-    def __init__(self, build_backend):
+    def __init__(self, build_backend, target_pod_name):
         self._build = build_backend  # runtime name -> its backend, from the module's options
+        self.target_pod_name = target_pod_name  # (source pod's name, migration id) -> the target pod's (k8s/pods.py)
 
     def stat(self, pid):
         return procfs.read_stat(int(pid))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.pods import target_pod_name
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import plan
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.registry import RUNTIMES, backend_class
 
@@ -28,6 +29,7 @@ class Probe(object):
         return self._host
 
     capabilities = staticmethod(plan.HostProbe.capabilities)
+    target_pod_name = staticmethod(target_pod_name)
 
     def resolve(self, runtime, pid, container, pod):
         self.asked.append((runtime, pid, container, pod))
