@@ -176,9 +176,10 @@ def make(params, journal, probe):
     plan = {"settle": settle, "new": not settle and not params.get("settle_only"), "id_reuse": "", "pod_ref": pod,
             "target_pod": None, "restore_token": None, "calls": {}}
     if pod:
-        plan["target_pod"] = params.get("target_pod_name") or probe.target_pod_name(str(pod["name"]),
-                                                                                     params["migration_id"])
-        plan["restore_token"] = "".join(random.SystemRandom().choice(TOKEN_CHARS) for _ in range(40))
+        name = params.get("target_pod_name") or probe.target_pod_name(str(pod["name"]), params["migration_id"])
+        rng = random.SystemRandom()
+        plan["target_pod"] = name
+        plan["restore_token"] = "".join(rng.choice(TOKEN_CHARS) for dummy in range(40))
     if settle:
         plan.update(_settle_part(params, journal, target_journal, probe))
     elif plan["new"]:

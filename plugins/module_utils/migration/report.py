@@ -49,8 +49,8 @@ def _transfer_line(ckpt, sync, human):
                 "%.2f s after the manifest" % (human(push.get("bytes")), push.get("streams"),
                                                human(push.get("bytes_sent_during_dump")),
                                                _f((ckpt.get("timings") or {}).get("push"))))
-    line = "Transfer: %s in %.2f s (%s attempt(s))" % (human(sync.get("bytes_transferred") or 0), _f(sync.get("seconds")),
-                                                        sync.get("attempts") or 0)
+    sent, seconds = human(sync.get("bytes_transferred") or 0), _f(sync.get("seconds"))
+    line = "Transfer: %s in %.2f s (%s attempt(s))" % (sent, seconds, sync.get("attempts") or 0)
     if "error" in push:
         line += " after the push during the dump failed: %s" % push["error"]
     return line

@@ -18,8 +18,8 @@ SAME_KERNEL = {"boot_id": "b1", "pid_namespace": "pid:[9]", "net_namespace": "ne
 class Probe(object):
     """The source host as the plan reads it: a process table, the tree each runtime resolves, this host's identity."""
 
-    def __init__(self, stats=None, resolved=None, host=HOST, fails=None):
-        self.stats, self.resolved, self._host, self.fails = stats or {}, resolved or {}, host, fails
+    def __init__(self, stats=None, resolved=None, host=None, fails=None):
+        self.stats, self.resolved, self._host, self.fails = stats or {}, resolved or {}, host or HOST, fails
         self.asked = []
 
     def stat(self, pid):
