@@ -206,10 +206,21 @@ def migration_step(params, check_mode):
     carried out under the journal's rules. The module's result, with the journal and its phase."""
     # Imported here: it brings the engine, which the other modules that share this file need not load.
     from .migration import transaction as migration
+    from .migration import plan
     journal = journal_for(params, params["role"])
+    if params["action"] == "plan":
+        if params["role"] != "source":
+            raise InvalidTarget("plan is an action of the source's journal", stage="preflight")
+        st = migration.status(journal)
+        from .k8s.pods import target_pod_name
+        made = plan.make(params, st, plan.HostProbe(lambda name: make_backend(name, params), target_pod_name))
+        return dict(changed=False, journal=st, phase=st.get("phase"), host=plan.host_identity(), plan=made,
+                    msg="plan of migration %s: %s" % (journal.id, "settle it" if made["settle"] else
+                                                      "a new migration" if made["new"] else "nothing to settle"))
     if params["action"] == "status" or check_mode:
         st = migration.status(journal)
-        return dict(changed=False, journal=st, phase=st.get("phase"), msg="phase %s" % st.get("phase"))
+        return dict(changed=False, journal=st, phase=st.get("phase"), host=plan.host_identity(),
+                    msg="phase %s" % st.get("phase"))
     changed, msg, out = _journal_action(journal, params)
     # A module killed while it held the host's huge pages setting (host_huge_pages) left it changed:
     # a migration's settlement and recover.yml put it back too.
@@ -217,7 +228,7 @@ def migration_step(params, check_mode):
     if note:
         out["huge_pages"] = {"note": note}
     st = migration.status(journal)
-    return dict(out, changed=changed, msg=msg, journal=st, phase=st.get("phase"))
+    return dict(out, changed=changed, msg=msg, journal=st, phase=st.get("phase"), host=plan.host_identity())
 
 
 # -- cuda_process_facts -----------------------------------------------------------------------------------

@@ -45,9 +45,46 @@ options:
         not to run it (O(target_phase=cleaned)), or when the image never left the source, or with O(target_lost).
         It first fences the source, so a checkpoint of a controller that died stops at its next step. Once the source
         runs, its image of this migration is removed unless O(keep_image_on_rollback).
+      - C(plan) (source) reads the journal as C(status) does and returns the migration's C(plan), changing nothing
+        (see RETURN). An id that left a journal on either host (this one, or the target's O(target_journal)) is
+        settled, and the workload named now (O(pid), O(container), O(pod)) is checked against it. A new migration
+        names its runtime, resolves its root pid through the runtime's backend, and decides whether the source is
+        held stopped or exits, from the backend's capabilities and the two hosts (O(target_host)).
     type: str
-    choices: [status, begin, settle, commit, rollback]
+    choices: [status, begin, settle, commit, rollback, plan]
     default: status
+  pid:
+    description: For C(plan), the root pid of the workload (a bare process tree).
+    type: int
+  container:
+    description: For C(plan), the container of the workload (with O(runtime)).
+    type: str
+  runtime:
+    description: For C(plan), the runtime of O(container).
+    type: str
+    choices: [process, runc, podman, docker, containerd, runsc, k8s_pod]
+  pod:
+    description: For C(plan), the Kubernetes pod of the workload (C(namespace/name)).
+    type: str
+  move_pod:
+    description: For C(plan) of a pod migration, the pod as C(gpuckpt.fleet.gpu_pod_info) described it.
+    type: dict
+  target_journal:
+    description: For C(plan), the target's journal of this migration, as this module's C(status) read it there.
+    type: dict
+  target_host:
+    description: For C(plan), the target's C(host) (boot id, pid and network namespaces), as this module returns it.
+    type: dict
+  target_name:
+    description: For C(plan), the target's name, as the reasons say it.
+    type: str
+  target_pod_name:
+    description: For C(plan) of a pod migration, the name of the pod its copy runs in (by default made from the id).
+    type: str
+  settle_only:
+    description: For C(plan), only settle a migration of this id that left journals; plan no new one.
+    type: bool
+    default: false
   journal_dir:
     description: Directory of the journals.
     type: path
@@ -129,6 +166,16 @@ EXAMPLES = r"""
     role: source
   register: src_status
 
+- name: Plan a migration of pid 4242 (the target's journal and host read there first)
+  gpuckpt.fleet.gpu_migration:
+    migration_id: m-43
+    role: source
+    action: plan
+    pid: 4242
+    target_journal: "{{ dst_status.journal }}"
+    target_host: "{{ dst_status.host }}"
+  register: planned
+
 - name: Settle it on the target (commit if the target runs it, else clean the target)
   gpuckpt.fleet.gpu_migration:
     migration_id: m-42
@@ -154,6 +201,20 @@ journal:
   description: The journal as read (phase, history, pids, image_dir...), with alive_pids, stopped_pids and running_pids.
   returned: always
   type: dict
+host:
+  description: This host's C(boot_id), C(pid_namespace) and C(net_namespace) (the plan compares the two hosts').
+  returned: always
+  type: dict
+plan:
+  description:
+    - For C(plan), the migration's plan (plugins/module_utils/migration/plan.py). C(settle) (a journal exists), C(new)
+      (a new migration is to be made), C(id_reuse) (why the workload named is not the one the id was used for, or
+      empty), C(pod_ref), C(target_pod) and C(restore_token) (a pod migration).
+    - For a new migration, C(runtime), C(root_pid), C(workload) (in words), C(error) (why the workload was not
+      found, or empty), C(hold_stopped), C(exit_reason), C(one_pid_space), C(restores_host_pids), and C(calls) with
+      the arguments of the source's facts (C(source_facts)) and of the checkpoint (C(checkpoint)).
+  returned: for plan
+  type: dict
 decision:
   description: For C(settle), C(commit) or C(rollback).
   returned: for settle, commit and rollback on the target
@@ -172,7 +233,7 @@ from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration.transaction import RESTORE_WAIT
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS, check_path_arg
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS, RUNTIMES, check_path_arg
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import migration_step, run_module
 
 
@@ -180,7 +241,7 @@ def main():
     module = AnsibleModule(argument_spec=dict(
         migration_id=dict(type="str", required=True),
         role=dict(type="str", required=True, choices=["source", "target"]),
-        action=dict(type="str", default="status", choices=["status", "begin", "settle", "commit", "rollback"]),
+        action=dict(type="str", default="status", choices=["status", "begin", "settle", "commit", "rollback", "plan"]),
         journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
         image_dir=dict(type="path"),
         image_in_memory=dict(type="bool", default=False),
@@ -193,6 +254,16 @@ def main():
         abandon_pod_restore=dict(type="bool", default=False),
         libcuda_path=dict(type="path"),
         runtime_timeout=dict(type="float", default=0),
+        pid=dict(type="int"),
+        container=dict(type="str"),
+        runtime=dict(type="str", choices=RUNTIMES),
+        pod=dict(type="str"),
+        move_pod=dict(type="dict"),
+        target_journal=dict(type="dict"),
+        target_host=dict(type="dict"),
+        target_name=dict(type="str"),
+        target_pod_name=dict(type="str"),
+        settle_only=dict(type="bool", default=False),
         **RUNTIME_ARGS
     ), supports_check_mode=True)
     check_path_arg(module, "image_dir", module.params["image_dir"])

@@ -8,8 +8,9 @@ begun, so that a re-run after a killed drain settles them first (as recover.yml 
 from __future__ import annotations
 
 import os
+import time
 
-from ..core.fsutil import read_json
+from ..core.fsutil import atomic_write, make_dirs_private, read_json
 
 MARK_NAME = "drain.json"
 
@@ -26,3 +27,44 @@ def read(journal_dir):
         return None
     mark = read_json(p)
     return mark if isinstance(mark, dict) else {"started": None, "error": "%s cannot be read as a drain mark" % p}
+
+
+THROUGHPUT_NAME = "throughput.json"
+
+
+def _now():
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def marked(before, drain_id, pending=None, empty=False, k8s_node=None, keep_all=False):
+    """The mark a drain writes over ``before`` (the mark there, {} for none): the drain's start kept from an
+    earlier mark, this drain's id, whether the node is empty, the moves not settled (``pending``; None keeps the
+    earlier mark's), and the Kubernetes node the drain cordoned (``k8s_node``; None keeps the earlier mark's).
+    ``keep_all``: keep the earlier mark's other fields too (the first mark, before anything is planned)."""
+    before = before if isinstance(before, dict) else {}
+    mark = dict(before) if keep_all else {}
+    mark.update(started=before.get("started") or _now(), drain_id=drain_id, empty=bool(empty),
+                pending=list(before.get("pending") or []) if pending is None else list(pending))
+    node = k8s_node or before.get("k8s_node")
+    if node:
+        mark["k8s_node"] = node
+    return mark
+
+
+def write(journal_dir, mark=None, throughput=None):
+    """Write the node's mark (and the throughput its moves showed, ``throughput.json``), each whole under a new
+    name and then renamed, in the journal directory (made 0700 when missing). None writes nothing of it."""
+    make_dirs_private(journal_dir)
+    if mark is not None:
+        atomic_write(path(journal_dir), mark)
+    if throughput is not None:
+        atomic_write(os.path.join(journal_dir, THROUGHPUT_NAME), throughput)
+
+
+def remove(journal_dir):
+    """Take the mark away (the node takes work again); whether there was one."""
+    try:
+        os.unlink(path(journal_dir))
+        return True
+    except FileNotFoundError:
+        return False

@@ -75,6 +75,26 @@ RUNTIMES = list(BUILDERS)
 DEFAULT = "process"
 
 
+def backend_class(name):
+    """The backend class of runtime ``name`` (a bare process tree for a name it does not know), imported only
+    then: its declared ``capabilities`` are read without building it (a process backend finds CRIU at once)."""
+    if name == "runc":
+        from .runc import RuncBackend as cls
+    elif name == "podman":
+        from .podman import PodmanBackend as cls
+    elif name == "docker":
+        from .docker import DockerBackend as cls
+    elif name == "containerd":
+        from .containerd import ContainerdBackend as cls
+    elif name == "runsc":
+        from .runsc import RunscBackend as cls
+    elif name == "k8s_pod":
+        from .k8s_pod import KubernetesPodBackend as cls
+    else:
+        from .process import ProcessBackend as cls
+    return cls
+
+
 def build(name, params, bundle=None):
     """The backend of runtime ``name`` (a name it does not know: a bare process tree, as an image of an
     older collection that recorded none) from a module's parameters. ``bundle``: an OCI bundle to

@@ -1,0 +1,96 @@
+# -*- coding: utf-8 -*-
+# Copyright: gpuckpt.fleet contributors
+# GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
+"""What one migration showed, from the results of its module calls: the summary's lines (downtime, each stage's
+seconds, the transfer) and the outcome a drain reads (where the workload runs, its downtime, the image's size and
+the link's throughput). Pure: the results in, plain values out (the ``migration_summary`` and ``migration_outcome``
+filters)."""
+from __future__ import annotations
+
+
+def _f(value):
+    try:
+        return float(value or 0)
+    except (TypeError, ValueError):
+        return 0.0
+
+
+def _bool(value):
+    if isinstance(value, str):
+        return value.strip().lower() in ("true", "yes", "on", "1")
+    return bool(value)
+
+
+def downtime(ckpt, restore):
+    """Seconds from the freeze on the source until the copy ran on the target; None when either is unknown."""
+    if (restore or {}).get("resumed_at") is None or (ckpt or {}).get("frozen_at") is None:
+        return None
+    return _f(restore["resumed_at"]) - _f(ckpt["frozen_at"])
+
+
+def throughput(ckpt, sync):
+    """Bytes per second this move showed of the link to its target (a drain's deadline estimates from it): the
+    transfer's bytes over its seconds, or, for a push during the dump, the image over the dump and the push's tail.
+    None when it showed nothing."""
+    ckpt, sync = ckpt or {}, sync or {}
+    if _f(sync.get("seconds")) > 0 and int(sync.get("bytes_transferred") or 0) > 0:
+        return round(_f(sync["bytes_transferred"]) / _f(sync["seconds"]), 0)
+    timings = ckpt.get("timings") or {}
+    spent = _f(timings.get("runtime_dump")) + _f(timings.get("push"))
+    if _bool((ckpt.get("push") or {}).get("pushed")) and int(ckpt.get("image_bytes") or 0) > 0 and spent > 0:
+        return round(_f(ckpt["image_bytes"]) / spent, 0)
+    return None
+
+
+def _transfer_line(ckpt, sync, human):
+    push = ckpt.get("push") or {}
+    if _bool(push.get("pushed")):
+        return ("Transfer: %s pushed over %s ssh stream(s) while the image was written, %s of it during the dump; "
+                "%.2f s after the manifest" % (human(push.get("bytes")), push.get("streams"),
+                                               human(push.get("bytes_sent_during_dump")),
+                                               _f((ckpt.get("timings") or {}).get("push"))))
+    sent, seconds = human(sync.get("bytes_transferred") or 0), _f(sync.get("seconds"))
+    line = "Transfer: %s in %.2f s (%s attempt(s))" % (sent, seconds, sync.get("attempts") or 0)
+    if "error" in push:
+        line += " after the push during the dump failed: %s" % push["error"]
+    return line
+
+
+def summary(ckpt, restore, sync, migration_id, workload, source, target, pod=None, target_pod=None, human=str):
+    """The lines of a migration's summary. ``ckpt``, ``restore``, ``sync``: the results of gpu_checkpoint,
+    gpu_restore and gpu_image_sync; ``pod``: a pod migration's source pod ({namespace, name}); ``human``: how a
+    byte count is written (Ansible's human_readable)."""
+    ckpt, restore, sync = ckpt or {}, restore or {}, sync or {}
+    ck, rs = ckpt.get("timings") or {}, restore.get("timings") or {}
+    where = (", where it runs as pod %s/%s" % (pod["namespace"], target_pod)) if pod else ""
+    return [
+        "Migration %s: %s moved from %s to %s (pids there %s)%s" % (migration_id, workload, source, target,
+                                                                    restore.get("pids"), where),
+        "Downtime (frozen on the source until running on the target): %.2f s" % (downtime(ckpt, restore) or 0.0),
+        "Checkpoint: lock %.3f s, GPU->RAM %.2f s, CRIU dump %.2f s, checksums %.2f s" % (
+            _f(ck.get("cuda_lock")), _f(ck.get("cuda_checkpoint")), _f(ck.get("runtime_dump")), _f(ck.get("checksum"))),
+        _transfer_line(ckpt, sync, human),
+        "Restore: verify %.2f s, CRIU restore %.2f s, RAM->GPU %.2f s, unlock %.3f s" % (
+            _f(rs.get("verify")), _f(rs.get("runtime_restore")), _f(rs.get("cuda_restore")), _f(rs.get("cuda_unlock"))),
+    ]
+
+
+def outcome(migration_id, source, target, committed=None, ckpt=None, restore=None, sync=None, target_says=None,
+            target_answered=True, held=False, rewind=""):
+    """Where the workload runs after this migration (``gpuckpt_move_outcome``): status moved, stayed (settled
+    either way) or none (no migration with this id had begun), its downtime and image size, whether it settled
+    and is held, what an accepted rewind undid, the link's throughput, and why it stayed."""
+    moved = committed is not None and _bool(committed)
+    wait = downtime(ckpt, restore)
+    return {
+        "migration_id": migration_id,
+        "status": "moved" if moved else "stayed" if committed is not None else "none",
+        "where": target if moved else source,
+        "downtime_s": round(wait, 2) if wait is not None else None,
+        "image_bytes": (ckpt or {}).get("image_bytes"),
+        "settled": _bool(target_answered) and not _bool(held),
+        "held": _bool(held),
+        "rewind": rewind or "",
+        "transfer_bytes_s": throughput(ckpt, sync),
+        "reason": "" if moved else (target_says if target_says is not None else "no migration with this id had begun"),
+    }

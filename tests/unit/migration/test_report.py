@@ -1,0 +1,62 @@
+"""migration/report.py: a migration's summary lines and its outcome, from its module calls' results."""
+from __future__ import annotations
+
+from ansible_collections.gpuckpt.fleet.plugins.filter.migration_outcome import migration_outcome
+from ansible_collections.gpuckpt.fleet.plugins.filter.migration_summary import migration_summary
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import report
+
+CKPT = {"frozen_at": 100.0, "image_bytes": 4000, "push": {"pushed": False},
+        "timings": {"cuda_lock": 0.0012, "cuda_checkpoint": 1.5, "runtime_dump": 2.0, "checksum": 0.25}}
+RESTORE = {"resumed_at": 103.456, "pids": [11, 12],
+           "timings": {"verify": 0.5, "runtime_restore": 1.0, "cuda_restore": 0.75, "cuda_unlock": 0.002}}
+SYNC = {"bytes_transferred": 2048, "seconds": 2.0, "attempts": 1}
+
+
+def test_the_summary_lines():
+    lines = migration_summary(CKPT, RESTORE, sync=SYNC, migration_id="m-1", workload="pid 7", source="a", target="b")
+    assert lines == [
+        "Migration m-1: pid 7 moved from a to b (pids there [11, 12])",
+        "Downtime (frozen on the source until running on the target): 3.46 s",
+        "Checkpoint: lock 0.001 s, GPU->RAM 1.50 s, CRIU dump 2.00 s, checksums 0.25 s",
+        "Transfer: 2.00 KB in 2.00 s (1 attempt(s))",
+        "Restore: verify 0.50 s, CRIU restore 1.00 s, RAM->GPU 0.75 s, unlock 0.002 s",
+    ]
+
+
+def test_a_pod_and_a_push_are_said():
+    ckpt = dict(CKPT, push={"pushed": True, "bytes": 1024, "streams": 2, "bytes_sent_during_dump": 512},
+                timings=dict(CKPT["timings"], push=0.5))
+    lines = report.summary(ckpt, RESTORE, {}, "m-1", "pod ns/p", "a", "b", pod={"namespace": "ns", "name": "p"},
+                           target_pod="p-1", human=lambda n: "%dB" % n)
+    assert lines[0].endswith(", where it runs as pod ns/p-1")
+    assert lines[3] == ("Transfer: 1024B pushed over 2 ssh stream(s) while the image was written, 512B of it during "
+                        "the dump; 0.50 s after the manifest")
+
+
+def test_a_push_that_failed_is_said_after_the_transfer():
+    ckpt = dict(CKPT, push={"pushed": False, "error": "cut"})
+    assert report.summary(ckpt, RESTORE, SYNC, "m", "w", "a", "b")[3].endswith(
+        "(1 attempt(s)) after the push during the dump failed: cut")
+
+
+def test_a_move_that_committed():
+    out = migration_outcome("m-1", source="a", target="b", committed=True, ckpt=CKPT, restore=RESTORE, sync=SYNC,
+                            target_says="committed")
+    assert out == {"migration_id": "m-1", "status": "moved", "where": "b", "downtime_s": 3.46, "image_bytes": 4000,
+                   "settled": True, "held": False, "rewind": "", "transfer_bytes_s": 1024.0, "reason": ""}
+
+
+def test_a_move_that_stayed_and_one_that_never_began():
+    out = report.outcome("m-1", "a", "b", committed=False, target_says="cleaned", target_answered=False, held=True)
+    assert (out["status"], out["where"], out["reason"], out["settled"], out["held"]) == ("stayed", "a", "cleaned",
+                                                                                         False, True)
+    assert out["downtime_s"] is None and out["transfer_bytes_s"] is None
+    none = report.outcome("m-1", "a", "b")
+    assert none["status"] == "none" and none["reason"] == "no migration with this id had begun"
+
+
+def test_throughput_of_a_push_during_the_dump():
+    ckpt = dict(CKPT, push={"pushed": True}, timings={"runtime_dump": 3.0, "push": 1.0})
+    assert report.throughput(ckpt, {"skipped": True}) == 1000.0
+    assert report.throughput(dict(ckpt, image_bytes=0), {}) is None
+    assert report.throughput(CKPT, {"bytes_transferred": 0, "seconds": 1}) is None
