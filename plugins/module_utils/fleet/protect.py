@@ -52,7 +52,7 @@ EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_FENCED = 0, 1, 2, 3
 # The options of the engine's checkpoint that a job's config may give under "checkpoint"; the rest of it are the
 # runtime backend's options (criu_path, runc_root, ...: see runtimes/registry.py).
 ENGINE_OPTIONS = ("lock_timeout", "libcuda_path", "parallel", "host_huge_pages", "quiesce_signal",
-                  "quiesce_command", "quiesce_timeout")
+                  "quiesce_command", "quiesce_timeout", "quiesce_mode", "quiesce_lease")
 
 
 class JobLock(object):

@@ -232,7 +232,8 @@ def _source_manifest(doc, img):
         return img.manifest
     return {"target": {"pids": doc.get("pids") or [], "cuda_pids": doc.get("cuda_pids") or [],
                        "identities": doc.get("identities") or {}, "states": doc.get("states") or {}},
-            "runtime": {"backend": doc.get("runtime"), "container": doc.get("container")}}
+            "runtime": {"backend": doc.get("runtime"), "container": doc.get("container")},
+            "cooperative": doc.get("cooperative")}
 
 
 def commit_source(journal, backend=None, target_phase=None, remove_image=False, wait=RESTORE_WAIT):
