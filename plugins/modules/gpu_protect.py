@@ -148,7 +148,7 @@ carry:
     - For C(carry_plan) - C(job) (null when the workload is no protected job here), C(carry) (whether its protection
       can follow it), C(why) (when not), C(spec) (the job as the role gpuckpt.fleet.protect takes it), C(replicas)
       (each is told the new owner), C(target_replicas) (those the target pushes to), C(passed_over) (why each job
-      whose pid file names the workload's pid, or that is fenced here, is not it: a pid is matched by the process's
+      whose pid file names the workload's pid, or that is fenced here, is not it; a pid is matched by the process's
       identity, never bare), C(systemd).
   returned: when O(state=carry_plan)
   type: dict

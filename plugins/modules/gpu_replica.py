@@ -39,7 +39,7 @@ description:
   - C(handover) records that a migration (migrate.yml, drain.yml) moved the job from O(node) to O(target), both up.
     The epoch is raised by one and O(target) named as the owner, so that O(node)'s pushes are refused from then on.
     It leaves a record that a move from O(node) already handed to O(target) (a re-run), and refuses one of a third
-    owner and one that names O(target) since anything else (a failover: the workload moved was not the job's copy).
+    owner and one that names O(target) since anything else (a failover, so the workload moved was not the job's copy).
     A replica with no record of the job gets none.
   - The image's signature is not checked here; C(gpuckpt.fleet.gpu_restore) checks it, with the key, before a
     restore.
