@@ -21,8 +21,11 @@ unit_pid=$!
 # start longest first (tests/conftest.py), so that the last one to end is a short one.
 # test_leftovers.py compares this machine's /tmp and the runtimes' state dirs before and after each operation, so it
 # runs alone, after them.
+# A short basetemp: each worker's tests are under <basetemp>/popen-gwN/<test>/, and ssh's control sockets there must
+# stay under the 108 bytes of a unix socket's path.
 workers=${GPUCKPT_TEST_WORKERS:-2}
-.venv/bin/pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder --durations=30 tests --ignore=tests/unit \
+.venv/bin/pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder --durations=30 --basetemp=/tmp/gpkit \
+  tests --ignore=tests/unit \
   --ignore=tests/integration/test_leftovers.py "$@"
 rest_rc=$?
 .venv/bin/pytest -q -p no:cacheprovider --basetemp=/tmp/gpuckpt-leftovers-basetemp tests/integration/test_leftovers.py "$@"

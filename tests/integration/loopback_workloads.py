@@ -110,7 +110,7 @@ class Controller(object):
     """ansible-playbook (migrate.yml, or ``name``) running in the background, which a test kills as a whole."""
 
     def __init__(self, hosts, tmp_path, extra, inventory=None, name=MIGRATE):
-        self.cp = str(tmp_path / "cp-killed")
+        self.cp = str(tmp_path / "cpk")  # (short: ssh's control socket path must stay under 108 bytes)
         env = dict(os.environ, ANSIBLE_COLLECTIONS_PATH=COLLECTIONS, ANSIBLE_HOST_KEY_CHECKING="false",
                    ANSIBLE_PIPELINING="true", ANSIBLE_SSH_CONTROL_PATH_DIR=self.cp)
         self.log = str(tmp_path / "controller.log")

@@ -39,8 +39,6 @@ def _key(runtime, ident):
     return "%s:%s" % (runtime, ident)
 
 
-
-
 def _in_pod(c):
     return c.get("runtime") == "containerd" and c.get("namespace") == K8S_NAMESPACE
 
