@@ -88,7 +88,7 @@ class _Steps(object):
 
     def resume_cooperative(self, c):
         """Tell every rank to resume (the checkpoint's end with the job running, or its undo); once."""
-        if c.quiesce is not None and not c.coop.get("resumed"):
+        if c.quiesce is not None and c.coop is not None and not c.coop.get("resumed"):
             pids = [c.pid_map.get(p, p) for p in c.coop["pids"]]
             c.coop["resumed"] = cooperative.resume(pids, c.coop["request"])
             c.quiesce["resumed"] = c.coop["resumed"]
@@ -109,8 +109,12 @@ class _Steps(object):
 
     def _here(self, c, p):
         """Whether the checkpointed pid ``p`` still needs its undo: the same process (a rank a cooperative job lost,
-        or that its launcher killed, needs nothing unlocked), or the copy an undump brought back."""
-        return p in c.pid_map or same_process(c.identities.get(str(p))) is not None
+        or that its launcher killed, needs nothing unlocked), or the copy an undump brought back. A pid this host
+        cannot judge (a sandbox's own pids; one with no identity recorded) is undone as it always was."""
+        if p in c.pid_map or self.backend.capabilities.cuda_in_sandbox:
+            return True
+        ident = c.identities.get(str(p))
+        return ident is None or same_process(ident) is not None
 
     def unlock(self, c):
         for p in c.locked:

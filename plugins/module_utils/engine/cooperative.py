@@ -261,7 +261,7 @@ def check_alive(report, pid):
 
 def record_of(report):
     """What a manifest or a give-back record keeps of the request: enough to tell the ranks to resume."""
-    if not report:
+    if not report or report.get("mode") != "cooperative":  # (a plain quiesce's report: nothing to resume)
         return None
     return {"request": report["request"], "step": report.get("step"), "lease_s": report.get("lease_s"),
             "ranks": {p: r.get("rank") for p, r in (report.get("ranks") or {}).items()}}

@@ -111,7 +111,8 @@ def job_spec(cfg):
 def carry_plan(protect_dir, journal_dir, migration_id, target):
     """What carrying the protection of migration ``migration_id``'s workload to ``target`` takes (see the module doc):
     {"job" (None when the workload is no protected job here), "carry", "why", "spec", "replicas" (every replica of
-    the job: each is told the new owner), "passed_over" (why each job that named the workload is not it), "target_replicas" (those the target pushes to: all but itself),
+    the job: each is told the new owner), "passed_over" (why each job that named the workload is not it),
+    "target_replicas" (those the target pushes to: all but itself),
     "systemd" (whether this host runs the job's timer under systemd)}."""
     pid, ident, container = _migrated_workload(journal_dir, migration_id)
     cfg, passed = find_job(protect_dir, pid=pid, container=container, ident=ident)

@@ -11,7 +11,6 @@ import signal
 
 from ..core import procfs
 from ..core.errors import GpuCkptError
-from ..core.journal import same_process
 from ..core.run import run as run_command
 from ..engine.steps import now_iso
 from . import protect_history as hist
