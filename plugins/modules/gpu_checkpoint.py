@@ -382,6 +382,10 @@ driver_call_seconds:
   description: Seconds spent inside the driver's own calls, per call, to compare with the stage timings.
   returned: when changed
   type: dict
+driver_call_seconds_by_pid:
+  description: The same for each CUDA process (its pid), e.g. each rank's own stage 1 in a multi-GPU job.
+  returned: when changed
+  type: dict
 image_bytes:
   description: Size of the image.
   returned: when changed
