@@ -25,6 +25,7 @@ def main():
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--label", default="")
+    ap.add_argument("--out", help="a directory: rank 0 writes its RESULT there too, as allreduce.json")
     args = ap.parse_args()
     local = int(os.environ["LOCAL_RANK"])
     torch.cuda.set_device(local)
@@ -43,11 +44,15 @@ def main():
     nbytes = x.numel() * 4
     algbw = nbytes / seconds / 1e9
     if dist.get_rank() == 0:
-        print("RESULT " + json.dumps({
+        doc = {
             "kind": "allreduce_bw", "label": args.label, "ranks": n, "bytes": nbytes, "iters": args.iters,
             "seconds_per_allreduce": round(seconds, 6), "algbw_gbps": round(algbw, 2),
             "busbw_gbps": round(algbw * 2 * (n - 1) / n, 2), "nccl_version": ".".join(map(str, torch.cuda.nccl.version())),
-            "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}}), flush=True)
+            "nccl_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NCCL_")}}
+        print("RESULT " + json.dumps(doc), flush=True)
+        if args.out:
+            with open(os.path.join(args.out, "allreduce.json"), "w") as fh:
+                json.dump(doc, fh)
     dist.destroy_process_group()
 
 

@@ -345,11 +345,11 @@ def _cost_between_checkpoints(tmp_path, record, reference):
     base = str(tmp_path / "cost")
     for label, env in (("defaults", {}), ("config", CONFIG), ("defaults", {}), ("config", CONFIG)):
         d = "%s-bw-%s-%d" % (base, label, len(_COST))
-        job = Job(d, coop=False, env=env, script=ALLREDUCE, args=["--mib", "256", "--label", label])
+        job = Job(d, coop=False, env=env, script=ALLREDUCE, args=["--mib", "256", "--label", label, "--out", d])
         job.wait_gone(180)
-        lines = [ln for ln in job.tail().splitlines() if "RESULT {" in ln]
-        assert lines, job.tail()
-        data = json.loads(lines[-1].split("RESULT ", 1)[1])
+        assert os.path.exists(os.path.join(d, "allreduce.json")), job.tail()
+        with open(os.path.join(d, "allreduce.json")) as fh:
+            data = json.load(fh)
         _COST.setdefault("bw", []).append(data)
         record("coop_cost_allreduce", **{k: v for k, v in data.items() if k != "kind"})
     if os.environ.get("GPUCKPT_COOP_BENCH", "1") == "0":
