@@ -258,7 +258,8 @@ def test_cooperative_defaults_checkpointed_leave_running_then_dumped_and_restore
            image_bytes=res.get("image_bytes"), cuda_pids=res.get("cuda_pids"), msg=res.get("msg"))
     assert run.rc == 0, run.stdout[-6000:]
     q = res["quiesce"]
-    assert q["mode"] == "cooperative" and len(res["cuda_pids"]) == 2, res
+    # (3 CUDA processes: torchrun's agent holds a context of its own under PyTorch 2.11; it is frozen, not asked)
+    assert q["mode"] == "cooperative" and len(q["ranks"]) == 2 and len(res["cuda_pids"]) >= 2, res
     job.wait_steps(q["step"] + 20)
     assert job.procs() == procs0, (job.procs(), procs0)
     for r in range(2):
@@ -343,8 +344,8 @@ def _cost_between_checkpoints(tmp_path, record, reference):
     _COST["started"] = True
     reference.wait_done()
     base = str(tmp_path / "cost")
-    for label, env in (("defaults", {}), ("config", CONFIG), ("defaults", {}), ("config", CONFIG)):
-        d = "%s-bw-%s-%d" % (base, label, len(_COST))
+    for i, (label, env) in enumerate((("defaults", {}), ("config", CONFIG), ("defaults", {}), ("config", CONFIG))):
+        d = "%s-bw-%s-%d" % (base, label, i)
         job = Job(d, coop=False, env=env, script=ALLREDUCE, args=["--mib", "256", "--label", label, "--out", d])
         job.wait_gone(180)
         assert os.path.exists(os.path.join(d, "allreduce.json")), job.tail()
