@@ -114,7 +114,10 @@ def test_ddp_job_migrated_between_the_loopback_hosts(playbook, gpu_hosts, tmp_pa
         # (one pid space: the job, started through hosta's ssh in a session of its own, is init's child like the
         # restored copy; migrate.yml is told where it runs)
         v = {"source": "hosta", "target": "hostb", "pid": job.pid, "migration_id": "ddp-" + mode,
-             "gpuckpt_quiesce_timeout": 60}
+             "gpuckpt_quiesce_timeout": 60,
+             # torchrun's agent holds a CUDA context of its own (PyTorch 2.11) that nvidia-smi lists with no memory:
+             # the preflight cannot size the job (seen on 2 x H100, 2026-11-27), so its unknowns are accepted here
+             "gpuckpt_allow_unknown": ["gpu_memory", "disk", "host_ram"]}
         if coop:
             v["quiesce_mode"] = "cooperative"
         t = time.monotonic()
