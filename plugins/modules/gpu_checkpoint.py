@@ -150,8 +150,9 @@ options:
       - V(release) (the default) is what O(quiesce_signal) and O(quiesce_command) do, the workload giving back memory
         while it runs on.
       - V(cooperative) checkpoints a distributed job at full speed, NCCL's defaults kept between checkpoints. Each
-        rank (each CUDA process) imports C(tools/gpuckpt_quiesce.py) and calls C(Cooperative().step_boundary(step))
-        once a step (docs/multi_gpu.md). The checkpoint writes a request into each rank's C(/tmp) and sends it
+        rank (each NCCL rank of the tree) imports C(tools/gpuckpt_quiesce.py) and calls
+        C(Cooperative().step_boundary(step)) once a step (docs/multi_gpu.md). Other CUDA processes of the tree (a
+        launcher with a context of its own) are frozen with the ranks but not asked. The checkpoint writes a request into each rank's C(/tmp) and sends it
         O(quiesce_signal) (V(SIGUSR1) when not given). The ranks agree on one step boundary, destroy their process
         groups and acknowledge. Only then is the job locked, checkpointed and dumped.
       - A rank that does not acknowledge within O(quiesce_timeout), that exits, or that still holds NCCL's
@@ -380,6 +381,10 @@ timings:
   type: dict
 driver_call_seconds:
   description: Seconds spent inside the driver's own calls, per call, to compare with the stage timings.
+  returned: when changed
+  type: dict
+driver_call_seconds_by_pid:
+  description: The same for each CUDA process (its pid), e.g. each rank's own stage 1 in a multi-GPU job.
   returned: when changed
   type: dict
 image_bytes:

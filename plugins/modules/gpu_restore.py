@@ -164,6 +164,10 @@ driver_call_seconds:
   description: Seconds spent inside the driver's own calls.
   returned: when changed
   type: dict
+driver_call_seconds_by_pid:
+  description: The same for each CUDA process (its pid), e.g. each rank's own stage 1 in a multi-GPU job.
+  returned: when changed
+  type: dict
 verify_seconds:
   description: Seconds spent on the image's checksums (null with O(verify=false)).
   returned: when changed

@@ -478,3 +478,25 @@ def _ancestors(pid):
             break
         out.append(pid)
     return out
+
+
+def test_migrated_by_migrate_yml_in_the_cooperative_mode(tmp_path, fakecuda, hosts, playbook):
+    """migrate.yml with quiesce_mode=cooperative (issue 45 part 3): the job is asked at a step boundary on hosta,
+    dumped there, sent, restored on hostb and told to resume there; one copy, every step once, nothing locked."""
+    from loopback_workloads import MIGRATE
+    job = CoopJob(str(tmp_path / "job"), fakecuda, hosts=hosts, host="hosta")
+    try:
+        run = playbook(MIGRATE, {"source": "hosta", "target": "hostb", "pid": job.pid, "migration_id": "coop-move",
+                                 "quiesce_mode": "cooperative", "gpuckpt_quiesce_timeout": 60},
+                       inventory=hosts.path("inventory.yml"))
+        assert run.rc == 0, run.stdout
+        ck, rs = run.task("Stage 1/3"), run.task("Restore on hostb")
+        step = ck["quiesce"]["step"]
+        assert ck["quiesce"]["mode"] == "cooperative" and len(ck["quiesce"]["ranks"]) == 2, ck
+        assert len(rs["cooperative_resumed"]) == 2, rs
+        job.host_pid = _by_ns_pid(job.pid, _with(job.tag))
+        assert hosts.pids["hostb"] in _ancestors(job.host_pid), "the job runs on hostb"
+        job.counting_on([step] * 2)
+        job.check()
+    finally:
+        job.kill()

@@ -5,9 +5,18 @@ must log the very losses of an uninterrupted run.
   torchrun --standalone --nproc-per-node 2 ddp_job.py OUT STEPS PAUSE_S
   ddp_job.py --launch 2 OUT STEPS PAUSE_S     its own launcher: starts the ranks (RANK, WORLD_SIZE, LOCAL_RANK,
                                              MASTER_ADDR/PORT; rank 0 hosts the store) and waits for them
+  python tools/gpuckpt_quiesce.py --standalone --nproc-per-node 2 ddp_job.py OUT STEPS PAUSE_S
+                                             the helper's torchrun (its store without libuv), for the cooperative mode
+
+Environment:
+  GPUCKPT_DDP_COOP=1    use tools/gpuckpt_quiesce.py's Cooperative (two lines, as docs/multi_gpu.md shows); each
+                        cycle's record goes to <out>/rank<R>.cycles (one JSON object a line)
+  GPUCKPT_DDP_WIDTH=N   the hidden layer's width (1024): the all-reduce per step is about 4*N*1024 bytes
+Every rank appends "<step> <time.time() after the step>" to <out>/rank<R>.times (the step time; a checkpoint's stall).
 """
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -25,11 +34,18 @@ def main():
     torch.cuda.set_device(local)
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
-    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 1)).cuda()
+    width = int(os.environ.get("GPUCKPT_DDP_WIDTH", "1024"))
+    model = torch.nn.Sequential(torch.nn.Linear(1024, width), torch.nn.ReLU(), torch.nn.Linear(width, 1)).cuda()
     ddp = DistributedDataParallel(model, device_ids=[local])
+    coop = None
+    if os.environ.get("GPUCKPT_DDP_COOP") == "1":
+        sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools"))
+        import gpuckpt_quiesce
+        coop = gpuckpt_quiesce.Cooperative()  # line 1
     opt = torch.optim.SGD(ddp.parameters(), lr=1e-3)
     gen = torch.Generator(device="cuda").manual_seed(1000 + rank)
-    with open(os.path.join(out, "rank%d.losses" % rank), "a") as fh:
+    with open(os.path.join(out, "rank%d.losses" % rank), "a") as fh, \
+            open(os.path.join(out, "rank%d.times" % rank), "a") as times:
         for step in range(steps):
             x = torch.randn(256, 1024, device="cuda", generator=gen)
             y = x.sum(dim=1, keepdim=True) / 32.0
@@ -39,7 +55,14 @@ def main():
             opt.step()
             fh.write("%d %s\n" % (step, loss.item().hex()))
             fh.flush()
-            time.sleep(pause)
+            times.write("%d %.6f\n" % (step, time.time()))
+            if coop is not None and coop.step_boundary(step):  # line 2: re-wrap what holds the old group
+                ddp = DistributedDataParallel(model, device_ids=[local])
+                with open(os.path.join(out, "rank%d.cycles" % rank), "a") as cyc:
+                    cyc.write(json.dumps(coop.history[-1]) + "\n")
+            if pause:
+                time.sleep(pause)
+        times.flush()
     dist.barrier()
     dist.destroy_process_group()
 

@@ -33,7 +33,8 @@ from . import cooperative, in_memory, quiesce
 from .delivery import deliver
 from .plan import CheckpointOptions, plan_checkpoint
 from .restore import restore_from
-from .steps import STOPPED, Clock, NoHangup, PartlyDone, Step, driver_seconds, each, now_iso, run_steps
+from .steps import STOPPED, Clock, NoHangup, PartlyDone, Step, driver_seconds, driver_seconds_by_pid, each, now_iso, \
+    run_steps
 
 COLLECTION_VERSION = "0.1.0"
 CHECKPOINT_STAGES = ("cuda_lock", "cuda_checkpoint", "runtime_dump", "checksum", "manifest", "push")
@@ -232,7 +233,8 @@ def _manifest(c, files, clock):
          "frozen_at": c.frozen_at,
          "sizes": {"image_bytes": sum(f["size"] for f in files.values()), "files": len(files),
                    "hashed_during_dump": c.hasher.hashed_early() if c.hasher is not None else 0},
-         "timings": dict(clock.stages), "driver_call_seconds": driver_seconds(c.drv, c.calls0), "files": files}
+         "timings": dict(clock.stages), "driver_call_seconds": driver_seconds(c.drv, c.calls0),
+         "driver_call_seconds_by_pid": driver_seconds_by_pid(c.drv, c.calls0), "files": files}
     if c.migration_id:
         m["migration"] = {"id": c.migration_id, "nonce": c.opts.nonce}
     return m
@@ -368,6 +370,7 @@ def _checkpoint(target, image_dir, opts, backend, journal, sender, progress):
         result["image_in_memory"] = dict(ctx.in_memory, **_tmpfs_usage(image_dir))
     result.update(changed=True, manifest_id=ctx.manifest["id"], timings=dict(clock.stages), frozen_at=ctx.frozen_at,
                   driver_call_seconds=ctx.manifest["driver_call_seconds"],
+                  driver_call_seconds_by_pid=ctx.manifest.get("driver_call_seconds_by_pid"),
                   image_bytes=ctx.manifest["sizes"]["image_bytes"],
                   msg="checkpointed %d process(es) (%d on the GPU) into %s%s"
                   % (len(ctx.pids), len(ctx.cuda_pids), image_dir,

@@ -227,6 +227,15 @@ def _gpu_stage(backend, drv, driver_problem, cuda_pids):
     return "skipped: no process of the tree is a CUDA process"
 
 
+def cooperative_ranks(verdict, cuda_pids, root):
+    """The processes a cooperative checkpoint asks: the tree's NCCL ranks and those that announced the helper. A
+    launcher with a CUDA context of its own (torchrun's agent under PyTorch 2.11, seen on 2 x H100) is locked and
+    checkpointed with them, but not asked: it has no communicator to release and does not catch the signal. Every
+    CUDA process (or the root) when no process is either."""
+    ranks = {r["pid"] for r in verdict.get("ranks") or []} | set(cooperative.announced(cuda_pids))
+    return [p for p in cuda_pids if p in ranks] or cuda_pids or [root]
+
+
 def _check_quiesce(backend, opts, root, cuda_pids):
     if opts.quiesce_signal and backend.capabilities.cuda_in_sandbox:
         raise InvalidTarget("quiesce_signal cannot reach processes inside a %s sandbox (the host does not see them); "
@@ -259,10 +268,11 @@ def plan_checkpoint(target, image_dir, opts, backend):
     image.check_dir(image_dir)
     drv, driver_problem, cuda_pids = _cuda_processes(backend, opts, root, pids, verdict)
     gpu_stage = _gpu_stage(backend, drv, driver_problem, cuda_pids)
-    _check_quiesce(backend, opts, root, cuda_pids)
+    coop_pids = cooperative_ranks(verdict, cuda_pids, root) if opts.cooperative else None
+    _check_quiesce(backend, opts, root, coop_pids or cuda_pids)
     proc_states = {str(p): (procfs.read_stat(p) or {}).get("state") for p in pids}
     # (the cooperative request's number is decided now: a give-back record must know it before anything is asked)
-    coop = {"request": cooperative.request_number(), "pids": cuda_pids or [root]} if opts.cooperative else None
+    coop = {"request": cooperative.request_number(), "pids": coop_pids} if opts.cooperative else None
     cuda_gpus = _cuda_gpus(cuda_pids, backend.capabilities.cuda_in_sandbox)
     # The host's facts for the manifest are read now: asking NVML or nvidia-smi while the workload is
     # frozen added 0.05-0.7 s of downtime (more with the push's streams busy on the same cores).

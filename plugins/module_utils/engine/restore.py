@@ -33,8 +33,8 @@ from ..cuda import driver as cuda
 from ..runtimes.process import ProcessBackend
 from . import cooperative, verify_beside
 from .delivery import wait_for_delivery
-from .steps import DEAD, STOPPED, Clock, NoHangup, PartlyDone, describe_failure, driver_seconds, each, error_fields, \
-    now_iso
+from .steps import DEAD, STOPPED, Clock, NoHangup, PartlyDone, describe_failure, driver_seconds, driver_seconds_by_pid, \
+    each, error_fields, now_iso
 
 RESTORE_STAGES = ("wait_pids_free", "verify", "preflight", "runtime_restore", "cuda_restore", "probe",
                   "cuda_unlock", "validate")
@@ -296,6 +296,7 @@ def _restore_checked(img, opts, backend, journal, clock, drv, pages, verify_seco
     result.update(changed=True, pids=outcome.pids, cuda_pids=outcome.cuda_pids, timings=dict(clock.stages),
                   resumed_at=outcome.resumed_at, validation_notes=outcome.notes, probe=outcome.probe,
                   verify_seconds=verify_seconds, driver_call_seconds=driver_seconds(drv, calls0),
+                  driver_call_seconds_by_pid=driver_seconds_by_pid(drv, calls0),
                   gpu_pairs=pairs or outcome.gpu_pairs or None, pages_verified_beside_restore=pages is not None,
                   cooperative_resumed=coop_resumed if manifest.get("cooperative") else None,
                   msg="restored %d process(es) (%d on the GPU) from %s"

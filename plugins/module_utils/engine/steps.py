@@ -59,6 +59,19 @@ def driver_seconds(drv, since):
     return out
 
 
+def driver_seconds_by_pid(drv, since):
+    """The same per process: {pid: {lock, checkpoint, restore, unlock}} (each rank's own stage 1 in a job of many)."""
+    out = {}
+    if drv is not None:
+        for c in drv.calls[since:]:
+            if c.get("pid") is None:
+                continue
+            key = c["call"].replace("cuCheckpointProcess", "").lower()
+            per = out.setdefault(str(c["pid"]), {})
+            per[key] = round(per.get(key, 0.0) + c["seconds"], 6)
+    return out
+
+
 def describe_failure(exc):
     """(stage, pid, reason, hint) of any exception: a GpuCkptError's own, else None and the exception."""
     if isinstance(exc, GpuCkptError):
