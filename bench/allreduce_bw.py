@@ -32,12 +32,12 @@ def main():
     dist.init_process_group("nccl", device_id=torch.device("cuda", local))
     n = dist.get_world_size()
     x = torch.ones(int(args.mib * (1 << 20)) // 4, dtype=torch.float32, device="cuda")
-    for _ in range(args.warmup):
+    for unused in range(args.warmup):
         dist.all_reduce(x)
     torch.cuda.synchronize()
     dist.barrier()
     t = time.perf_counter()
-    for _ in range(args.iters):
+    for unused in range(args.iters):
         dist.all_reduce(x)
     torch.cuda.synchronize()
     seconds = (time.perf_counter() - t) / args.iters

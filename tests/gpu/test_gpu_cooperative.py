@@ -231,8 +231,8 @@ def _same_losses(job, reference):
         assert not differ, "rank %d: %d of %d losses differ, first %s" % (r, len(differ), STEPS, differ[:3])
 
 
-def test_cooperative_defaults_checkpointed_leave_running_then_dumped_and_restored_in_place(playbook, jobs, reference,
-                                                                                          tmp_path, record):
+def test_cooperative_defaults_checkpointed_leave_running_then_dumped_and_restored_in_place(
+        playbook, jobs, reference, tmp_path, record):
     job = jobs("job", coop=True)
     reference.wait_steps(10)
     # 1. The same job without the helper, NCCL's defaults: refused before anything is frozen, in either mode; runs on.
