@@ -69,12 +69,14 @@ class CoopJob(object):
                "--monitor-interval", "0.1", JOB, directory, fakecuda.lib, self.tag, str(pause)]
         start = ["setsid", "-f", "sh", "-c", 'exec "$@" >"%s" 2>&1 </dev/null' % os.path.join(directory, "out.log"),
                  "sh"] + cmd
+        # (torchrun's agent makes its log folder with tempfile: in the job's own directory, not the machine's /tmp)
+        env = dict(env or {}, TMPDIR=directory)
         if hosts is None:
-            env = dict(os.environ, **dict(fakecuda.env, **(env or {})))
+            env = dict(os.environ, **dict(fakecuda.env, **env))
             env.pop("NCCL_P2P_DISABLE", None)
             subprocess.run(start, env=env, check=True)
         else:  # (high in the host's pid space: CRIU restores the same pids on the other host, whose low ones are taken)
-            host_env = dict(hosts.host_vars[host]["gpuckpt_environment"], **(env or {}))
+            host_env = dict(hosts.host_vars[host]["gpuckpt_environment"], **env)
             hosts.ssh(host, "echo 20000 > /proc/sys/kernel/ns_last_pid; env %s %s" % (
                 " ".join("%s=%s" % kv for kv in sorted(host_env.items())), " ".join("'%s'" % a for a in start)))
         self.wait(lambda: all(len(self.steps(r)) > 3 for r in range(2)), 90, "the ranks to train")
