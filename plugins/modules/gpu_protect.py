@@ -198,10 +198,56 @@ def checkpoint_now(p, check_mode):
     return False, out
 
 
+def _give_back(p, act):
+    done = protect.give_back_all(p["protect_dir"], p["job"], act=act)
+    failed = [d for d in done if d.get("failed") or d.get("error")]
+    out = dict(changed=any(d["changed"] for d in done), given_back=done,
+               msg="; ".join(r.get("msg") or r.get("error") or "" for d in done for r in d["given_back"])
+               or "nothing was left frozen here")
+    return bool(failed), out
+
+
+def _carry_plan(p, check_mode):
+    del check_mode  # (reads only)
+    carry = protect_carry.carry_plan(p["protect_dir"], p["journal_dir"], p["migration_id"], p["target"])
+    return False, dict(changed=False, carry=carry,
+                       msg=carry["why"] or "job %s's protection goes to %s" % (carry["job"], p["target"]))
+
+
+def _pid_file(p, check_mode):
+    changed, pid = (False, None) if check_mode else protect_carry.write_pid_file(
+        p["pid_file"], p["journal_dir"], p["migration_id"])
+    return False, dict(changed=changed, pid=pid, msg="%s names pid %s" % (p["pid_file"], pid))
+
+
+def _status(p, act):
+    jobs = protect.status_all(p["protect_dir"], p["job"], act=act)
+    fence = [dict(j["fenced"], job=j["job"]) for j in jobs if j.get("fenced")]
+    return False, dict(changed=any(f.get("changed") for f in fence), jobs=jobs, fence=fence,
+                       fenced=[f["job"] for f in fence])
+
+
+def _fence_check(p, act):
+    fence = protect.fence_check_all(p["protect_dir"], p["job"], act=act)
+    fenced = [f["job"] for f in fence if f.get("fenced")]
+    return False, dict(changed=any(f.get("changed") for f in fence), fence=fence, fenced=fenced,
+                       msg="fenced on this node: %s" % ", ".join(fenced) if fenced else "no job is fenced here")
+
+
+# Each state: a function of the options and whether to act (check mode does not), returning (failed, result).
+STATES = {
+    "checkpoint_now": lambda p, act: checkpoint_now(p, not act),
+    "give_back": _give_back,
+    "carry_plan": lambda p, act: _carry_plan(p, not act),
+    "pid_file": lambda p, act: _pid_file(p, not act),
+    "status": _status,
+    "fence_check": _fence_check,
+}
+
+
 def main():
     module = AnsibleModule(argument_spec=dict(
-        state=dict(type="str", default="status",
-                   choices=["status", "checkpoint_now", "fence_check", "give_back", "carry_plan", "pid_file"]),
+        state=dict(type="str", default="status", choices=["status", "checkpoint_now", "fence_check", "give_back", "carry_plan", "pid_file"]),
         protect_dir=dict(type="path", default=protect.DEFAULT_PROTECT_DIR),
         job=dict(type="str"),
         within=dict(type="float"),
@@ -215,41 +261,13 @@ def main():
     if p["within"] is not None and not (math.isfinite(p["within"]) and p["within"] > 0):
         module.fail_json(msg="within must be a positive number of seconds (a spot notice's 30 to 120, say), not %s; "
                              "nothing was checkpointed" % p["within"], stage="preflight")
-    act = not module.check_mode
     try:
-        if p["state"] == "checkpoint_now":
-            failed, out = checkpoint_now(p, module.check_mode)
-            if failed:
-                module.fail_json(**out)
-            module.exit_json(**out)
-        if p["state"] == "give_back":
-            done = protect.give_back_all(p["protect_dir"], p["job"], act=act)
-            failed = [d for d in done if d.get("failed") or d.get("error")]
-            out = dict(changed=any(d["changed"] for d in done), given_back=done,
-                       msg="; ".join(r.get("msg") or r.get("error") or "" for d in done for r in d["given_back"])
-                       or "nothing was left frozen here")
-            if failed:
-                module.fail_json(**out)
-            module.exit_json(**out)
-        if p["state"] == "carry_plan":
-            carry = protect_carry.carry_plan(p["protect_dir"], p["journal_dir"], p["migration_id"], p["target"])
-            module.exit_json(changed=False, carry=carry, msg=carry["why"] or "job %s's protection goes to %s"
-                             % (carry["job"], p["target"]))
-        if p["state"] == "pid_file":
-            changed, pid = (False, None) if module.check_mode else protect_carry.write_pid_file(
-                p["pid_file"], p["journal_dir"], p["migration_id"])
-            module.exit_json(changed=changed, pid=pid, msg="%s names pid %s" % (p["pid_file"], pid))
-        if p["state"] == "status":
-            jobs = protect.status_all(p["protect_dir"], p["job"], act=act)
-            fence = [dict(j["fenced"], job=j["job"]) for j in jobs if j.get("fenced")]
-            module.exit_json(changed=any(f.get("changed") for f in fence), jobs=jobs, fence=fence,
-                             fenced=[f["job"] for f in fence])
-        fence = protect.fence_check_all(p["protect_dir"], p["job"], act=act)
-        fenced = [f["job"] for f in fence if f.get("fenced")]
-        module.exit_json(changed=any(f.get("changed") for f in fence), fence=fence, fenced=fenced,
-                         msg="fenced on this node: %s" % ", ".join(fenced) if fenced else "no job is fenced here")
+        failed, out = STATES[p["state"]](p, not module.check_mode)
     except GpuCkptError as exc:
         module.fail_json(**exc.to_dict())
+    if failed:
+        module.fail_json(**out)
+    module.exit_json(**out)
 
 
 if __name__ == "__main__":

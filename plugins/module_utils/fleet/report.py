@@ -169,6 +169,101 @@ def move_state(seen, key, node_keys):
     return "ended"
 
 
+class _DrainEnd:
+    """The lines of a drain's end as they are gathered: what each move or stay left where, what keeps the node from
+    being empty (``held``: a move's source still holds it there), what is lost (``gone``), and which of the node's
+    workloads a line has spoken of (``accounted``)."""
+
+    def __init__(self, node, outcomes, seen, found):
+        self.node, self.outcomes, self.seen = node, outcomes, seen
+        self.node_keys = {w["key"]: w for w in found}
+        self.lines = ["Drain of %s (where each workload runs, as the hosts showed it at the end):" % node]
+        self.held, self.gone, self.accounted = {}, [], set()
+
+    def earlier_move(self, record):
+        """A move of an earlier drain that this run settled first."""
+        mid = record["migration_id"]
+        out, s = self.outcomes.get(mid) or {}, self.seen.get(mid)
+        if s is None:
+            return  # not settled by this run (its target is not in the inventory): the node's mark keeps it
+        key = record["workload"]
+        what = describe(self.node_keys[key]) if key in self.node_keys else describe_key(key)
+        by = "move %s of an earlier drain" % mid
+        state, tgt = move_state(s, key, self.node_keys), (s.get("target") or {})
+        if state == "moved":
+            self.accounted.add(key)
+            self.lines.append("  MOVED   %s -> %s (%s): runs there (pids %s)" % (
+                what, record["target"], by, ",".join(map(str, tgt.get("running_pids") or []))))
+        elif state == "held":
+            self.held[key] = what
+            self.lines.append(_held_line(what, self.node, out, s, "; " + by))
+        elif state in ("on_node", "ended"):  # given back (or never frozen): the plan has it again, if it runs
+            given_back = (s.get("source") or {}).get("phase") in ("resumed", "rolled_back")
+            self.lines.append("  SETTLED %s (%s): %s%s" % (
+                what, by, "rolled back to %s" % self.node if given_back else "it had not begun",
+                "; " + out["rewind"] if out.get("rewind") else ""))
+        elif state == "unseen":
+            self.lines.append("  UNSEEN  %s (%s): %s could not be asked at the end (%s)" % (
+                what, by, record["target"], s.get("target_error")))
+        elif state == "gone":
+            self.gone.append(what)
+            self.lines.append("  GONE    %s (%s): runs neither on %s nor on %s (%s)" % (
+                what, by, self.node, record["target"],
+                out.get("reason") or "its settlement said %s" % (out.get("status") or "nothing")))
+
+    def move(self, m):
+        """A move of this drain's plan."""
+        mid, key, what, target = m["migration_id"], m["workload"]["key"], describe(m["workload"]), m["target"]
+        out, s = self.outcomes.get(mid) or {}, self.seen.get(mid) or {}
+        state, tgt = move_state(s, key, self.node_keys), (s.get("target") or {})
+        self.accounted.add(key)
+        said = out.get("reason") or out.get("status") or "the move did not report"
+        if state == "moved":
+            est = (m.get("estimate") or {}).get("duration_s")
+            self.lines.append("  MOVED   %s -> %s: downtime %s, move took %s (estimated %s), image %s (estimated %s); runs "
+                              "there (pids %s)" % (
+                                  what, target, _secs(out.get("downtime_s")), _secs(out.get("took_s")), _secs(est),
+                                  gib(out.get("image_bytes")) if out.get("image_bytes") is not None else "?",
+                                  gib(m.get("image_estimate_bytes")), ",".join(map(str, tgt.get("running_pids") or []))))
+        elif state == "held":
+            self.held[key] = what
+            self.lines.append(_held_line(what, self.node, out, s))
+        elif state == "on_node":
+            self.lines.append("  STAYED  %s on %s: %s" % (what, self.node, said))
+        elif state == "unseen":
+            self.lines.append("  UNSEEN  %s: not on %s, and %s could not be asked at the end (%s)" % (
+                what, self.node, target, s.get("target_error")))
+        elif state == "ended":
+            self.lines.append("  ENDED   %s: no longer runs on %s, and its move had not frozen it, or gave it back (%s)" % (
+                what, self.node, said))
+        else:
+            self.gone.append(what)
+            self.lines.append("  GONE    %s: runs neither on %s nor on %s (%s)" % (
+                what, self.node, target, out.get("reason") or "its move said %s" % (out.get("status") or "nothing")))
+
+    def stay(self, st):
+        """A workload the plan left on the node, with its reason."""
+        key, what = st["workload"]["key"], describe(st["workload"])
+        self.accounted.add(key)
+        if key in self.held:
+            return  # (a move of an earlier drain holds it: its line says what settles it)
+        if key in self.node_keys:
+            self.lines.append("  STAYED  %s on %s: %s" % (what, self.node, st["reason"]))
+        else:
+            self.lines.append("  ENDED   %s: no longer runs on %s (it was to stay: %s)" % (what, self.node, st["reason"]))
+
+    def left_out(self, w):
+        """A workload the plan did not consider (the drain's options left it out)."""
+        self.accounted.add(w["key"])
+        if w["key"] in self.node_keys:
+            self.lines.append("  LEFT    %s on %s: %s" % (describe(w), self.node, w.get("reason")))
+
+    def unplanned(self, w):
+        """A workload the node runs that no line has spoken of: it started after the plan."""
+        if w["key"] not in self.accounted and w["key"] not in self.held:
+            self.lines.append("  STILL   %s on %s: not in this drain's plan (it started after the plan)" % (describe(w), self.node))
+
+
 def end_state(node, plan, outcomes, seen, node_after, earlier=None):
     """The end of a drain as the hosts show it. ``outcomes`` and ``seen``: by migration id, for this drain's moves
     and for those of an earlier drain settled first (``earlier``: their drain mark records, each with its
@@ -180,82 +275,19 @@ def end_state(node, plan, outcomes, seen, node_after, earlier=None):
     copies = _copies_seen(seen)
     found = [] if node_after is None else [
         w for w in node_after if not (_identity_keys(w.get("identities")) & copies)]
-    node_keys = {w["key"]: w for w in found}
-    lines = ["Drain of %s (where each workload runs, as the hosts showed it at the end):" % node]
-    held, gone, accounted = {}, [], set()
-    for r in earlier or []:
-        mid, out, s = r["migration_id"], outcomes.get(r["migration_id"]) or {}, seen.get(r["migration_id"])
-        if s is None:
-            continue  # not settled by this run (its target is not in the inventory): the node's mark keeps it
-        key = r["workload"]
-        what = describe(node_keys[key]) if key in node_keys else describe_key(key)
-        by = "move %s of an earlier drain" % mid
-        state, tgt = move_state(s, key, node_keys), (s.get("target") or {})
-        if state == "moved":
-            accounted.add(key)
-            lines.append("  MOVED   %s -> %s (%s): runs there (pids %s)" % (
-                what, r["target"], by, ",".join(map(str, tgt.get("running_pids") or []))))
-        elif state == "held":
-            held[key] = what
-            lines.append(_held_line(what, node, out, s, "; " + by))
-        elif state in ("on_node", "ended"):  # given back (or never frozen): the plan has it again, if it runs
-            given_back = (s.get("source") or {}).get("phase") in ("resumed", "rolled_back")
-            lines.append("  SETTLED %s (%s): %s%s" % (
-                what, by, "rolled back to %s" % node if given_back else "it had not begun",
-                "; " + out["rewind"] if out.get("rewind") else ""))
-        elif state == "unseen":
-            lines.append("  UNSEEN  %s (%s): %s could not be asked at the end (%s)" % (
-                what, by, r["target"], s.get("target_error")))
-        elif state == "gone":
-            gone.append(what)
-            lines.append("  GONE    %s (%s): runs neither on %s nor on %s (%s)" % (
-                what, by, node, r["target"], out.get("reason") or "its settlement said %s" % (out.get("status") or "nothing")))
+    end = _DrainEnd(node, outcomes, seen, found)
+    for record in earlier or []:
+        end.earlier_move(record)
     for m in plan["moves"]:
-        mid, key, what, target = m["migration_id"], m["workload"]["key"], describe(m["workload"]), m["target"]
-        out, s = outcomes.get(mid) or {}, seen.get(mid) or {}
-        state, tgt = move_state(s, key, node_keys), (s.get("target") or {})
-        accounted.add(key)
-        if state == "moved":
-            est = (m.get("estimate") or {}).get("duration_s")
-            lines.append("  MOVED   %s -> %s: downtime %s, move took %s (estimated %s), image %s (estimated %s); runs "
-                         "there (pids %s)" % (
-                             what, target, _secs(out.get("downtime_s")), _secs(out.get("took_s")), _secs(est),
-                             gib(out.get("image_bytes")) if out.get("image_bytes") is not None else "?",
-                             gib(m.get("image_estimate_bytes")), ",".join(map(str, tgt.get("running_pids") or []))))
-        elif state == "held":
-            held[key] = what
-            lines.append(_held_line(what, node, out, s))
-        elif state == "on_node":
-            why = out.get("reason") or out.get("status") or "the move did not report"
-            lines.append("  STAYED  %s on %s: %s" % (what, node, why))
-        elif state == "unseen":
-            lines.append("  UNSEEN  %s: not on %s, and %s could not be asked at the end (%s)" % (
-                what, node, target, s.get("target_error")))
-        elif state == "ended":
-            lines.append("  ENDED   %s: no longer runs on %s, and its move had not frozen it, or gave it back (%s)" % (
-                what, node, out.get("reason") or out.get("status") or "the move did not report"))
-        else:
-            gone.append(what)
-            lines.append("  GONE    %s: runs neither on %s nor on %s (%s)" % (
-                what, node, target, out.get("reason") or "its move said %s" % (out.get("status") or "nothing")))
+        end.move(m)
     for st in plan.get("stays") or []:
-        key, what = st["workload"]["key"], describe(st["workload"])
-        accounted.add(key)
-        if key in held:
-            continue  # (a move of an earlier drain holds it: its line says what settles it)
-        if key in node_keys:
-            lines.append("  STAYED  %s on %s: %s" % (what, node, st["reason"]))
-        else:
-            lines.append("  ENDED   %s: no longer runs on %s (it was to stay: %s)" % (what, node, st["reason"]))
+        end.stay(st)
     for w in plan.get("left_out") or []:
-        accounted.add(w["key"])
-        if w["key"] in node_keys:
-            lines.append("  LEFT    %s on %s: %s" % (describe(w), node, w.get("reason")))
+        end.left_out(w)
     for w in found:
-        if w["key"] not in accounted and w["key"] not in held:
-            lines.append("  STILL   %s on %s: not in this drain's plan (it started after the plan)" % (describe(w), node))
+        end.unplanned(w)
     if node_after is None:
-        lines.append("  ?       %s could not be asked at the end: whether it is empty is not known" % node)
-    still = [describe(w) for w in found] + [what for key, what in held.items() if key not in node_keys]
-    return {"lines": lines, "empty": node_after is not None and not still, "still": still,
-            "held": list(held.values()), "gone": gone}
+        end.lines.append("  ?       %s could not be asked at the end: whether it is empty is not known" % node)
+    still = [describe(w) for w in found] + [what for key, what in end.held.items() if key not in end.node_keys]
+    return {"lines": end.lines, "empty": node_after is not None and not still, "still": still,
+            "held": list(end.held.values()), "gone": end.gone}

@@ -152,6 +152,25 @@ def _config_libdir(path):
     return found
 
 
+def _configured_libdirs(env):
+    """The plugin directories CRIU's configuration files name (global, the user's, $CRIU_CONFIG_FILE), in the
+    order CRIU reads them: the last one wins."""
+    configs = [GLOBAL_CONFIG]
+    if env.get("HOME"):
+        configs.append(os.path.join(env["HOME"], USER_CONFIG))
+    if env.get("CRIU_CONFIG_FILE"):
+        configs.append(env["CRIU_CONFIG_FILE"])
+    return [d for d in (_config_libdir(c) for c in configs) if d]
+
+
+def _plugins_in(directory):
+    """The shared objects in a plugin directory, sorted; none where it cannot be read."""
+    try:
+        return sorted(n for n in os.listdir(directory) if n.endswith(".so"))
+    except OSError:
+        return []
+
+
 def is_cuda_plugin(path):
     """True when the shared object at ``path`` is CRIU's cuda plugin (by name, or by the tool it runs)."""
     if os.path.basename(path) == CUDA_PLUGIN_FILE:
@@ -200,31 +219,19 @@ class Criu(object):
         None). This collection's CRIU commands load none of them (``plugins_loaded`` False)."""
         env = os.environ if env is None else env
         default = self.default_plugin_dir()
-        configs = [GLOBAL_CONFIG]
-        if env.get("HOME"):
-            configs.append(os.path.join(env["HOME"], USER_CONFIG))
-        if env.get("CRIU_CONFIG_FILE"):
-            configs.append(env["CRIU_CONFIG_FILE"])
-        from_config = [d for d in (_config_libdir(c) for c in configs) if d]
+        from_config = _configured_libdirs(env)
         if from_config:
             plugin_dir = from_config[-1]
         elif env.get("CRIU_LIBS_DIR"):
             plugin_dir = env["CRIU_LIBS_DIR"]
         else:
             plugin_dir = default if os.path.exists(default) else None
-        seen, cuda = [], None
+        places = []
         for d in [plugin_dir] + from_config + [env.get("CRIU_LIBS_DIR"), default]:
-            if d and d not in seen:
-                seen.append(d)
-        listed = {}
-        for d in seen:
-            try:
-                listed[d] = sorted(n for n in os.listdir(d) if n.endswith(".so"))
-            except OSError:
-                listed[d] = []
-            for n in listed[d]:
-                if cuda is None and is_cuda_plugin(os.path.join(d, n)):
-                    cuda = os.path.join(d, n)
+            if d and d not in places:
+                places.append(d)
+        listed = {d: _plugins_in(d) for d in places}
+        cuda = next((os.path.join(d, n) for d in places for n in listed[d] if is_cuda_plugin(os.path.join(d, n))), None)
         return {"plugin_dir": plugin_dir, "default_plugin_dir": default,
                 "plugins": listed.get(plugin_dir, []) if plugin_dir else [],
                 "cuda_plugin": cuda, "plugins_loaded": False}
