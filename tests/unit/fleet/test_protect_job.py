@@ -110,8 +110,8 @@ def test_a_replica_is_reached_as_the_config_says(tmp_path):
 
 def test_a_replica_checks_the_job_its_epoch_and_this_node():
     cfg = config(epoch=3)
-    assert protect_job.replica_ref(cfg, REPLICA) == {"root": REPLICA["root"], "job": "train", "epoch": 3,
-                                                      "node": "node-a"}
+    expected = {"root": REPLICA["root"], "job": "train", "epoch": 3, "node": "node-a"}
+    assert protect_job.replica_ref(cfg, REPLICA) == expected
     assert protect_job.replica_dest(REPLICA, "train", "img-7") == os.path.join(REPLICA["root"], "train", "img-7")
 
 
@@ -142,8 +142,8 @@ def test_the_workload_is_the_engines_target_on_its_runtime(tmp_path, built):
     (tmp_path / "job.pid").write_text("4242\n")
     options = {"checkpoint": {"tcp_established": True}}
     assert protect_job.target_and_backend(config(pid_file=str(tmp_path / "job.pid"), **options)) == (4242, "process")
-    assert protect_job.target_and_backend(config(pid_file=None, pod="trainer", namespace="ml")) == ("ml/trainer",
-                                                                                                   "k8s_pod")
+    pod = config(pid_file=None, pod="trainer", namespace="ml")
+    assert protect_job.target_and_backend(pod) == ("ml/trainer", "k8s_pod")
     assert protect_job.target_and_backend(config(pid_file=None, pod="trainer"))[0] == "default/trainer"
     assert protect_job.target_and_backend(config(pid_file=None, container="c1", runtime="podman")) == ("c1", "podman")
     assert built[0] == ("process", {"tcp_established": True})

@@ -12,8 +12,8 @@ import yaml
 
 from ansible_collections.gpuckpt.fleet.plugins.doc_fragments.k8s_auth import ModuleDocFragment
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s import api as k8s_api
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.api import (AUTH_ARG_SPEC, AUTH_ENV,
-                                                                             AUTH_PROXY_HEADERS_ENV, auth_args)
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.api import AUTH_ARG_SPEC, AUTH_ENV, auth_args
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.api import AUTH_PROXY_HEADERS_ENV
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 KUBERNETES_CORE_ARGS = os.path.join(REPO, ".build", "kubernetes.core", "args_common.py")
@@ -151,6 +151,6 @@ def test_a_kubeconfigs_refreshed_tokens_are_written_back_only_when_asked(no_k8s_
             calls.append(kwargs["persist_config"])
 
     for given, persisted in ((None, False), (True, True), (False, False)):
-        k8s_api._load_config(Loader, None, k8s_api.connection_options({"kubeconfig": str(tmp_path / "kc"),
-                                                                        "persist_config": given}))
+        options = k8s_api.connection_options({"kubeconfig": str(tmp_path / "kc"), "persist_config": given})
+        k8s_api._load_config(Loader, None, options)
         assert calls.pop() is persisted

@@ -123,8 +123,8 @@ def test_a_container_cannot_be_held_stopped_and_podman_is_not_asked(fake_podman,
 
 
 @pytest.mark.parametrize("after", ["exit", "running"])
-def test_the_export_is_written_into_the_image_and_the_container_goes_only_when_it_exits(fake_podman, init, tmp_path,
-                                                                                         after):
+def test_the_export_is_written_into_the_image_and_the_container_goes_only_when_it_exits(
+        fake_podman, init, tmp_path, after):
     fake_podman.answer("container inspect", inspected(init))
     backend = podman.PodmanBackend(podman_path=fake_podman.path, criu_options=["--tcp-established"])
     backend.resolve("train")
