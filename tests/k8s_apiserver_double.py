@@ -4,8 +4,8 @@ the tests serve the few core/v1 endpoints the collection uses over real HTTP on 
 
 What it does: pods (get, list, create, delete) and nodes (get) kept in memory, a bearer token checked
 on every request, errors as the API's own Status objects (404 NotFound, 409 AlreadyExists, 401),
-uid/resourceVersion/creationTimestamp set on create, and every request recorded (``requests``) so a
-test can assert what was, or was not, asked. What it does not do: scheduling, admission, watches, a
+uid/resourceVersion/creationTimestamp set on create, and every request recorded (``requests``, its headers in
+``request_headers``) so a test can assert what was, or was not, asked. What it does not do: scheduling, admission, watches, a
 kubelet (a created pod stays Pending unless the test says otherwise)."""
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ class ApiServerDouble(object):
         self.token = token
         self.pods, self.nodes = {}, {}
         self.requests = []
+        self.request_headers = []  # each request's headers, in order, as (name, value) pairs: repeated ones stay
         self.deleted_uids = []
         # Nodes whose pods a (stand-in) kubelet stops: their deletion is graceful, as the API server's is (the
         # pod gets a deletionTimestamp and stays until the kubelet is done); elsewhere a pod goes at once.
@@ -148,6 +149,7 @@ class ApiServerDouble(object):
                 body = self.rfile.read(length) if length else b""
                 with double._lock:
                     double.requests.append((method, path))
+                    double.request_headers.append(list(self.headers.items()))
                 if self.headers.get("Authorization") != "Bearer " + double.token:
                     return self._send(401, _status(401, "Unauthorized", "Unauthorized"))
                 code, out = double._route(method, path, body, query)

@@ -218,6 +218,25 @@ if [ ! -x "$venv/bin/ansible-playbook" ] || ! "$venv/bin/python" -m pip --disabl
   cp "$repo/tests/requirements.txt" "$venv/.requirements.txt"
 fi
 
+# kubernetes.core's connection options (plugins/module_utils/args_common.py of kubernetes.core 6.2.0, from the
+# ansible 12.2.0 wheel; one file kept, its checksum pinned): tests/unit/k8s/test_k8s_auth.py compares the
+# collection's with them.
+k8s_core_args="$repo/.build/kubernetes.core/args_common.py"
+k8s_core_args_sha256=09d6ddaf55f0f0a7de2a673f04506ae57bfb438d844c09875b5b23e6e4d38c10
+if ! echo "$k8s_core_args_sha256  $k8s_core_args" | sha256sum -c --status 2>/dev/null; then
+  log "fetching kubernetes.core's args_common.py (ansible 12.2.0)"
+  dl=$(mktemp -d /tmp/gpuckpt-ansible.XXXXXX)
+  "$venv/bin/python" -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: -d "$dl" ansible==12.2.0
+  mkdir -p "$(dirname "$k8s_core_args")"
+  "$venv/bin/python" -c 'import sys, zipfile; sys.stdout.buffer.write(zipfile.ZipFile(sys.argv[1]).read(sys.argv[2]))' \
+    "$dl"/ansible-12.2.0-py3-none-any.whl ansible_collections/kubernetes/core/plugins/module_utils/args_common.py \
+    >"$k8s_core_args.new"
+  rm -rf "$dl"
+  echo "$k8s_core_args_sha256  $k8s_core_args.new" | sha256sum -c --status \
+    || { log "kubernetes.core's args_common.py does not have the pinned checksum"; rm -f "$k8s_core_args.new"; exit 1; }
+  mv "$k8s_core_args.new" "$k8s_core_args"
+fi
+
 # The oldest ansible-core that meta/runtime.yml's requires_ansible claims (its newest patch release),
 # in a venv of its own: ansible-test sanity runs on it too (tests/unit/test_sanity.py).
 oldest=$(sed -n 's/^requires_ansible: *">=\([0-9]*\)\.\([0-9]*\).*/\1 \2/p' "$repo/meta/runtime.yml")

@@ -15,19 +15,40 @@ import os
 
 from ..core.errors import GpuCkptError, InvalidTarget
 
-# The connection options, shared by every module that reaches the API server (kubernetes.core's
-# AUTH_ARG_SPEC, and its K8S_AUTH_* environment variables, are the model).
+# The connection options, shared by every module that reaches the API server: kubernetes.core's AUTH_ARG_SPEC and
+# AUTH_PROXY_HEADERS_SPEC (plugins/module_utils/args_common.py), all of them, with its names, types, aliases and
+# no_log (tests/unit/k8s/test_k8s_auth.py compares them with the real ones).
+AUTH_PROXY_HEADERS_SPEC = dict(
+    proxy_basic_auth=dict(type="str", no_log=True),
+    basic_auth=dict(type="str", no_log=True),
+    user_agent=dict(type="str"),
+)
 AUTH_ARG_SPEC = dict(
-    kubeconfig=dict(type="raw", no_log=False),
+    kubeconfig=dict(type="raw", no_log=True),
     context=dict(type="str"),
     host=dict(type="str"),
     api_key=dict(type="str", no_log=True),
+    username=dict(type="str"),
+    password=dict(type="str", no_log=True),
     validate_certs=dict(type="bool", aliases=["verify_ssl"]),
     ca_cert=dict(type="path", aliases=["ssl_ca_cert"]),
     client_cert=dict(type="path", aliases=["cert_file"]),
     client_key=dict(type="path", aliases=["key_file"]),
+    proxy=dict(type="str"),
+    no_proxy=dict(type="str"),
+    proxy_headers=dict(type="dict", options=AUTH_PROXY_HEADERS_SPEC),
+    persist_config=dict(type="bool"),
+    impersonate_user=dict(type="str"),
+    impersonate_groups=dict(type="list", elements="str"),
 )
-AUTH_ENV = {name: "K8S_AUTH_" + name.upper() for name in AUTH_ARG_SPEC}
+# The environment variables an option not given is read from, in kubernetes.core's order: K8S_AUTH_<option>, then
+# K8S_AUTH_<alias> (the alias is the kubernetes client's own name: verify_ssl, ssl_ca_cert, cert_file, key_file).
+AUTH_ENV = {name: tuple("K8S_AUTH_" + n.upper() for n in [name] + spec.get("aliases", []))
+            for name, spec in AUTH_ARG_SPEC.items() if name != "proxy_headers"}
+# proxy_headers not given is made of K8S_AUTH_PROXY_HEADERS_<suboption>, each read on its own.
+AUTH_PROXY_HEADERS_ENV = {name: "K8S_AUTH_PROXY_HEADERS_" + name.upper() for name in AUTH_PROXY_HEADERS_SPEC}
+# The headers of the API's user impersonation (kubectl --as, --as-group).
+IMPERSONATION_HEADERS = {"impersonate_user": "Impersonate-User", "impersonate_groups": "Impersonate-Group"}
 
 
 class KubernetesError(GpuCkptError):
@@ -39,55 +60,127 @@ def auth_args():
     return copy.deepcopy(AUTH_ARG_SPEC)
 
 
-def _auth_value(params, name):
-    value = params.get(name)
-    if value is None:
-        value = os.environ.get(AUTH_ENV[name])
-        if name == "validate_certs" and value is not None:
-            value = value.strip().lower() not in ("0", "false", "no", "off")
+def _from_environment(spec, value):
+    """An environment variable's text as the option's type, as kubernetes.core reads it: a bool is false for
+    0, false or no (any case) and true for anything else; a list is split on commas."""
+    if spec.get("type") == "bool":
+        return value.lower() not in ("0", "false", "no")
+    if spec.get("type") == "list":
+        return [item for item in value.split(",") if item != ""]
     return value
+
+
+def connection_options(params):
+    """Every connection option, from the module's parameters, else from the environment (see AUTH_ENV); None
+    where neither gives it."""
+    options = {}
+    for name, spec in AUTH_ARG_SPEC.items():
+        value = params.get(name)
+        if value is None and name == "proxy_headers":
+            value = {key: os.environ[env] for key, env in AUTH_PROXY_HEADERS_ENV.items() if env in os.environ} or None
+        elif value is None:
+            value = next((_from_environment(spec, os.environ[env]) for env in AUTH_ENV[name] if os.environ.get(env)),
+                         None)
+        options[name] = value
+    return options
 
 
 def _load_config(config, cfg, p):
     """``cfg`` filled from a kubeconfig (``kubeconfig``, a path or a dict, and ``context``; ~/.kube/config by
-    default), else, inside a cluster with neither given, from the pod's own service account."""
+    default), else, inside a cluster with neither given, from the pod's own service account. The kubeconfig's
+    refreshed tokens are written back to it only with ``persist_config`` (false by default, as kubernetes.core)."""
     if p["kubeconfig"] or p["context"] or not os.environ.get("KUBERNETES_SERVICE_HOST"):
+        persist = bool(p["persist_config"])
         if isinstance(p["kubeconfig"], dict):
-            config.load_kube_config_from_dict(p["kubeconfig"], context=p["context"], client_configuration=cfg)
+            config.load_kube_config_from_dict(p["kubeconfig"], context=p["context"], client_configuration=cfg,
+                                              persist_config=persist)
         else:
             path = os.path.expanduser(p["kubeconfig"]) if p["kubeconfig"] else None
-            config.load_kube_config(config_file=path, context=p["context"], client_configuration=cfg)
+            config.load_kube_config(config_file=path, context=p["context"], client_configuration=cfg,
+                                    persist_config=persist)
     else:
         config.load_incluster_config(client_configuration=cfg)
 
 
+def _credentials(p):
+    """The Authorization header the options give: ``api_key`` as a bearer token, else ``username`` and
+    ``password`` as HTTP basic auth (what the kubernetes client's own kubeconfig loader makes of them); None when
+    they give none (the kubeconfig's, or none at all, stay)."""
+    from urllib3.util import make_headers
+    if p["api_key"]:
+        return "Bearer " + p["api_key"]
+    if p["username"] and p["password"]:
+        return make_headers(basic_auth="%s:%s" % (p["username"], p["password"]))["authorization"]
+    return None
+
+
+class _RepeatedHeader(str):
+    """A header name that is a key of its own in a dict: the ApiClient's default headers are a dict, and the
+    API server takes each impersonated group from its own Impersonate-Group header (kubernetes.core does the same)."""
+
+    def __hash__(self):
+        return id(self)
+
+    def __eq__(self, other):
+        return self is other
+
+    def __ne__(self, other):
+        return self is not other
+
+
+def _impersonate(api, p):
+    """The impersonation headers on every request of ``api``: one Impersonate-User, one Impersonate-Group per group."""
+    if p["impersonate_user"]:
+        api.set_default_header(IMPERSONATION_HEADERS["impersonate_user"], p["impersonate_user"])
+    for group in p["impersonate_groups"] or []:
+        api.set_default_header(_RepeatedHeader(IMPERSONATION_HEADERS["impersonate_groups"]), group)
+
+
+def _configure(cfg, p):
+    """The options that hold whichever way the connection was found: credentials, TLS and the proxy, each set on
+    the client's Configuration under its own name there."""
+    from urllib3.util import make_headers
+    authorization = _credentials(p)
+    if authorization:
+        cfg.api_key = {"authorization": authorization}
+    if p["username"] is not None:
+        cfg.username = p["username"]
+    if p["password"] is not None:
+        cfg.password = p["password"]
+    if p["validate_certs"] is not None:
+        cfg.verify_ssl = bool(p["validate_certs"])
+    for option, attr in (("ca_cert", "ssl_ca_cert"), ("client_cert", "cert_file"), ("client_key", "key_file"),
+                         ("proxy", "proxy"), ("no_proxy", "no_proxy")):
+        if p[option]:
+            setattr(cfg, attr, p[option])
+    if p["proxy_headers"]:
+        cfg.proxy_headers = make_headers(**{k: v for k, v in p["proxy_headers"].items() if v is not None})
+
+
 def api_client(params):
-    """A kubernetes ApiClient from the connection options: ``host`` (with ``api_key`` and the TLS
-    files), else a kubeconfig (``kubeconfig``, a path or a dict, and ``context``; ~/.kube/config by
-    default), else the pod's own service account when running in a cluster."""
+    """A kubernetes ApiClient from the connection options (connection_options): ``host`` (with ``api_key``, or
+    ``username`` and ``password``, or the TLS files), else a kubeconfig (``kubeconfig``, a path or a dict, and
+    ``context``; ~/.kube/config by default), else the pod's own service account when running in a cluster; then
+    the credentials, TLS, proxy and impersonation options given over whatever the kubeconfig said."""
     try:
         from kubernetes import client, config
     except ImportError as exc:
         raise KubernetesError("the kubernetes Python client is not installed where this task runs (%s)" % exc,
                               stage="preflight", hint="pip install kubernetes (the collection's EE has it)")
-    p = {name: _auth_value(params, name) for name in AUTH_ARG_SPEC}
+    p = connection_options(params)
     cfg = client.Configuration()
     try:
         if p["host"]:
-            cfg.host = p["host"]
-            if p["api_key"]:
-                cfg.api_key = {"authorization": "Bearer " + p["api_key"]}
+            cfg.host = p["host"].rstrip("/")
         else:
             _load_config(config, cfg, p)
+        _configure(cfg, p)
     except (config.ConfigException, OSError, TypeError, ValueError) as exc:
         raise KubernetesError("no usable connection to the Kubernetes API: %s" % exc, stage="preflight",
                               hint="set kubeconfig (and context), or host and api_key")
-    if p["validate_certs"] is not None:
-        cfg.verify_ssl = bool(p["validate_certs"])
-    for option, attr in (("ca_cert", "ssl_ca_cert"), ("client_cert", "cert_file"), ("client_key", "key_file")):
-        if p[option]:
-            setattr(cfg, attr, p[option])
-    return client.ApiClient(cfg)
+    api = client.ApiClient(cfg)
+    _impersonate(api, p)
+    return api
 
 
 def api_error(exc, what):

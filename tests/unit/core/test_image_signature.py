@@ -2,8 +2,9 @@
 without a signature or with another one is refused. Each refusal comes before anything is restored and
 leaves the image as it was.
 
-The restores here run the engine with a TEST DOUBLE runtime that records its calls and 'restores' this
-test's own process (no CRIU, no driver): what matters is whether the runtime was reached at all."""
+The restores here run the engine with the RecordingBackend TEST DOUBLE (tests/unit/conftest.py), which records
+its calls and 'restores' this test's own process (no CRIU, no driver): what matters is whether the runtime was
+reached at all."""
 from __future__ import annotations
 
 import json
@@ -14,44 +15,21 @@ import pytest
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import ImageError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.base import Backend
 
 KEY = "s3cret"
 
 
-class RecordingBackend(Backend):
-    """TEST DOUBLE runtime: its restore 'brings up' this test's process; every call is recorded."""
-    name = "double"
-    capabilities = Backend.capabilities._replace(uses_criu=False, restores_host_pids=False)
+@pytest.fixture
+def make_backend(recording_backend):
+    """Makes runtime TEST DOUBLEs (tests/unit/conftest.py) whose restore 'brings up' this test's own process: no
+    CRIU (so no dumped pid is waited for) and no host pids restored."""
+    capabilities = recording_backend.capabilities._replace(uses_criu=False, restores_host_pids=False)
+    return lambda: recording_backend(capabilities=capabilities)
 
-    def __init__(self):
-        self.calls = []
 
-    def preflight(self, full=True):
-        self.calls.append("preflight")
-        return {}
-
-    def bind(self, manifest):
-        self.calls.append("bind")
-
-    def restore(self, image_dir, work_dir, manifest):
-        self.calls.append("restore")
-        return [os.getpid()]
-
-    def map_pids(self, manifest, new_pids):
-        return []
-
-    def kill(self, pids):
-        self.calls.append("kill")
-
-    def resolve(self, target):
-        raise AssertionError("a restore resolves no workload")
-
-    def dump(self, target, image_dir, work_dir, after):
-        raise AssertionError("a restore dumps nothing")
-
-    def resume(self, pids):
-        raise AssertionError("a restore resumes no held source")
+@pytest.fixture
+def backend(make_backend):
+    return make_backend()
 
 
 def _image(tmp_path, sign_key=None, name="img"):
@@ -137,10 +115,9 @@ def test_image_verify_applies_the_same_rules(tmp_path):
 
 # -- the restore (engine/restore): every case refused before the runtime is reached ---------------------
 
-def test_signed_image_without_the_key_is_refused_before_anything_and_kept(tmp_path):
+def test_signed_image_without_the_key_is_refused_before_anything_and_kept(tmp_path, backend):
     image_dir = _image(tmp_path, KEY)
     before = _snapshot(image_dir)
-    backend = RecordingBackend()
     with pytest.raises(ImageError, match="carries a signature, and no sign_key was given") as exc:
         _restore(image_dir, backend)
     assert "allow_unverified_signature" in exc.value.hint
@@ -156,11 +133,10 @@ def test_signed_image_without_the_key_is_refused_before_anything_and_kept(tmp_pa
     assert backend.calls == []
 
 
-def test_the_users_edit_of_a_signed_manifest_restored_without_a_key_is_refused(tmp_path):
+def test_the_users_edit_of_a_signed_manifest_restored_without_a_key_is_refused(tmp_path, backend):
     """The user's report: a signed image whose manifest was edited on the target restored with rc 0."""
     image_dir = _image(tmp_path, KEY)
     _edit_manifest(image_dir, id="img-edited")
-    backend = RecordingBackend()
     with pytest.raises(ImageError, match="no sign_key was given"):
         _restore(image_dir, backend)
     with pytest.raises(ImageError, match="does not match the configured key"):
@@ -168,35 +144,32 @@ def test_the_users_edit_of_a_signed_manifest_restored_without_a_key_is_refused(t
     assert backend.calls == []
 
 
-def test_signed_image_without_the_key_restores_when_allowed_by_name_and_says_it_was_not_checked(tmp_path):
+def test_signed_image_without_the_key_restores_when_allowed_by_name_and_says_it_was_not_checked(tmp_path, backend, make_backend):
     image_dir = _image(tmp_path, KEY)
-    backend = RecordingBackend()
     res = _restore(image_dir, backend, allow_unverified_signature=True)
     assert res["changed"] is True and res["pids"] == [os.getpid()]
     assert res["signature"] == "not_checked"
     assert "NOT checked" in res["msg"]
     assert res["warnings"] and "not checked" in res["warnings"][0]
     # Already restored, and running: nothing to do, and still it says the signature was not checked.
-    again = _restore(image_dir, RecordingBackend(), allow_unverified_signature=True)
+    again = _restore(image_dir, make_backend(), allow_unverified_signature=True)
     assert again["changed"] is False and again["signature"] == "not_checked"
     # That the image was restored before is no reason to take it without its key now.
     with pytest.raises(ImageError, match="no sign_key"):
-        _restore(image_dir, RecordingBackend())
+        _restore(image_dir, make_backend())
 
 
-def test_signed_image_with_the_right_key_restores_and_says_verified(tmp_path):
+def test_signed_image_with_the_right_key_restores_and_says_verified(tmp_path, backend):
     image_dir = _image(tmp_path, KEY)
-    backend = RecordingBackend()
     res = _restore(image_dir, backend, sign_key=KEY)
     assert res["changed"] is True and res["signature"] == "verified"
     assert "warnings" not in res and "NOT" not in res["msg"]
-    assert "restore" in backend.calls
+    assert "runtime_restore" in backend.calls
 
 
-def test_signed_image_with_a_wrong_key_is_refused(tmp_path):
+def test_signed_image_with_a_wrong_key_is_refused(tmp_path, backend):
     image_dir = _image(tmp_path, KEY)
     before = _snapshot(image_dir)
-    backend = RecordingBackend()
     with pytest.raises(ImageError, match="does not match the configured key") as exc:
         _restore(image_dir, backend, sign_key="other")
     assert exc.value.stage == "verify"
@@ -205,16 +178,15 @@ def test_signed_image_with_a_wrong_key_is_refused(tmp_path):
     assert backend.calls == [] and _snapshot(image_dir) == before
 
 
-def test_unsigned_image_with_a_key_is_refused(tmp_path):
+def test_unsigned_image_with_a_key_is_refused(tmp_path, backend):
     image_dir = _image(tmp_path, None)
     before = _snapshot(image_dir)
-    backend = RecordingBackend()
     with pytest.raises(ImageError, match="carries no signature, and a sign_key is configured"):
         _restore(image_dir, backend, sign_key=KEY)
     assert backend.calls == [] and _snapshot(image_dir) == before
 
 
-def test_a_signature_removed_on_the_way_is_refused_with_the_key(tmp_path):
+def test_a_signature_removed_on_the_way_is_refused_with_the_key(tmp_path, make_backend):
     image_dir = _image(tmp_path, KEY)
     path = os.path.join(image_dir, image.MANIFEST)
     with open(path) as fh:
@@ -223,10 +195,10 @@ def test_a_signature_removed_on_the_way_is_refused_with_the_key(tmp_path):
     with open(path, "w") as fh:
         json.dump(manifest, fh)
     with pytest.raises(ImageError, match="carries no signature"):
-        _restore(image_dir, RecordingBackend(), sign_key=KEY)
+        _restore(image_dir, make_backend(), sign_key=KEY)
 
 
-def test_unsigned_image_without_a_key_restores_as_before(tmp_path):
+def test_unsigned_image_without_a_key_restores_as_before(tmp_path, make_backend):
     image_dir = _image(tmp_path, None)
-    res = _restore(image_dir, RecordingBackend())
+    res = _restore(image_dir, make_backend())
     assert res["changed"] is True and res["signature"] == "unsigned" and "warnings" not in res

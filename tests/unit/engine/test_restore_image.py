@@ -1,6 +1,7 @@
 """A restore opens its image once (image.Image) and hands that value around: its manifest is read once,
 its checks and its restored mark go through the directory it opened, and an image its caller opened
-(a source's rollback) is used as it is. The TEST DOUBLE backend and driver are test_steps'."""
+(a source's rollback) is used as it is. The TEST DOUBLE backend is the shared RecordingBackend
+(tests/unit/conftest.py), the driver test_steps'."""
 from __future__ import annotations
 
 import os
@@ -11,9 +12,9 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import ImageError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
 import test_steps
-from test_steps import RecordingBackend, _gpu_given_back, _image
+from test_steps import _gpu_given_back, _image
 
-workload, no_host_facts = test_steps.workload, test_steps.no_host_facts  # its fixtures, used here too
+workload, no_host_facts, doubles = test_steps.workload, test_steps.no_host_facts, test_steps.doubles  # its fixtures
 
 
 @pytest.fixture
@@ -35,42 +36,42 @@ def counted(monkeypatch):
     return counts
 
 
-def test_a_restore_opens_its_image_once_and_reads_its_manifest_once(workload, tmp_path, counted):
+def test_a_restore_opens_its_image_once_and_reads_its_manifest_once(workload, tmp_path, counted, doubles, recording_backend):
     root, b, c = workload
-    image_dir, drv = _image(workload, tmp_path)
+    image_dir, drv = _image(doubles, workload, tmp_path)
     log = []
     drv.log = log
     counted.update(opens=0, manifest_reads=0)
-    res = restore(image_dir, backend=RecordingBackend(log, workload, drv), parallel=False, validate_wait=0, pid_wait=0)
+    res = restore(image_dir, backend=recording_backend(log, workload, drv), parallel=False, validate_wait=0, pid_wait=0)
     assert log == [("runtime_restore",)] + _gpu_given_back(b, c)
     assert counted == {"opens": 1, "manifest_reads": 1}
     with image.Image.open(image_dir) as img:
         assert img.restored_mark()["pids"] == res["pids"] == workload
     # Its workload runs: a second restore of the same image has nothing to do.
-    again = restore(image_dir, backend=RecordingBackend(log, workload, drv), pid_wait=0)
+    again = restore(image_dir, backend=recording_backend(log, workload, drv), pid_wait=0)
     assert again["changed"] is False and "nothing to do" in again["msg"]
 
 
-def test_a_restore_handed_an_open_image_uses_it_and_leaves_it_open(workload, tmp_path, counted):
+def test_a_restore_handed_an_open_image_uses_it_and_leaves_it_open(workload, tmp_path, counted, doubles, recording_backend):
     root, b, c = workload
-    image_dir, drv = _image(workload, tmp_path)
+    image_dir, drv = _image(doubles, workload, tmp_path)
     log = []
     drv.log = log
     with image.Image.open(image_dir) as img:
         assert img.manifest["target"]["cuda_pids"] == [b, c]
         counted.update(opens=0, manifest_reads=0)
-        res = restore(img, backend=RecordingBackend(log, workload, drv), parallel=False, validate_wait=0,
+        res = restore(img, backend=recording_backend(log, workload, drv), parallel=False, validate_wait=0,
                       pid_wait=0)
         assert counted == {"opens": 0, "manifest_reads": 0}
         assert res["image_dir"] == image_dir and res["pids"] == workload
         assert img.restored_mark()["pids"] == workload, "the caller's image is still open"
 
 
-def test_a_symlink_given_as_the_image_is_refused_before_anything_is_restored(workload, tmp_path):
-    image_dir, drv = _image(workload, tmp_path)
+def test_a_symlink_given_as_the_image_is_refused_before_anything_is_restored(workload, tmp_path, doubles, recording_backend):
+    image_dir, drv = _image(doubles, workload, tmp_path)
     link = str(tmp_path / "link")
     os.symlink(image_dir, link)
     log = []
     with pytest.raises(ImageError, match="a symlink"):
-        restore(link, backend=RecordingBackend(log, workload, drv), pid_wait=0)
+        restore(link, backend=recording_backend(log, workload, drv), pid_wait=0)
     assert log == []

@@ -1,6 +1,6 @@
 """The engine's checkpoint steps and their undos, and the restore's clean-up, WITHOUT CRIU and without
-a driver: a TEST DOUBLE backend (a Backend subclass that records what it is asked) and a TEST DOUBLE
-driver (the checkpoint API's state machine, per pid) share one log of calls. The workload's processes
+a driver: a TEST DOUBLE backend (tests/unit/conftest.py's RecordingBackend: it records what it is asked) and a
+TEST DOUBLE driver (the checkpoint API's state machine, per pid) share one log of calls. The workload's processes
 are real sleeping processes (the plan reads their /proc), which the doubles never touch.
 
 What a user relies on: a checkpoint that fails at any step undoes what it did, newest first, and leaves
@@ -15,11 +15,9 @@ import pytest
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import DriverError, InvalidTarget, \
     TransactionError
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.run import Result
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import plan
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.base import Backend
 
 
 class FakeDriver(object):
@@ -58,52 +56,6 @@ class FakeDriver(object):
         self._call("unlock", pid, "locked", "running")
 
 
-class RecordingBackend(Backend):
-    """TEST DOUBLE runtime: 'dumps' by writing one file, 'restores' the same pids (as CRIU does), and
-    records every call in the shared log. ``fail``: names of its calls that raise."""
-    name = "double"
-
-    def __init__(self, log, pids, drv, fail=(), probe_rc=0):
-        self.log, self.pids, self.drv, self.fail, self.probe_rc = log, pids, drv, set(fail), probe_rc
-
-    def _record(self, *call):
-        self.log.append(call)
-        if call[0] in self.fail:
-            raise OSError("the %s of the test double failed" % call[0])
-
-    def resolve(self, target):
-        return self.pids[0], list(self.pids)
-
-    def preflight(self, full=True):
-        return {}
-
-    def plan_tree(self, pids, internal_tcp=False):
-        return []
-
-    def load_cuda(self, libcuda_path):
-        return self.drv, None
-
-    def dump(self, target, image_dir, work_dir, after):
-        self._record("dump", after)
-        with open(os.path.join(image_dir, "pages-1.img"), "wb") as fh:
-            fh.write(b"\0" * 4096)
-        return {"backend": self.name}
-
-    def restore(self, image_dir, work_dir, manifest):
-        self._record("runtime_restore")
-        return list(self.pids)
-
-    def resume(self, pids):
-        self._record("resume", sorted(pids))
-
-    def kill(self, pids):
-        self._record("kill", sorted(pids))
-
-    def probe(self, root_pid, argv, timeout, stage="probe"):
-        self._record(stage)
-        return Result(list(argv), self.probe_rc, "", "told to fail" if self.probe_rc else "", 0.0)
-
-
 @pytest.fixture
 def workload():
     """Three real sleeping processes: the root and two CUDA processes (as the driver double says)."""
@@ -119,11 +71,16 @@ def no_host_facts(monkeypatch):
     monkeypatch.setattr(plan, "host_facts", lambda drv=None: {"hostname": "test"})
 
 
-def _doubles(workload, drv_fail=(), backend_fail=(), probe_rc=0):
-    log = []
-    root, b, c = workload
-    drv = FakeDriver(log, [b, c], drv_fail)
-    return log, drv, RecordingBackend(log, workload, drv, backend_fail, probe_rc)
+@pytest.fixture
+def doubles(workload, recording_backend):
+    """Makes the driver and runtime doubles over ``workload``, sharing one log: (log, driver, backend).
+    ``backend_class``: a RecordingBackend subclass to make instead."""
+    def make(drv_fail=(), backend_fail=(), probe_rc=0, capabilities=None, backend_class=recording_backend):
+        log = []
+        root, b, c = workload
+        drv = FakeDriver(log, [b, c], drv_fail)
+        return log, drv, backend_class(log, workload, drv, backend_fail, probe_rc, capabilities)
+    return make
 
 
 def _frozen_and_checkpointed(b, c):
@@ -153,14 +110,13 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_a_failed_step_undoes_the_steps_done_newest_first_and_the_workload_runs_on(
-        case, workload, tmp_path, monkeypatch):
+def test_a_failed_step_undoes_the_steps_done_newest_first_and_the_workload_runs_on(case, workload, tmp_path, monkeypatch, doubles):
     after, fail, expected = CASES[case]
     root, b, c = workload
     named = {"b": b, "c": c}
     if "drv_fail" in fail:
         fail = dict(fail, drv_fail=[(call, named[who]) for call, who in fail["drv_fail"]])
-    log, drv, backend = _doubles(workload, **fail)
+    log, drv, backend = doubles(**fail)
     if case.startswith("manifest"):
         def no_room(*args, **kwargs):
             raise OSError(28, "No space left on device")
@@ -177,12 +133,12 @@ def test_a_failed_step_undoes_the_steps_done_newest_first_and_the_workload_runs_
     assert not os.path.exists(image_dir), "the partial image was removed"
 
 
-def test_a_failed_undo_is_reported_and_the_other_undos_still_run(workload, tmp_path):
+def test_a_failed_undo_is_reported_and_the_other_undos_still_run(workload, tmp_path, doubles):
     """The dump fails, and so does the GPU's restore of a process: the unlocks are still tried, the
     partial image is still removed, and the error says the rollback is incomplete (the workload may be
     frozen), naming the undo that failed."""
     root, b, c = workload
-    log, drv, backend = _doubles(workload, backend_fail=["dump"])
+    log, drv, backend = doubles(backend_fail=["dump"])
     drv.fail.add(("restore", b))
     image_dir = str(tmp_path / "img")
     with pytest.raises(TransactionError) as err:
@@ -195,10 +151,10 @@ def test_a_failed_undo_is_reported_and_the_other_undos_still_run(workload, tmp_p
     assert not os.path.exists(image_dir)
 
 
-def test_parallel_driver_calls_undo_exactly_the_pids_done(workload, tmp_path):
+def test_parallel_driver_calls_undo_exactly_the_pids_done(workload, tmp_path, doubles):
     """One thread per pid: one checkpoint fails, the other is done; the undo restores only the one done."""
     root, b, c = workload
-    log, drv, backend = _doubles(workload, drv_fail=[("checkpoint", c)])
+    log, drv, backend = doubles(drv_fail=[("checkpoint", c)])
     with pytest.raises(TransactionError) as err:
         checkpoint(root, str(tmp_path / "img"), backend=backend, parallel=True)
     assert [e for e in log if e[0] == "restore"] == [("restore", b)]
@@ -206,20 +162,19 @@ def test_parallel_driver_calls_undo_exactly_the_pids_done(workload, tmp_path):
     assert drv.states == {b: "running", c: "running"}
 
 
-def test_a_refusal_in_the_plan_touches_nothing(workload, tmp_path):
+def test_a_refusal_in_the_plan_touches_nothing(workload, tmp_path, doubles, recording_backend):
     """leave_stopped on a runtime that cannot hold a workload stopped: refused before anything is done."""
     root, b, c = workload
-    log, drv, backend = _doubles(workload)
-    backend.capabilities = backend.capabilities._replace(can_hold_stopped=False)
+    log, drv, backend = doubles(capabilities=recording_backend.capabilities._replace(can_hold_stopped=False))
     with pytest.raises(InvalidTarget) as err:
         checkpoint(root, str(tmp_path / "img"), backend=backend, leave_stopped=True)
     assert "cannot hold a workload stopped" in err.value.msg
     assert log == [] and not os.path.exists(str(tmp_path / "img"))
 
 
-def _image(workload, tmp_path):
+def _image(doubles, workload, tmp_path):
     root, b, c = workload
-    log, drv, backend = _doubles(workload)
+    log, drv, backend = doubles()
     image_dir = str(tmp_path / "img")
     res = checkpoint(root, image_dir, backend=backend, parallel=False)
     assert res["changed"] and res["cuda_pids"] == [b, c]
@@ -227,11 +182,11 @@ def _image(workload, tmp_path):
     return image_dir, drv
 
 
-def test_a_restore_gives_the_gpu_back_to_every_process_then_unlocks(workload, tmp_path):
+def test_a_restore_gives_the_gpu_back_to_every_process_then_unlocks(workload, tmp_path, doubles, recording_backend):
     root, b, c = workload
-    image_dir, drv = _image(workload, tmp_path)
+    image_dir, drv = _image(doubles, workload, tmp_path)
     log = []
-    backend = RecordingBackend(log, workload, drv)
+    backend = recording_backend(log, workload, drv)
     drv.log = log
     res = restore(image_dir, backend=backend, parallel=False, validate_wait=0, pid_wait=0)
     assert log == [("runtime_restore",)] + _gpu_given_back(b, c)
@@ -241,13 +196,13 @@ def test_a_restore_gives_the_gpu_back_to_every_process_then_unlocks(workload, tm
 
 
 @pytest.mark.parametrize("where", ["cuda_restore", "probe"])
-def test_a_failed_restore_kills_what_it_brought_up(workload, tmp_path, where):
+def test_a_failed_restore_kills_what_it_brought_up(workload, tmp_path, where, doubles, recording_backend):
     """The GPU restore of one process fails, or the user's probe does: what the runtime brought up is
     killed, nothing was unlocked (no restored copy ever ran), and the image is kept to try again."""
     root, b, c = workload
-    image_dir, drv = _image(workload, tmp_path)
+    image_dir, drv = _image(doubles, workload, tmp_path)
     log = []
-    backend = RecordingBackend(log, workload, drv, probe_rc=1 if where == "probe" else 0)
+    backend = recording_backend(log, workload, drv, probe_rc=1 if where == "probe" else 0)
     drv.log = log
     if where == "cuda_restore":
         drv.fail.add(("restore", c))
@@ -260,13 +215,13 @@ def test_a_failed_restore_kills_what_it_brought_up(workload, tmp_path, where):
     assert image.has_manifest(image_dir)
 
 
-def test_a_restore_of_host_pids_refuses_while_the_original_still_runs(workload, tmp_path):
+def test_a_restore_of_host_pids_refuses_while_the_original_still_runs(workload, tmp_path, doubles, recording_backend):
     """A runtime that restores the dumped pids themselves (a bare process tree) must not start a second
     copy beside the original (a checkpoint with leave_running): refused before anything is restored."""
-    image_dir, drv = _image(workload, tmp_path)
+    image_dir, drv = _image(doubles, workload, tmp_path)
     log = []
-    backend = RecordingBackend(log, workload, drv)
-    backend.capabilities = backend.capabilities._replace(restores_host_pids=True)
+    backend = recording_backend(log, workload, drv,
+                                capabilities=recording_backend.capabilities._replace(restores_host_pids=True))
     with pytest.raises(InvalidTarget) as err:
         restore(image_dir, backend=backend, pid_wait=0)
     assert "refusing to start a second copy" in err.value.msg and err.value.pid == workload[0]

@@ -18,37 +18,41 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint im
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.steps import Clock
 import test_steps
-from test_steps import RecordingBackend, _doubles, _gpu_given_back
+from test_steps import _gpu_given_back
 
-workload, no_host_facts = test_steps.workload, test_steps.no_host_facts  # its fixtures, used here too
-
-
-class GatedBackend(RecordingBackend):
-    """TEST DOUBLE of a runtime whose restore takes a gate: it writes CRIU's metadata and pages, and its
-    restore runs the gate's script as CRIU does at post-restore, failing as CRIU does when it fails."""
-    capabilities = RecordingBackend.capabilities._replace(gates_restore=True)
-
-    def dump(self, target, image_dir, work_dir, after):
-        out = super().dump(target, image_dir, work_dir, after)
-        with open(os.path.join(image_dir, "core-1.img"), "wb") as fh:
-            fh.write(b"\1" * 512)
-        return out
-
-    def restore(self, image_dir, work_dir, manifest, gate=None):
-        self._record("runtime_restore", gate is not None)
-        if gate is not None:
-            rc = subprocess.run([gate.script], env={"CRTOOLS_SCRIPT_ACTION": "post-restore"}, timeout=30, check=False).returncode
-            self.log.append(("gate", rc))
-            if rc:
-                raise CommandError("criu exited with rc=1 (Aborting restore due to post-restore script ret code 1)",
-                                   stage="criu-restore")
-        return list(self.pids)
+workload, no_host_facts, doubles = test_steps.workload, test_steps.no_host_facts, test_steps.doubles  # its fixtures
 
 
-def _gated_image(workload, tmp_path):
+@pytest.fixture
+def gated_backend(recording_backend):
+    """The class of a runtime TEST DOUBLE whose restore takes a gate."""
+    class GatedBackend(recording_backend):
+        """It writes CRIU's metadata and pages, and its restore runs the gate's script as CRIU does at
+        post-restore, failing as CRIU does when it fails."""
+        capabilities = recording_backend.capabilities._replace(gates_restore=True)
+
+        def dump(self, target, image_dir, work_dir, after):
+            out = super().dump(target, image_dir, work_dir, after)
+            with open(os.path.join(image_dir, "core-1.img"), "wb") as fh:
+                fh.write(b"\1" * 512)
+            return out
+
+        def restore(self, image_dir, work_dir, manifest, gate=None):
+            self._record("runtime_restore", gate is not None)
+            if gate is not None:
+                rc = subprocess.run([gate.script], env={"CRTOOLS_SCRIPT_ACTION": "post-restore"}, timeout=30,
+                                    check=False).returncode
+                self.log.append(("gate", rc))
+                if rc:
+                    raise CommandError("criu exited with rc=1 (Aborting restore due to post-restore script ret code 1)",
+                                       stage="criu-restore")
+            return list(self.pids)
+    return GatedBackend
+
+
+def _gated_image(doubles, gated_backend, workload, tmp_path):
     root, b, c = workload
-    log, drv, unused = _doubles(workload)
-    backend = GatedBackend(log, workload, drv)
+    log, drv, backend = doubles(backend_class=gated_backend)
     image_dir = str(tmp_path / "img")
     checkpoint(root, image_dir, backend=backend, parallel=False)
     log[:] = []
@@ -63,17 +67,17 @@ def _flip_a_byte(path):
         fh.write(bytes([first[0] ^ 0xFF]))
 
 
-def test_pages_checked_beside_the_restore_open_its_gate(workload, tmp_path):
+def test_pages_checked_beside_the_restore_open_its_gate(workload, tmp_path, doubles, gated_backend):
     root, b, c = workload
-    image_dir, backend, log = _gated_image(workload, tmp_path)
+    image_dir, backend, log = _gated_image(doubles, gated_backend, workload, tmp_path)
     res = restore(image_dir, backend=backend, parallel=False, validate_wait=0, pid_wait=0, verify_beside_bytes=0)
     assert log == [("runtime_restore", True), ("gate", 0)] + _gpu_given_back(b, c)
     assert res["pages_verified_beside_restore"] is True and res["verify_seconds"] >= 0
     assert res["pids"] == workload
 
 
-def test_pages_that_do_not_check_out_fail_the_gate_and_nothing_of_the_restore_runs(workload, tmp_path):
-    image_dir, backend, log = _gated_image(workload, tmp_path)
+def test_pages_that_do_not_check_out_fail_the_gate_and_nothing_of_the_restore_runs(workload, tmp_path, doubles, gated_backend):
+    image_dir, backend, log = _gated_image(doubles, gated_backend, workload, tmp_path)
     _flip_a_byte(os.path.join(image_dir, "pages-1.img"))
     with pytest.raises(ImageError) as err:
         restore(image_dir, backend=backend, parallel=False, validate_wait=0, pid_wait=0, verify_beside_bytes=0)
@@ -84,8 +88,8 @@ def test_pages_that_do_not_check_out_fail_the_gate_and_nothing_of_the_restore_ru
         assert img.restored_mark() is None
 
 
-def test_the_rest_of_the_image_is_checked_before_the_runtime_restores_anything(workload, tmp_path):
-    image_dir, backend, log = _gated_image(workload, tmp_path)
+def test_the_rest_of_the_image_is_checked_before_the_runtime_restores_anything(workload, tmp_path, doubles, gated_backend):
+    image_dir, backend, log = _gated_image(doubles, gated_backend, workload, tmp_path)
     _flip_a_byte(os.path.join(image_dir, "core-1.img"))
     with pytest.raises(ImageError) as err:
         restore(image_dir, backend=backend, parallel=False, validate_wait=0, pid_wait=0, verify_beside_bytes=0)
@@ -93,9 +97,9 @@ def test_the_rest_of_the_image_is_checked_before_the_runtime_restores_anything(w
     assert log == [], "CRIU's metadata steers it as root: it is never read unchecked"
 
 
-def test_small_pages_or_check_mode_are_checked_first_without_a_gate(workload, tmp_path):
+def test_small_pages_or_check_mode_are_checked_first_without_a_gate(workload, tmp_path, doubles, gated_backend):
     root, b, c = workload
-    image_dir, backend, log = _gated_image(workload, tmp_path)
+    image_dir, backend, log = _gated_image(doubles, gated_backend, workload, tmp_path)
     checked = restore(image_dir, backend=backend, check_mode=True, pid_wait=0, verify_beside_bytes=0)
     assert checked["changed"] is True and log == []
     res = restore(image_dir, backend=backend, parallel=False, validate_wait=0, pid_wait=0)  # 4 KiB of pages
@@ -116,8 +120,8 @@ class Journal(object):
         self.phases.append(("record", None))
 
 
-def test_in_a_migration_pages_that_fail_leave_the_journal_restore_failed_naming_them(workload, tmp_path):
-    image_dir, backend, log = _gated_image(workload, tmp_path)
+def test_in_a_migration_pages_that_fail_leave_the_journal_restore_failed_naming_them(workload, tmp_path, doubles, gated_backend):
+    image_dir, backend, log = _gated_image(doubles, gated_backend, workload, tmp_path)
     _flip_a_byte(os.path.join(image_dir, "pages-1.img"))
     opts = restore_mod.RestoreOptions(parallel=False, validate_wait=0, pid_wait=0, verify_beside_bytes=0)
     journal = Journal()

@@ -81,6 +81,17 @@ def test_the_environment_gives_the_connection_as_kubernetes_core_reads_it(api, t
     assert k8s_api.read_pod(k8s_api.api_client({}), "default", "gpu-test-pod")["spec"]["nodeName"] == "node-a"
 
 
+def test_impersonation_reaches_the_api_server_one_header_per_group(api, tmp_path):
+    """The API server takes each impersonated group from its own Impersonate-Group header, never a joined list."""
+    api.add_pod(gpu_pod())
+    as_alice = k8s_api.api_client({"host": api.url, "api_key": api.token, "impersonate_user": "alice",
+                                   "impersonate_groups": ["ops", "gpu-admins"]})
+    k8s_api.read_pod(as_alice, "default", "gpu-test-pod")
+    headers = [(name.lower(), value) for name, value in api.request_headers[-1]]
+    assert [v for n, v in headers if n == "impersonate-user"] == ["alice"]
+    assert [v for n, v in headers if n == "impersonate-group"] == ["ops", "gpu-admins"]
+
+
 def test_an_unreachable_api_server_is_a_clear_error(tmp_path):
     api = k8s_api.api_client({"host": "http://127.0.0.1:9"})
     api.configuration.retries = 0

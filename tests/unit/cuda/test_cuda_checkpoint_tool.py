@@ -11,7 +11,8 @@ import subprocess
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from helpers import REPO
+
 FILES = os.path.join(REPO, "roles", "cuda_checkpoint", "files")
 GPU_A, GPU_B = "GPU-11111111-2222-3333-4444-555555555555", "GPU-aaaaaaaa-bbbb-cccc-dddd-eeeeeeeeeeee"
 

@@ -11,10 +11,12 @@ import time
 
 import pytest
 
+from helpers import REPO
+
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import quiesce
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
 
-TOOLS = os.path.join(os.path.dirname(__file__), "..", "..", "tools")
+TOOLS = os.path.join(REPO, "tools")
 
 
 def test_signal_names():
