@@ -98,30 +98,29 @@ class SystemdHosts(LoopbackHosts):
                 with open(os.path.join(cg, "cgroup.procs"), "w") as out:
                     out.write(str(os.getpid()))
 
-        log = open(os.path.join(d, "sshd.log"), "ab")
+        log = open(os.path.join(d, "systemd.log"), "ab")  # (what fails before systemd runs: unshare, a mount)
         proc = subprocess.Popen(["unshare", "--pid", "--fork", "--mount", "--uts", "--mount-proc", "sh", boot],
                                 stdout=log, stderr=log, stdin=subprocess.DEVNULL, start_new_session=True,
                                 preexec_fn=enter_cgroups)
         self.pids[name] = proc.pid
-        self.wait_for_systemd(name)
+        self.wait_for_systemd(name, proc)
         return None
 
-    def wait_for_systemd(self, name, timeout=BOOT_TIMEOUT):
+    def wait_for_systemd(self, name, proc, timeout=BOOT_TIMEOUT):
         """Wait until the host's systemd answers systemctl; SystemdDidNotStart with its words when it does not."""
         deadline = time.monotonic() + timeout
-        state = ""
-        while time.monotonic() < deadline:
+        state = failed = ""
+        while time.monotonic() < deadline and proc.poll() is None:
             kids = [p for p in _descendants(self.pids[name]) if _ppid(p) == self.pids[name]]
             if len(kids) == 1:
-                res = subprocess.run(["nsenter", "--target", str(kids[0]), "--mount", "--pid", "--",
-                                      "systemctl", "is-system-running"], stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, universal_newlines=True, check=False)
-                state = res.stdout.strip()
+                state = self._systemctl_words(kids[0], "is-system-running")
                 if state in ("running", "degraded"):
                     return
+                if state in ("initializing", "starting", "maintenance"):  # (it runs, but a unit holds its start)
+                    failed = self._systemctl_words(kids[0], "list-units", "--failed", "--no-legend", "--plain")
             time.sleep(0.2)
-        lines = []
-        for log in ("sshd.log", "console.log"):
+        lines = ["failed units: %s" % failed] if failed else []
+        for log in ("systemd.log", "console.log"):
             try:
                 with open(self.path(name, log)) as fh:
                     lines += fh.read().splitlines()[-15:]
@@ -129,6 +128,12 @@ class SystemdHosts(LoopbackHosts):
                 pass
         raise SystemdDidNotStart("systemd did not start as PID 1 of a namespace on this machine within %d s (its "
                                  "state: %r): %s" % (timeout, state, " | ".join(lines) or "(no output)"))
+
+    @staticmethod
+    def _systemctl_words(init, *args):
+        res = subprocess.run(["nsenter", "--target", str(init), "--mount", "--pid", "--", "systemctl"] + list(args),
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True, check=False)
+        return " ".join(res.stdout.split())
 
     def systemctl(self, name, *args, check=True):
         """``systemctl ARGS`` against the systemd of host ``name``; returns the CompletedProcess."""
