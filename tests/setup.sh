@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Installs and builds everything the tests and the demo need on a fresh Debian 12 machine of the
-# CI kind (root, no systemd). Idempotent: a second run only checks and takes a few seconds.
+# CI kind (root, no systemd as PID 1). Idempotent: a second run only checks and takes a few seconds.
 #
 #   bash tests/setup.sh            # apt packages, CRIU 4.2.1, CRIU's zdtm tests, venv (.venv), libcuda stand-in
 #
@@ -22,7 +22,9 @@ need_apt=()
 apt_pkgs=(build-essential pkgconf libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
   python3-protobuf iproute2 rsync openssh-server openssh-client xz-utils procps patch
-  runc iptables podman docker.io binutils python3-grpcio)  # runc 1.1.5, Podman 4.3.1, Docker 20.10 (bookworm); CRIU needs iptables for a netns
+  runc iptables podman docker.io binutils python3-grpcio
+  systemd)  # runc 1.1.5, Podman 4.3.1, Docker 20.10 (bookworm); CRIU needs iptables for a netns; systemd 252 runs as
+            # PID 1 of a test host's namespaces (tests/hosts/systemd_node.py), not as this machine's
 for p in "${apt_pkgs[@]}"; do
   [[ "$(dpkg-query -W -f='${Status}' "$p" 2>/dev/null)" == *"install ok installed"* ]] || need_apt+=("$p")
 done
