@@ -47,7 +47,7 @@ def test_cooperative_ddp_job_drained_off_its_node(playbook, gpu_hosts, tmp_path,
         report = run.task("Where each workload runs now")["msg"]
         assert len(plan["moves"]) == 1, plan["lines"]  # one job, one workload: the agent's tree with both ranks
         move = _move_of(plan, ("process", job.pid))
-        assert sorted(move["workload"]["tree"]["pids"]) == sorted(procs0), (move["workload"]["tree"], procs0)
+        assert sorted(move["workload"]["tree"].get("pids") or []) == sorted(procs0), (move["workload"]["tree"], procs0)
         assert "-> hostb" in _plan_line(report, "MOVED", "pid %d" % job.pid), report
         assert "runs no GPU workload any more" in run.task("The node is empty")["msg"]
         mid = move["migration_id"]
