@@ -51,7 +51,9 @@ def test_cooperative_ddp_job_drained_off_its_node(playbook, gpu_hosts, tmp_path,
         assert "-> hostb" in _plan_line(report, "MOVED", "pid %d" % job.pid), report
         assert "runs no GPU workload any more" in run.task("The node is empty")["msg"]
         mid = move["migration_id"]
-        ck, sy, rs = _result(run, "Stage 1/3", mid), _result(run, "Stage 2/3", mid), _result(run, "Restore on hostb", mid)
+        ck, rs = _result(run, "Stage 1/3", mid), _result(run, "Restore on hostb", mid)
+        # (stage 2 is skipped when the image was pushed while CRIU wrote it: the transfer is then not timed apart)
+        sy = ([r for r in run.results if "Stage 2/3" in r["_task"] and r["_host"] == mid] or [{}])[-1]
         outcome = _result(run, "Time the move", mid)["ansible_facts"]["gpuckpt_move_outcome"]
         assert outcome["status"] == "moved", outcome
         quiesce = ck.get("quiesce") or {}

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import statistics
 import sys
 import time
 
@@ -97,16 +96,10 @@ def _runs(lines):
     return [tuple(r) for r in runs]
 
 
-def _stall_first_copy(job, step):
-    """The periodic checkpoint's stall per rank, from the lost copy's times (its first line of each step)."""
-    out = {}
-    for r in range(2):
-        t = {}
-        for s, v in job.lines("times", r):
-            t.setdefault(s, float(v))
-        gaps = [t[s + 1] - t[s] for s in t if s + 1 in t]
-        out["rank%d" % r] = round(t[step + 1] - t[step] - statistics.median(gaps), 3) if step + 1 in t else None
-    return out
+def _rank_stall(cycle):
+    """The seconds a rank spent out of training at the periodic checkpoint, as its own cycle record says (release,
+    wait for the resume, rejoin). Its times file cannot say it: the lost copy's buffered lines died with it."""
+    return round(cycle["release_s"] + cycle["waited_s"] + cycle["rejoin_s"], 3)
 
 
 def test_protected_cooperative_ddp_job_fails_over_with_bit_identical_losses(playbook, tmp_path, record):
@@ -189,7 +182,7 @@ def test_protected_cooperative_ddp_job_fails_over_with_bit_identical_losses(play
         assert all([c["resumed_by"] for c in rank] == ["resume", "resume"] for rank in cycles.values()), cycles
         record("coop_failover", losses_identical=True, checkpoint_step=step, lost_at_step=lost_at,
                steps_rerun={"rank%d" % r: lost_at[r] - step for r in range(2)},
-               stall_periodic_checkpoint=_stall_first_copy(job, step), cycles=cycles)
+               stall_periodic_checkpoint={r: _rank_stall(c[0]) for r, c in cycles.items()}, cycles=cycles)
     finally:
         if job is not None:
             job.kill()
