@@ -51,6 +51,9 @@ class ContainerJob(Job):
         cfg["mounts"] = [{"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]}] + [
             m for m in cfg["mounts"] if m["destination"] not in ("/dev/shm", "/tmp")] + [
             {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "nodev", "mode=1777", "size=4g"]}]
+        # torchrun's ranks reach its store by the agent's host name: runc's "runc" resolves nowhere (seen on the GPU
+        # machine); the container shares the host's network, and "localhost" is in the host's /etc/hosts
+        cfg["hostname"] = "localhost"
         with open(path, "w") as fh:
             json.dump(cfg, fh)
         self.runc("run --detach --bundle %s %s" % (self.bundle, self.id), relay=True)
@@ -80,7 +83,7 @@ def test_runc_container_of_a_cooperative_ddp_job_checkpointed_and_restored_in_pl
     reference = Job(str(tmp_path / "reference"), coop=False, pause=0)
     job = ContainerJob(str(tmp_path / "runc"), str(tmp_path / "job"))
     try:
-        job.wait_steps(30)
+        job.wait_steps(30, timeout=120)
         procs0, ranks0 = job.procs(), job.ranks()
         assert sorted(ranks0) == [0, 1], (procs0, ranks0, job.tail())
         v = {"gpuckpt_container": job.id, "gpuckpt_runtime": "runc", "gpuckpt_runc_root": job.root,
