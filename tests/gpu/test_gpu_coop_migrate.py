@@ -1,7 +1,7 @@
 """migrate.yml moves a deterministic 2-rank DDP job (tests/workloads/ddp_job.py under the helper's torchrun) between
 the GPU machine's loopback hosts (sshd on 127.0.0.2 / 127.0.0.3, one pid space, real ssh, rsync and CRIU), issue 45
 part 3: in the cooperative mode (NCCL's defaults, the helper, quiesce_mode=cooperative) and in the configuration mode
-(NCCL_P2P_DISABLE=1 NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0, no helper); (drain.yml: not yet). Every loss of
+(NCCL_P2P_DISABLE=1 NCCL_CUMEM_ENABLE=0 NCCL_CUMEM_HOST_ENABLE=0, no helper); drain.yml in test_gpu_coop_drain.py. Every loss of
 both ranks bit-identical to an uninterrupted run of the same configuration, one copy after
 it (the source gone), nothing frozen. Records the downtime against its floors (each rank's driver checkpoint,
 the transfer, each rank's driver restore). NVLink multicast stays off in every job."""

@@ -9,7 +9,8 @@ that the kubelet's labels name as one pod's, moved together with the pod path), 
 belong to no container. A bare tree's root is found by walking up from each CUDA process through parents of
 the same process group that have no controlling terminal: a launcher (torchrun, a job script run by cron or
 a scheduler) moves with its workers, while the login shell or sshd session that started it stays. CUDA
-processes with the same root are one workload.
+processes with the same root are one workload, and so is a root inside another root's tree (torchrun's ranks,
+each in a session of its own, under an agent that holds a CUDA context).
 
 Each workload carries the facts of its tree in the shape of ``cuda_process_facts``' ``tree`` (pids, CUDA
 states, RSS, GPU memory per GPU or unknown), which is what ``migration/planner.py`` checks.
@@ -105,11 +106,27 @@ def _bare_trees(procs, tree_of, read_stat, driver_answers=False):
         if p.get("exists", True) and not p.get("container") and not p.get("in_sandbox"):
             roots.add(tree_root(p["pid"], read_stat))
     out = []
-    for root in sorted(roots):
+    for root in sorted(roots - _nested(roots, read_stat)):
         st = read_stat(root) or {}
         out.append({"key": _key("process", root), "kind": "process", "runtime": "process", "pid": root,
                     "root_pid": root, "comm": st.get("comm"), "starttime": st.get("starttime"), "tree": tree_of(root, None)})
     return out
+
+
+def _nested(roots, read_stat):
+    """The roots that lie inside another root's tree (one of them is an ancestor): they move with it. torchrun starts
+    each rank in a session of its own, so a rank's walk up stops at the rank, while its launcher (the agent holds a
+    CUDA context of its own under PyTorch 2.11) is a root too, and its tree holds the ranks: one job, one workload."""
+    inside = set()
+    for root in roots:
+        st, seen = read_stat(root), set()
+        while st is not None and st["ppid"] > 1 and st["ppid"] not in seen:
+            seen.add(st["ppid"])
+            if st["ppid"] in roots:
+                inside.add(root)
+                break
+            st = read_stat(st["ppid"])
+    return inside
 
 
 def from_facts(facts, tree_of, read_stat=procfs.read_stat):

@@ -207,3 +207,16 @@ def test_a_pods_containers_are_one_workload_named_by_the_kubelets_labels():
     assert chosen == found
     chosen, unused = workloads.select(found, exclude=["c2"])
     assert chosen == []
+
+
+def test_torchrun_ranks_in_sessions_of_their_own_move_with_their_agent():
+    """torchrun starts each rank with start_new_session: a rank's walk up stops at the rank; its agent holds a CUDA
+    context too (PyTorch 2.11), so the job is the agent's tree, one workload, not three."""
+    tree_of, calls = tree_of_recorder()
+    agent = stat(300, 1, pgrp=300, comm="python3")
+    ranks = [stat(301, 300, pgrp=301, comm="pt_main_thread"), stat(302, 300, pgrp=302, comm="pt_main_thread")]
+    facts = {"cuda_processes": [{"pid": p, "exists": True, "cuda_state": "running"} for p in (300, 301, 302)],
+             "driver": {"available": True}}
+    found = workloads.from_facts(facts, tree_of, fake_proc(agent, *ranks))
+    assert [w["key"] for w in found] == ["process:300"]
+    assert calls == [(300, None)]
