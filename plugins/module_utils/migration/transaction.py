@@ -199,7 +199,7 @@ def _clean(journal, doc, backend):
             pass
     restored = alive_pids(doc.get("identities"))
     if doc.get("container") and doc.get("phase") in ("restoring", "restored"):
-        backend.container = doc["container"]
+        backend = backend.with_container(doc["container"])
     if restored or (doc.get("container") and doc.get("phase") in ("restoring", "restored")):
         backend.kill_restored(doc.get("image_dir") or "", restored)
     image_dir = doc.get("image_dir") or ""

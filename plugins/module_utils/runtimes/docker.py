@@ -83,8 +83,9 @@ class DockerBackend(ContainerBackend):
     capabilities = ContainerBackend.capabilities._replace(keeps_criu_plugins_off=False)  # dockerd runs its CRIU
     passes_criu_flags = ()  # docker checkpoint takes no CRIU options
 
-    def __init__(self, docker_path=None, docker_host=None, criu_path=None, criu_options=(), timeout=None):
-        super(DockerBackend, self).__init__(criu_path, criu_options, timeout)
+    def __init__(self, docker_path=None, docker_host=None, criu_path=None, criu_options=(), timeout=None,
+                 tcp_established=False):
+        super(DockerBackend, self).__init__(criu_path, criu_options, timeout, tcp_established=tcp_established)
         self.docker_path, self.docker_host = docker_path, docker_host
 
     def _cmd(self, *args):

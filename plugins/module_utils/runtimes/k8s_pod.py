@@ -94,8 +94,8 @@ class KubernetesPodBackend(ContainerBackend):
     passes_criu_flags = ContainerdBackend.passes_criu_flags
 
     def __init__(self, address=None, runc_root=None, criu_path=None, criu_options=(), timeout=None, pod_uid=None,
-                 containers=None, restore_pod=None, restore_token=None, restore_wait=None):
-        super(KubernetesPodBackend, self).__init__(criu_path, criu_options, timeout)
+                 containers=None, restore_pod=None, restore_token=None, restore_wait=None, tcp_established=False):
+        super(KubernetesPodBackend, self).__init__(criu_path, criu_options, timeout, tcp_established=tcp_established)
         self.address, self.runc_root = address, runc_root
         self.namespace = K8S_NAMESPACE
         self.pod_uid = pod_uid or None
@@ -108,10 +108,8 @@ class KubernetesPodBackend(ContainerBackend):
         self._restoring, self._restored_image = [], None
 
     def _member(self, container_id=None):
-        m = ContainerdBackend(self.address, K8S_NAMESPACE, self.runc_root, self._criu_path, self.extra, self.timeout)
-        m.container = container_id
-        m.tcp_established = self.tcp_established
-        return m
+        return ContainerdBackend(self.address, K8S_NAMESPACE, self.runc_root, self._criu_path, self.extra, self.timeout,
+                                 container=container_id, tcp_established=self.tcp_established)
 
     def client(self):
         return Client(self.address, K8S_NAMESPACE, timeout=60)
@@ -201,7 +199,6 @@ class KubernetesPodBackend(ContainerBackend):
         """Each container's CRIU needs, found on its own tree: its own options go to its own checkpoint."""
         flags = []
         for cname, member in self.members:
-            member.tcp_established = self.tcp_established
             member.plan_tree(self.trees[cname][1], internal_tcp=internal_tcp)
             flags += [f for f in member.auto_flags if f not in flags]
         self.auto_flags = flags

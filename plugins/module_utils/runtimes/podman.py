@@ -51,8 +51,9 @@ class PodmanBackend(ContainerBackend):
     name = "podman"
     capabilities = ContainerBackend.capabilities._replace(keeps_criu_plugins_off=False)  # its own environment for CRIU
 
-    def __init__(self, podman_path=None, root=None, runroot=None, criu_path=None, criu_options=(), timeout=None):
-        super(PodmanBackend, self).__init__(criu_path, criu_options, timeout)
+    def __init__(self, podman_path=None, root=None, runroot=None, criu_path=None, criu_options=(), timeout=None,
+                 tcp_established=False):
+        super(PodmanBackend, self).__init__(criu_path, criu_options, timeout, tcp_established=tcp_established)
         self.podman_path, self.root, self.runroot = podman_path, root, runroot
 
     def _cmd(self, *args):

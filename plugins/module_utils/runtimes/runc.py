@@ -74,8 +74,9 @@ class RuncBackend(ContainerBackend):
     name = "runc"
     capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True)  # paused (cgroup freezer)
 
-    def __init__(self, runc_path=None, root=None, bundle=None, criu_path=None, criu_options=(), timeout=None):
-        super(RuncBackend, self).__init__(criu_path, criu_options, timeout)
+    def __init__(self, runc_path=None, root=None, bundle=None, criu_path=None, criu_options=(), timeout=None,
+                 tcp_established=False):
+        super(RuncBackend, self).__init__(criu_path, criu_options, timeout, tcp_established=tcp_established)
         self.runc_path = runc_path
         self.root = root
         self.bundle = bundle

@@ -125,20 +125,30 @@ class SandboxCuda(cuda.StateQueries):
         return self._tool("cuCheckpointProcessUnlock", pid, ["--action", "unlock"], "unlock")[1]
 
 
+class _CudaStageCapabilities(object):
+    """RunscBackend.capabilities, two fixed records: held by runsc pause; gVisor saves its own kernel, and its
+    processes are out of the host's sight. owns_cuda_stage is the backend's CUDA stage (runsc_cuda_stage, then the
+    image's own, see bind); read on the class, the engine's (the default)."""
+    ENGINE = ContainerBackend.capabilities._replace(can_hold_stopped=True, uses_criu=False, cuda_in_sandbox=True)
+    RUNSC = ENGINE._replace(owns_cuda_stage=True)
+
+    def __get__(self, backend, cls=None):
+        return self.RUNSC if backend is not None and backend.cuda_stage == "runsc" else self.ENGINE
+
+
 class RunscBackend(ContainerBackend):
     name = "runsc"
-    # held by runsc pause; gVisor saves its own kernel, and its processes are out of the host's sight.
-    # owns_cuda_stage: runsc_cuda_stage, and then the image's own (see bind)
-    capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True, uses_criu=False, cuda_in_sandbox=True)
+    capabilities = _CudaStageCapabilities()
+    cuda_stage = "engine"  # who runs the CUDA stage: the engine, or runsc's own checkpoint and restore
     passes_criu_flags = ()
 
     def __init__(self, runsc_path=None, root=None, bundle=None, runsc_flags=(), tool=None, timeout=None,
-                 cuda_stage="engine"):
-        super(RunscBackend, self).__init__(None, (), timeout)
+                 cuda_stage="engine", tcp_established=False):
+        super(RunscBackend, self).__init__(None, (), timeout, tcp_established=tcp_established)
         if cuda_stage not in ("engine", "runsc"):
             raise InvalidTarget("runsc_cuda_stage must be engine or runsc, got %r" % cuda_stage, stage="preflight")
         # runsc: runsc's own checkpoint and restore run the CUDA stage (release-20260608 and later)
-        self.capabilities = self.capabilities._replace(owns_cuda_stage=cuda_stage == "runsc")
+        self.cuda_stage = cuda_stage
         self.runsc_path, self.root, self.bundle = runsc_path, root, bundle
         self.runsc_flags = [str(f) for f in (runsc_flags or ())]
         for flag in self.runsc_flags:
@@ -328,7 +338,7 @@ class RunscBackend(ContainerBackend):
         if rt.get("cuda_stage"):
             # The image says who restores its CUDA processes, whatever this host's runsc_cuda_stage says: an
             # image whose CUDA stage the engine ran, restored with runsc's stage, would stay checkpointed.
-            self.capabilities = self.capabilities._replace(owns_cuda_stage=rt["cuda_stage"] == "runsc")
+            self.cuda_stage = "runsc" if rt["cuda_stage"] == "runsc" else "engine"
 
     def is_held(self, pids):
         st = self.state(self.container, required=False) if self.container else None
