@@ -103,3 +103,12 @@ def test_capabilities_are_fixed_records():
     assert runsc.capabilities is registry.make("runsc", {}).capabilities
     for name in registry.RUNTIMES:
         assert isinstance(registry.backend_class(name).capabilities, base.Capabilities)
+
+
+def test_a_restore_makes_the_backend_of_its_images_runtime_with_the_modules_values():
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import restore_backend_maker
+    make = restore_backend_maker({"bundle": "/b", "runsc_cuda_stage": "runsc", "tcp_established": True})
+    runsc = make({"runtime": {"backend": "runsc"}})
+    assert (runsc.name, runsc.bundle, runsc.capabilities.owns_cuda_stage, runsc.tcp_established) == \
+        ("runsc", "/b", True, True)
+    assert make({}).name == "process", "an image of an older collection that recorded no runtime"
