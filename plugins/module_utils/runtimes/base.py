@@ -264,6 +264,12 @@ class Backend(metaclass=abc.ABCMeta):
         image in ``image_dir`` brought up on this host (``pids``, alive by identity) is stopped."""
         self.kill(pids)
 
+    def abandon_restore_wait(self, image_dir):
+        """A restore of the image in ``image_dir`` that waits here for what the controller brings up (a pod's
+        containers) is told to give up, its caller having seen that it will never come. Returns the names of
+        what was marked. Nothing here: this runtime's restore waits for no one."""
+        return []
+
     def release_exited(self, manifest):
         """A migration whose source exited after its dump committed: remove what the runtime keeps of
         the source (a stopped container). Returns whether anything was removed."""

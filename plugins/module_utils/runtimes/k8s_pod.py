@@ -271,6 +271,21 @@ class KubernetesPodBackend(ContainerBackend):
             # the containers are the pod's whose task is one of those pids (paused ones included).
             self.members = self._members_holding(self.container, (manifest.get("target") or {}).get("pids") or [])
 
+    def abandon_restore_wait(self, image_dir):
+        """The restore claims of the containers not yet restored are marked failed: the waiting restore gives up
+        at once (and rolls back), and the runtime handler refuses any later create. Never more than a rollback: a
+        container already restored is left alone, and the engine unlocks nothing it has not restored."""
+        marked = []
+        for rec in (read_restore_ticket(image_dir) or {}).get("containers") or []:
+            name = rec.get("name")
+            try:
+                if restore_claim(image_dir, name) not in (RESTORED, FAILED):
+                    set_restore_claim(image_dir, name, FAILED)
+                    marked.append(name)
+            except (OSError, InvalidTarget):
+                continue
+        return marked
+
     def _members_holding(self, pod, pids):
         namespace, name = parse_pod(pod)
         api = self.client()
