@@ -131,7 +131,7 @@ class CheckpointContext(object):
     journal_data: dict = dataclasses.field(default_factory=dict)  # each phase's journal fields, for its transition
 
     def __setattr__(self, name, value):
-        if name not in self.__dataclass_fields__:  # pylint: disable=no-member
+        if name not in self.__dataclass_fields__:
             raise AttributeError("CheckpointContext declares no field %s" % name)
         object.__setattr__(self, name, value)
 
