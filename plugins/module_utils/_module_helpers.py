@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from .core import hugepages, image, transfer
 from .core.errors import GpuCkptError, InvalidTarget, TransactionError
+from .runtimes.registry import DEFAULT as DEFAULT_RUNTIME
 from .module_common import (MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, SPEED_ARGS, TOOL_ARGS, backend_of_image,
                             check_path_arg, journal_for, make_backend)
 
@@ -96,18 +97,14 @@ def push_sender(module, params, hooks):
 
 # -- gpu_restore ------------------------------------------------------------------------------------------
 
-class LazyBackend(object):
-    """The backend of the image's runtime, made once its manifest can be read: in a migration the image
-    may not be there yet when the restore starts (wait_for_image)."""
-
-    def __init__(self, params):
-        self._params, self._backend = params, None
-
-    def __getattr__(self, name):
-        if self._backend is None:
-            self._backend = make_backend(backend_of_image(self._params["image_dir"]), self._params,
-                                         bundle=self._params["bundle"])
-        return getattr(self._backend, name)
+def restore_backend_maker(params):
+    """What makes the restore's backend from the image's manifest (engine.restore's ``make_backend``): the
+    backend of the runtime it records, with the module's parameters. In a migration the image may not be
+    there yet when the restore starts (wait_for_image): the backend is made once it is open."""
+    def make(manifest):
+        return make_backend((manifest.get("runtime") or {}).get("backend") or DEFAULT_RUNTIME, params,
+                            bundle=params["bundle"])
+    return make
 
 
 # -- gpu_image_sync ---------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ RUNTIMES = list(registry.RUNTIMES)
 
 def make_backend(name, params, bundle=None):
     """The runtime backend ``name`` built from a module's parameters (see runtimes/registry.py)."""
-    return registry.build(name, params, bundle)
+    return registry.make(name, params, bundle)
 
 
 def backend_of_image(image_dir):

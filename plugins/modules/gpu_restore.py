@@ -236,7 +236,7 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import restore as engine_restore
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
     check_path_arg, command_argv, journal_for, run_engine)
-from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import LazyBackend, operation_spec
+from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import operation_spec, restore_backend_maker
 
 
 def main():
@@ -275,7 +275,7 @@ def main():
         options = {k: p[k] for k in ("gpu_map", "force", "verify", "libcuda_path", "sign_key", "validate_wait",
                                      "parallel", "progress_file", "wait_for_image", "host_huge_pages",
                                      "allow_unverified_signature")}
-        return engine_restore.restore(p["image_dir"], backend=LazyBackend(p), journal=journal,
+        return engine_restore.restore(p["image_dir"], make_backend=restore_backend_maker(p), journal=journal,
                                       check_mode=module.check_mode, probe_command=probe,
                                       probe_timeout=p["probe_timeout"], **options)
 

@@ -340,9 +340,7 @@ def _checkpoint(target, image_dir, opts, backend, journal, sender, progress):
         return result
     if journal is not None and not opts.nonce:
         opts.nonce = uuid.uuid4().hex
-    ctx = plan_checkpoint(target, image_dir, opts, backend)
-    ctx.migration_id = journal.id if journal is not None else None
-    ctx.calls0 = len(ctx.drv.calls) if ctx.drv else 0
+    ctx = plan_checkpoint(target, image_dir, opts, backend, migration_id=journal.id if journal is not None else None)
     result.update(pids=ctx.pids, cuda_pids=ctx.cuda_pids, gpu_stage=ctx.gpu_stage, nonce=opts.nonce)
     if opts.check_mode:
         result.update(changed=True, msg="would checkpoint %d process(es), %d on the GPU, into %s"

@@ -30,7 +30,7 @@ def _sandbox_cuda(backend, container, libcuda_path):
     sees none of them. [] for a paused sandbox (an exec would wait for it) or a CPU one."""
     if container.get("status") != "running":
         return []
-    backend.container, backend.sandbox_host_pid = container["id"], int(container["pid"])
+    backend = backend.with_container(container["id"], sandbox_host_pid=int(container["pid"]))
     drv, unused = backend.load_cuda(libcuda_path)
     out = []
     for p in backend.cuda_candidates(int(container["pid"]), [int(container["pid"])]):

@@ -9,6 +9,7 @@ or its runtime cannot go through is refused here with InvalidTarget, before anyt
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import socket
@@ -91,23 +92,48 @@ def _checked_image_id(image_id):
     return text
 
 
+@dataclasses.dataclass
 class CheckpointContext(object):
-    """What the steps share: the plan, and what each step did (for the undos)."""
+    """What the steps share: the plan (made by plan_checkpoint), and what each step did (for the undos).
+    Every field is declared here: a step that sets a name not declared fails (AttributeError)."""
+    # -- the plan
+    target: object                # what the user named (a pid, a container, a pod)
+    image_dir: str
+    root: int                     # the workload's root host pid
+    pids: list                    # its tree's host pids
+    cuda_pids: list
+    drv: object                   # the driver's checkpoint API, or None
+    host: dict                    # the host's facts for the manifest (host_facts)
+    gpu_stage: str
+    runtime_facts: dict
+    identities: dict              # the tree's process identities (journal.identities)
+    states: dict                  # each pid's /proc state before anything was frozen
+    cuda_gpus: dict               # each CUDA pid's GPUs (a restore onto other GPUs maps from them)
+    after: str                    # exit|running|stopped
+    backend: object
+    opts: object                  # the CheckpointOptions
+    coop: dict = None             # a cooperative checkpoint's request number and ranks
+    migration_id: str = None      # the journal's id, in a migration
+    calls0: int = 0               # the driver's calls made before the checkpoint (its report counts from here)
+    # -- what the steps did
+    made: dict = None             # the image directory made (image.prepare_dir), for its undo
+    work: str = None              # the image's state directory (image.state_dir)
+    in_memory: dict = None        # the image's tmpfs (in_memory.plan), with image_in_memory
+    quiesce: dict = None          # what the quiesce (signal, command or cooperative) answered
+    frozen_at: float = None       # when the workload was frozen (time.time())
+    locked: list = dataclasses.field(default_factory=list)        # CUDA pids locked
+    checkpointed: list = dataclasses.field(default_factory=list)  # CUDA pids checkpointed
+    hasher: object = None         # the checksums taken while the image is written (chunk_hasher)
+    runtime_info: dict = None     # what the runtime's dump returned
+    keep_image: bool = False      # the workload lives only in this image: its undo must not remove it
+    pid_map: dict = dataclasses.field(default_factory=dict)       # dumped pid: its pid after a dump that runs on
+    manifest: dict = None
+    journal_data: dict = dataclasses.field(default_factory=dict)  # each phase's journal fields, for its transition
 
-    def __init__(self, **kw):
-        self.locked, self.checkpointed = [], []
-        self.made = None
-        self.keep_image = False
-        self.runtime_info = None
-        self.hasher = None
-        self.quiesce = None
-        self.manifest = None
-        self.migration_id = None
-        self.pid_map = {}
-        self.calls0 = 0
-        self.journal_data = {}
-        self.in_memory = None  # the image's tmpfs (in_memory.plan), with image_in_memory
-        self.__dict__.update(kw)
+    def __setattr__(self, name, value):
+        if name not in self.__dataclass_fields__:
+            raise AttributeError("CheckpointContext declares no field %s" % name)
+        object.__setattr__(self, name, value)
 
 
 def host_facts(drv=None):
@@ -254,7 +280,7 @@ def _cuda_gpus(cuda_pids, sandboxed):
     return {str(p): gpu_devices.process_gpus(p, inv) for p in cuda_pids}
 
 
-def plan_checkpoint(target, image_dir, opts, backend):
+def plan_checkpoint(target, image_dir, opts, backend, migration_id=None):
     """Everything decided before anything is touched: the tree, its CUDA pids and their states, each
     process's state and identity, what the runtime and CRIU need. Raises InvalidTarget to refuse.
     Returns the CheckpointContext the steps share."""
@@ -279,4 +305,5 @@ def plan_checkpoint(target, image_dir, opts, backend):
     return CheckpointContext(target=target, image_dir=image_dir, root=root, pids=pids, cuda_pids=cuda_pids, drv=drv,
                              host=host_facts(drv), gpu_stage=gpu_stage, runtime_facts=runtime_facts,
                              identities=identities(pids), states=proc_states, cuda_gpus=cuda_gpus, after=opts.after,
-                             backend=backend, opts=opts, coop=coop)
+                             backend=backend, opts=opts, coop=coop, migration_id=migration_id,
+                             calls0=len(drv.calls) if drv else 0)

@@ -62,11 +62,13 @@ class RestoreOptions(object):
         self.verify_beside_bytes = verify_beside_bytes  # the least page data verified beside the restore
 
 
-def restore(image_dir, backend=None, journal=None, **options):
+def restore(image_dir, backend=None, journal=None, make_backend=None, **options):
     """Restore the workload of ``image_dir``: its path, or the image.Image its caller opened (and
     closes). ``journal``: the migration's target journal: the restore then waits (``wait_for_image``
     seconds) for this migration's image to be delivered, and runs as the journal's transition
-    received -> restoring -> restored under its lock."""
+    received -> restoring -> restored under its lock. The runtime's backend: ``backend``, or the one
+    ``make_backend(manifest)`` makes once the image is open (in a migration it may arrive only after
+    the restore started), else a bare process tree's."""
     opts = RestoreOptions(**options)
     where = image_dir.path if isinstance(image_dir, image.Image) else os.path.abspath(image_dir)
     progress = StageProgress(opts.progress_file, RESTORE_STAGES)
@@ -83,7 +85,7 @@ def restore(image_dir, backend=None, journal=None, **options):
             with hugepages.HugePages(opts.host_huge_pages and not opts.check_mode,
                                      settle_stale=not opts.check_mode) as thp:
                 with held, _opened(image_dir) as img:
-                    res = _restore(img, opts, backend, journal, progress)
+                    res = _restore(img, opts, backend, journal, progress, make_backend)
             if thp.report is not None:
                 res["huge_pages"] = thp.report
             if waited is not None and res.get("timings") is not None:
@@ -239,13 +241,14 @@ def _signature_result(result, signature):
     return result
 
 
-def _restore(img, opts, backend, journal, progress):
+def _restore(img, opts, backend, journal, progress, make_backend=None):
     manifest = img.manifest
-    backend = backend or ProcessBackend()
     signature = _signature_checked(img, opts)
     done = _already_restored(img, opts, journal)
     if done is not None:
         return _signature_result(done, signature)
+    # (made once the image is known good to go on: an image restored already needs no runtime)
+    backend = backend or (make_backend(manifest) if make_backend else ProcessBackend())
     clock = Clock(progress)
     clock.start()
     gate, pages = verify_beside.open_gate(img, opts, backend), None

@@ -38,7 +38,7 @@ def page_files(manifest):
 
 def open_gate(img, opts, backend):
     """A RestoreGate for this restore, or None where the image is checked first (see the module doc)."""
-    if not opts.verify or opts.check_mode or not getattr(backend.capabilities, "gates_restore", False):
+    if not opts.verify or opts.check_mode or not backend.capabilities.gates_restore:
         return None
     files = img.manifest.get("files") or {}
     if sum(files[rel]["size"] for rel in page_files(img.manifest)) < opts.verify_beside_bytes:

@@ -121,7 +121,7 @@ def hold_dir(folder):
 def backend_of(cfg):
     """The runtime backend of the job (the process backend for a pid file)."""
     kind = "process" if cfg.get("pid_file") else "k8s_pod" if cfg.get("pod") else cfg["runtime"]
-    return registry.build(kind, dict(cfg.get("checkpoint") or {}))
+    return registry.make(kind, dict(cfg.get("checkpoint") or {}))
 
 
 def give_back_job(cfg, folder, act=True):

@@ -151,8 +151,7 @@ def stop_local_copy(cfg, folder):
         for p in pids:
             _signal(p, signal.SIGKILL)
         return {"stopped": pids, "left": procfs.wait_gone(pids, 10), "how": "SIGKILL to the pod's containers"}
-    backend.container = target
-    backend.kill(pids)
+    backend.with_container(target).kill(pids)
     return {"stopped": pids, "how": "%s removed the container %s" % (backend.name, target)}
 
 

@@ -140,7 +140,7 @@ def target_and_backend(cfg):
         if pid is None:
             raise InvalidTarget("pid file %s names no process: job %s is not running here" % (cfg["pid_file"], cfg["job"]),
                                 stage="preflight")
-        return pid, registry.build("process", params)
+        return pid, registry.make("process", params)
     if cfg.get("pod"):
-        return "%s/%s" % (cfg.get("namespace") or "default", cfg["pod"]), registry.build("k8s_pod", params)
-    return cfg["container"], registry.build(cfg["runtime"], params)
+        return "%s/%s" % (cfg.get("namespace") or "default", cfg["pod"]), registry.make("k8s_pod", params)
+    return cfg["container"], registry.make(cfg["runtime"], params)

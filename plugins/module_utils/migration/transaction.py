@@ -124,7 +124,7 @@ def settle_target(journal, backend=None, mode="settle", remove_image=True, wait=
     from ..runtimes.process import ProcessBackend
     backend = backend or ProcessBackend()
     if abandon_pod_restore:
-        abandon_pod_restore_wait(journal)
+        abandon_pod_restore_wait(journal, backend)
     with journal.hold(wait=wait, purpose="the settlement of migration %s" % journal.id):
         doc = journal.read()
         if not doc:
@@ -160,30 +160,18 @@ def settle_target(journal, backend=None, mode="settle", remove_image=True, wait=
         return _decision("rollback", True, "cleaned", "target cleaned (%s)" % killed)
 
 
-def abandon_pod_restore_wait(journal):
+def abandon_pod_restore_wait(journal, backend):
     """A pod's restore here waits (restore_wait, 600 s by default) for the containers of a target pod that the
     controller creates; a controller that died before it created that pod leaves it waiting, with the journal's
     lock held, and the held source frozen behind it. When the caller has seen that the pod does not exist, the
-    restore claims of the containers not yet restored are marked failed: the waiting restore gives up at once
-    (and rolls back), and the runtime handler refuses any later create. Never more than a rollback: a container
-    already restored is left alone, and the engine unlocks nothing it has not restored. Returns the names
-    marked."""
-    from ..runtimes import k8s_pod
+    image's runtime (``backend``, the image's: Backend.abandon_restore_wait) tells that restore to give up. Only a
+    restore still running, of the journal's own image directory, into a pod. Returns the names marked."""
     doc = journal.read() or {}
     image_dir = doc.get("image_dir") or ""
     ours = same_dir(image_dir, doc.get("image_dir_identity"))
     if doc.get("phase") != "restoring" or not doc.get("restore_pod") or not ours:
         return []
-    marked = []
-    for rec in (k8s_pod.read_restore_ticket(image_dir) or {}).get("containers") or []:
-        name = rec.get("name")
-        try:
-            if k8s_pod.restore_claim(image_dir, name) not in ("restored", "failed"):
-                k8s_pod.set_restore_claim(image_dir, name, "failed")
-                marked.append(name)
-        except (OSError, InvalidTarget):
-            continue
-    return marked
+    return backend.abandon_restore_wait(image_dir)
 
 
 def _decision(decision, changed, phase, msg):
@@ -199,7 +187,7 @@ def _clean(journal, doc, backend):
             pass
     restored = alive_pids(doc.get("identities"))
     if doc.get("container") and doc.get("phase") in ("restoring", "restored"):
-        backend.container = doc["container"]
+        backend = backend.with_container(doc["container"])
     if restored or (doc.get("container") and doc.get("phase") in ("restoring", "restored")):
         backend.kill_restored(doc.get("image_dir") or "", restored)
     image_dir = doc.get("image_dir") or ""

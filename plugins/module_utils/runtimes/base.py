@@ -9,6 +9,7 @@ which host pids make up the workload, how to write RAM+CPU state to an image dir
 from __future__ import annotations
 
 import abc
+import copy
 import json
 import os
 import shutil
@@ -193,6 +194,20 @@ class Backend(metaclass=abc.ABCMeta):
     def bind(self, manifest):
         """Take what the backend needs to act on a workload (its container id...) from a manifest."""
 
+    def with_container(self, container, **found):
+        """A copy of this backend that acts on container ``container`` (a journal's or a job's record of it), with
+        what the caller found of it (``found``: a sandbox's ``sandbox_host_pid``); this backend is left as it was."""
+        twin = copy.copy(self)
+        twin._take(dict(found, container=container))
+        return twin
+
+    def _take(self, values):
+        """Set this backend's own ``values`` (names it already has); a name it has not is a caller's mistake."""
+        for key, value in values.items():
+            if not hasattr(self, key):
+                raise TypeError("%s backend has no attribute %s" % (self.name, key))
+            setattr(self, key, value)
+
     def is_held(self, pids):
         """True when the workload left by dump(after='stopped') is still held (not running)."""
         states = [(procfs.process_state(p) or "Z") for p in pids]
@@ -248,6 +263,12 @@ class Backend(metaclass=abc.ABCMeta):
         """A target's clean-up (a migration rolled back, or its restore's module died): what a restore of the
         image in ``image_dir`` brought up on this host (``pids``, alive by identity) is stopped."""
         self.kill(pids)
+
+    def abandon_restore_wait(self, image_dir):
+        """A restore of the image in ``image_dir`` that waits here for what the controller brings up (a pod's
+        containers) is told to give up, its caller having seen that it will never come. Returns the names of
+        what was marked. Nothing here: this runtime's restore waits for no one."""
+        return []
 
     def release_exited(self, manifest):
         """A migration whose source exited after its dump committed: remove what the runtime keeps of
@@ -377,11 +398,12 @@ class ContainerBackend(Backend):
 
     capabilities = Backend.capabilities._replace(can_hold_stopped=False)
 
-    def __init__(self, criu_path=None, criu_options=(), timeout=None):
+    def __init__(self, criu_path=None, criu_options=(), timeout=None, container=None, tcp_established=False):
         self._criu_path, self._criu = criu_path, None
         self.extra = list(criu_options or ())
         self.timeout = timeout
-        self.container = None
+        self.container = container
+        self.tcp_established = bool(tcp_established)
         self._pairs_by_pid = {}
         self._devices_synced = []  # (pid, spec) of each restored container whose /dev was made to match its spec
 

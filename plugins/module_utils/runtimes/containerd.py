@@ -60,8 +60,9 @@ class ContainerdBackend(ContainerBackend):
     capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True, keeps_criu_plugins_off=False)
     passes_criu_flags = ("--tcp-established", "--ext-unix-sk", "--file-locks")
 
-    def __init__(self, address=None, namespace=None, runc_root=None, criu_path=None, criu_options=(), timeout=None):
-        super(ContainerdBackend, self).__init__(criu_path, criu_options, timeout)
+    def __init__(self, address=None, namespace=None, runc_root=None, criu_path=None, criu_options=(), timeout=None,
+                 container=None, tcp_established=False):
+        super(ContainerdBackend, self).__init__(criu_path, criu_options, timeout, container, tcp_established)
         self.namespace = namespace or "default"
         self.address = address
         self.runc_root = runc_root
@@ -92,21 +93,27 @@ class ContainerdBackend(ContainerBackend):
         out = []
         api = Client(self.address, self.namespace, timeout=30)
         try:
-            for namespace in api.namespaces():
-                if namespace == "moby":
-                    continue
-                api.namespace = namespace
-                tasks = [{"id": t["id"], "pid": t["pid"], "status": t["status"], "namespace": namespace}
-                         for t in api.tasks() if t["pid"] and t["status"] in ("running", "paused")]
-                if namespace == K8S_NAMESPACE and tasks:
-                    # The kubelet's labels say which pod each container belongs to: a drain moves a pod whole.
-                    labels = {c["id"]: c["labels"] for c in api.containers()}
-                    for t in tasks:
-                        t["labels"] = {k: v for k, v in (labels.get(t["id"]) or {}).items() if k in KUBELET_LABELS}
-                out += tasks
+            namespaces = [n for n in api.namespaces() if n != "moby"]
         finally:
             api.close()
+        for namespace in namespaces:
+            out += self._running_in(namespace)
         return out
+
+    def _running_in(self, namespace):
+        """The running or paused tasks of containerd namespace ``namespace``, asked through a client of that namespace."""
+        api = Client(self.address, namespace, timeout=30)
+        try:
+            tasks = [{"id": t["id"], "pid": t["pid"], "status": t["status"], "namespace": namespace}
+                     for t in api.tasks() if t["pid"] and t["status"] in ("running", "paused")]
+            if namespace == K8S_NAMESPACE and tasks:
+                # The kubelet's labels say which pod each container belongs to: a drain moves a pod whole.
+                labels = {c["id"]: c["labels"] for c in api.containers()}
+                for t in tasks:
+                    t["labels"] = {k: v for k, v in (labels.get(t["id"]) or {}).items() if k in KUBELET_LABELS}
+            return tasks
+        finally:
+            api.close()
 
     # -- Backend -----------------------------------------------------------------------------------------
     def runtime_facts(self):

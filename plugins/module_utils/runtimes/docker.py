@@ -30,7 +30,7 @@ import socket
 
 from ..core import procfs
 from ..core.errors import CommandError, InvalidTarget
-from ..core.run import find_binary, run
+from .cli import RuntimeCli
 from ..cuda import devices as gpu_devices
 from .base import ContainerBackend, shim_bundle_spec
 from .docker_cleanup import RESTORE_ID, new_restore_id, remove_containerd_copies
@@ -83,15 +83,12 @@ class DockerBackend(ContainerBackend):
     capabilities = ContainerBackend.capabilities._replace(keeps_criu_plugins_off=False)  # dockerd runs its CRIU
     passes_criu_flags = ()  # docker checkpoint takes no CRIU options
 
-    def __init__(self, docker_path=None, docker_host=None, criu_path=None, criu_options=(), timeout=None):
-        super(DockerBackend, self).__init__(criu_path, criu_options, timeout)
+    def __init__(self, docker_path=None, docker_host=None, criu_path=None, criu_options=(), timeout=None,
+                 tcp_established=False):
+        super(DockerBackend, self).__init__(criu_path, criu_options, timeout, tcp_established=tcp_established)
         self.docker_path, self.docker_host = docker_path, docker_host
-
-    def _cmd(self, *args):
-        cmd = [find_binary("docker", self.docker_path, what="install docker, or pass docker_path")]
-        if self.docker_host:
-            cmd += ["--host", self.docker_host]
-        return cmd + list(args)
+        self.cli = RuntimeCli("docker", docker_path, "install docker, or pass docker_path",
+                              ["--host", docker_host] if docker_host else [])
 
     def _socket(self):
         host = self.docker_host or os.environ.get("DOCKER_HOST") or "unix:///var/run/docker.sock"
@@ -100,7 +97,7 @@ class DockerBackend(ContainerBackend):
         return host[len("unix://"):]
 
     def inspect(self, container, required=True):
-        res = run(self._cmd("container", "inspect", container), stage="preflight", check=False)
+        res = self.cli.run("container", "inspect", container, stage="preflight", check=False)
         if res.rc != 0 or not res.stdout.strip().startswith("["):
             if not required:
                 return None
@@ -110,16 +107,16 @@ class DockerBackend(ContainerBackend):
 
     def present(self):
         try:
-            return bool(find_binary("docker", self.docker_path, required=False)) and os.path.exists(self._socket())
+            return self.cli.installed() and os.path.exists(self._socket())
         except InvalidTarget:
             return False
 
     def running_containers(self):
-        ids = run(self._cmd("ps", "--quiet", "--no-trunc"), stage="facts").stdout.split()
+        ids = self.cli.run("ps", "--quiet", "--no-trunc", stage="facts").stdout.split()
         if not ids:
             return []
-        res = run(self._cmd("container", "inspect", "--format", "{{.Name}} {{.State.Pid}} {{.State.Status}}", *ids),
-                  stage="facts")
+        res = self.cli.run("container", "inspect", "--format", "{{.Name}} {{.State.Pid}} {{.State.Status}}", *ids,
+                           stage="facts")
         out = []
         for line in res.stdout.splitlines():
             name, pid, status = (line.split() + ["", "", ""])[:3]
@@ -128,8 +125,8 @@ class DockerBackend(ContainerBackend):
         return out
 
     def runtime_facts(self):
-        res = run(self._cmd("version", "--format", "{{.Server.Version}} {{.Server.Experimental}}"),
-                  stage="preflight", hint="is dockerd running, and is docker_host right?")
+        res = self.cli.run("version", "--format", "{{.Server.Version}} {{.Server.Experimental}}",
+                           stage="preflight", hint="is dockerd running, and is docker_host right?")
         server, experimental = (res.stdout.split() + ["", ""])[:2]
         if experimental != "true":
             raise InvalidTarget("dockerd %s runs without experimental features, which `docker checkpoint` needs"
@@ -165,7 +162,7 @@ class DockerBackend(ContainerBackend):
         if after == "running":
             args.append("--leave-running")
         args += [self.container, CHECKPOINT]
-        res = run(self._cmd(*args), stage="runtime-dump", timeout=self.timeout, check=False)
+        res = self.cli.run(*args, stage="runtime-dump", timeout=self.timeout, check=False)
         if res.rc != 0:
             shutil.rmtree(os.path.join(image_dir, CHECKPOINT), ignore_errors=True)
             raise CommandError("docker checkpoint create exited with rc=%d" % res.rc, stage="runtime-dump",
@@ -205,7 +202,7 @@ class DockerBackend(ContainerBackend):
             created = True
         else:
             cid = info["Id"]
-        root = run(self._cmd("info", "--format", "{{.DockerRootDir}}"), stage="runtime-restore").stdout.strip()
+        root = self.cli.run("info", "--format", "{{.DockerRootDir}}", stage="runtime-restore").stdout.strip()
         dest = os.path.join(root, "containers", cid, "checkpoints", CHECKPOINT)
         shutil.rmtree(dest, ignore_errors=True)
         os.makedirs(os.path.dirname(dest), exist_ok=True)
@@ -217,14 +214,14 @@ class DockerBackend(ContainerBackend):
             # own makes it differ; CRIU ignores files it does not know. It also names containerd's copy below.
             with open(os.path.join(dest, RESTORE_ID), "w") as fh:
                 fh.write(restore_id + "\n")
-            res = run(self._cmd("start", "--checkpoint", CHECKPOINT, cid), stage="runtime-restore",
-                      timeout=self.timeout, check=False)
+            res = self.cli.run("start", "--checkpoint", CHECKPOINT, cid, stage="runtime-restore",
+                               timeout=self.timeout, check=False)
         finally:
             shutil.rmtree(dest, ignore_errors=True)
             remove_containerd_copies(restore_id)
         if res.rc != 0:
             if created:
-                run(self._cmd("rm", "--force", cid), stage="cleanup", check=False)
+                self.cli.run("rm", "--force", cid, stage="cleanup", check=False)
             raise CommandError("docker start --checkpoint exited with rc=%d" % res.rc, stage="runtime-restore",
                                cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:], stderr=res.stderr[-4000:])
         info = self.inspect(cid)
@@ -236,7 +233,7 @@ class DockerBackend(ContainerBackend):
         return tree
 
     def remove(self):
-        run(self._cmd("rm", "--force", self.container), stage="cleanup", check=False)
+        self.cli.run("rm", "--force", self.container, stage="cleanup", check=False)
 
 
 def _link_or_copy(src, dst):

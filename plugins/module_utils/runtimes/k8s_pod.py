@@ -94,8 +94,8 @@ class KubernetesPodBackend(ContainerBackend):
     passes_criu_flags = ContainerdBackend.passes_criu_flags
 
     def __init__(self, address=None, runc_root=None, criu_path=None, criu_options=(), timeout=None, pod_uid=None,
-                 containers=None, restore_pod=None, restore_token=None, restore_wait=None):
-        super(KubernetesPodBackend, self).__init__(criu_path, criu_options, timeout)
+                 containers=None, restore_pod=None, restore_token=None, restore_wait=None, tcp_established=False):
+        super(KubernetesPodBackend, self).__init__(criu_path, criu_options, timeout, tcp_established=tcp_established)
         self.address, self.runc_root = address, runc_root
         self.namespace = K8S_NAMESPACE
         self.pod_uid = pod_uid or None
@@ -108,10 +108,8 @@ class KubernetesPodBackend(ContainerBackend):
         self._restoring, self._restored_image = [], None
 
     def _member(self, container_id=None):
-        m = ContainerdBackend(self.address, K8S_NAMESPACE, self.runc_root, self._criu_path, self.extra, self.timeout)
-        m.container = container_id
-        m.tcp_established = self.tcp_established
-        return m
+        return ContainerdBackend(self.address, K8S_NAMESPACE, self.runc_root, self._criu_path, self.extra, self.timeout,
+                                 container=container_id, tcp_established=self.tcp_established)
 
     def client(self):
         return Client(self.address, K8S_NAMESPACE, timeout=60)
@@ -201,7 +199,6 @@ class KubernetesPodBackend(ContainerBackend):
         """Each container's CRIU needs, found on its own tree: its own options go to its own checkpoint."""
         flags = []
         for cname, member in self.members:
-            member.tcp_established = self.tcp_established
             member.plan_tree(self.trees[cname][1], internal_tcp=internal_tcp)
             flags += [f for f in member.auto_flags if f not in flags]
         self.auto_flags = flags
@@ -273,6 +270,21 @@ class KubernetesPodBackend(ContainerBackend):
             # A checkpoint killed before its manifest: the journal names only the pod and the pids it froze;
             # the containers are the pod's whose task is one of those pids (paused ones included).
             self.members = self._members_holding(self.container, (manifest.get("target") or {}).get("pids") or [])
+
+    def abandon_restore_wait(self, image_dir):
+        """The restore claims of the containers not yet restored are marked failed: the waiting restore gives up
+        at once (and rolls back), and the runtime handler refuses any later create. Never more than a rollback: a
+        container already restored is left alone, and the engine unlocks nothing it has not restored."""
+        marked = []
+        for rec in (read_restore_ticket(image_dir) or {}).get("containers") or []:
+            name = rec.get("name")
+            try:
+                if restore_claim(image_dir, name) not in (RESTORED, FAILED):
+                    set_restore_claim(image_dir, name, FAILED)
+                    marked.append(name)
+            except (OSError, InvalidTarget):
+                continue
+        return marked
 
     def _members_holding(self, pod, pids):
         namespace, name = parse_pod(pod)

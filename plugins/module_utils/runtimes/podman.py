@@ -28,7 +28,7 @@ import re
 
 from ..core import procfs
 from ..core.errors import CommandError, InvalidTarget
-from ..core.run import find_binary, run
+from .cli import RuntimeCli
 from ..cuda import devices as gpu_devices
 from .base import ContainerBackend, ns_pid, read_oci_spec
 from .podman_export import retarget_export
@@ -51,20 +51,19 @@ class PodmanBackend(ContainerBackend):
     name = "podman"
     capabilities = ContainerBackend.capabilities._replace(keeps_criu_plugins_off=False)  # its own environment for CRIU
 
-    def __init__(self, podman_path=None, root=None, runroot=None, criu_path=None, criu_options=(), timeout=None):
-        super(PodmanBackend, self).__init__(criu_path, criu_options, timeout)
+    def __init__(self, podman_path=None, root=None, runroot=None, criu_path=None, criu_options=(), timeout=None,
+                 tcp_established=False):
+        super(PodmanBackend, self).__init__(criu_path, criu_options, timeout, tcp_established=tcp_established)
         self.podman_path, self.root, self.runroot = podman_path, root, runroot
+        self.cli = self._make_cli()
 
-    def _cmd(self, *args):
-        cmd = [find_binary("podman", self.podman_path, what="install podman, or pass podman_path")]
-        if self.root:
-            cmd += ["--root", self.root]
-        if self.runroot:
-            cmd += ["--runroot", self.runroot]
-        return cmd + list(args)
+    def _make_cli(self):
+        """podman with its storage's root and runroot (made again when bind takes the image's root)."""
+        return RuntimeCli("podman", self.podman_path, "install podman, or pass podman_path",
+                          (["--root", self.root] if self.root else []) + (["--runroot", self.runroot] if self.runroot else []))
 
     def inspect(self, container, required=True):
-        res = run(self._cmd("container", "inspect", "--format", "json", container), stage="preflight", check=False)
+        res = self.cli.run("container", "inspect", "--format", "json", container, stage="preflight", check=False)
         if res.rc != 0 or not res.stdout.strip().startswith("["):
             if not required:
                 return None
@@ -75,16 +74,16 @@ class PodmanBackend(ContainerBackend):
     passes_criu_flags = ("--tcp-established", "--file-locks")
 
     def present(self):
-        return bool(find_binary("podman", self.podman_path, required=False)) and \
+        return self.cli.installed() and \
             os.path.isdir(self.root or "/var/lib/containers/storage")
 
     def running_containers(self):
-        res = run(self._cmd("ps", "--format", "json"), stage="facts")
+        res = self.cli.run("ps", "--format", "json", stage="facts")
         return [{"id": (c.get("Names") or [c.get("Id")])[0], "pid": int(c["Pid"]), "status": c.get("State")}
                 for c in json.loads(res.stdout or "null") or [] if c.get("Pid")]
 
     def runtime_facts(self):
-        res = run(self._cmd("--version"), stage="preflight")
+        res = self.cli.run("--version", stage="preflight")
         return {"podman_version": res.stdout.split()[-1] if res.stdout else None}
 
     def resolve(self, target):
@@ -114,7 +113,7 @@ class PodmanBackend(ContainerBackend):
         if after == "running":
             args.append("--leave-running")
         args += self.criu_flags() + [self.container]
-        res = run(self._cmd(*args), stage="runtime-dump", timeout=self.timeout, check=False)
+        res = self.cli.run(*args, stage="runtime-dump", timeout=self.timeout, check=False)
         if res.rc != 0:
             try:
                 os.unlink(os.path.join(image_dir, EXPORT))
@@ -124,7 +123,7 @@ class PodmanBackend(ContainerBackend):
                                cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:],
                                stderr=_with_criu_log(res.stderr)[-6000:])
         if after == "exit":  # the exported image is the container now; its name is free for the restore
-            run(self._cmd("container", "rm", "--force", self.container), stage="runtime-dump", check=False)
+            self.cli.run("container", "rm", "--force", self.container, stage="runtime-dump", check=False)
         return {"backend": self.name, "container": self.container, "container_id": self._id,
                 "root_pid": int(target), "podman_root": self.root, "ns_pids": self._ns, "export": EXPORT,
                 "criu_options": self.extra, "auto_flags": list(self.auto_flags), "criu_seconds": round(res.seconds, 6),
@@ -140,7 +139,7 @@ class PodmanBackend(ContainerBackend):
         export, retargeted = retarget_export(os.path.join(image_dir, EXPORT), work_dir)
         try:
             args = ["container", "restore", "--import", export] + self.criu_flags(manifest)
-            res = run(self._cmd(*args), stage="runtime-restore", timeout=self.timeout, check=False)
+            res = self.cli.run(*args, stage="runtime-restore", timeout=self.timeout, check=False)
         finally:
             if export != os.path.join(image_dir, EXPORT):
                 os.unlink(export)
@@ -160,6 +159,7 @@ class PodmanBackend(ContainerBackend):
         super(PodmanBackend, self).bind(manifest)
         if self.root is None:
             self.root = (manifest.get("runtime") or {}).get("podman_root")
+            self.cli = self._make_cli()
 
     def remove(self):
-        run(self._cmd("container", "rm", "--force", self.container), stage="cleanup", check=False)
+        self.cli.run("container", "rm", "--force", self.container, stage="cleanup", check=False)

@@ -18,10 +18,11 @@ class ProcessBackend(Backend):
     # CRIU restores the tree under its own pids, in the host's pid namespace; its restore takes a gate
     capabilities = Backend.capabilities._replace(restores_host_pids=True, gates_restore=True)
 
-    def __init__(self, criu_path=None, criu_options=(), timeout=None):
+    def __init__(self, criu_path=None, criu_options=(), timeout=None, tcp_established=False):
         self.criu = Criu(criu_path)
         self.extra = list(criu_options or ())
         self.timeout = timeout
+        self.tcp_established = bool(tcp_established)
         self._shell_job = False  # resolve() decides
 
     def preflight(self, full=True):

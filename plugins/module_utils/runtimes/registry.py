@@ -16,41 +16,46 @@ def _timeout(params):
     return params.get("runtime_timeout") or None
 
 
+def _tcp(params):
+    """tcp_established: CRIU checkpoints the workload's established TCP connections."""
+    return bool(params.get("tcp_established"))
+
+
 def _process(params, bundle):
     from .process import ProcessBackend
-    return ProcessBackend(params.get("criu_path"), params.get("criu_options"), timeout=_timeout(params))
+    return ProcessBackend(params.get("criu_path"), params.get("criu_options"), timeout=_timeout(params), tcp_established=_tcp(params))
 
 
 def _runc(params, bundle):
     from .runc import RuncBackend
     return RuncBackend(params.get("runc_path"), params.get("runc_root"), bundle, params.get("criu_path"),
-                       params.get("criu_options"), timeout=_timeout(params))
+                       params.get("criu_options"), timeout=_timeout(params), tcp_established=_tcp(params))
 
 
 def _podman(params, bundle):
     from .podman import PodmanBackend
     return PodmanBackend(params.get("podman_path"), params.get("podman_root"), params.get("podman_runroot"),
-                         params.get("criu_path"), params.get("criu_options"), timeout=_timeout(params))
+                         params.get("criu_path"), params.get("criu_options"), timeout=_timeout(params), tcp_established=_tcp(params))
 
 
 def _docker(params, bundle):
     from .docker import DockerBackend
     return DockerBackend(params.get("docker_path"), params.get("docker_host"), params.get("criu_path"),
-                         params.get("criu_options"), timeout=_timeout(params))
+                         params.get("criu_options"), timeout=_timeout(params), tcp_established=_tcp(params))
 
 
 def _containerd(params, bundle):
     from .containerd import ContainerdBackend
     return ContainerdBackend(params.get("containerd_address"), params.get("containerd_namespace"),
                              params.get("runc_root"), params.get("criu_path"), params.get("criu_options"),
-                             timeout=_timeout(params))
+                             timeout=_timeout(params), tcp_established=_tcp(params))
 
 
 def _runsc(params, bundle):
     from .runsc import RunscBackend
     return RunscBackend(params.get("runsc_path"), params.get("runsc_root"), bundle, params.get("runsc_flags"),
                         params.get("cuda_checkpoint_path"), timeout=_timeout(params),
-                        cuda_stage=params.get("runsc_cuda_stage") or "engine")
+                        cuda_stage=params.get("runsc_cuda_stage") or "engine", tcp_established=_tcp(params))
 
 
 def _k8s_pod(params, bundle):
@@ -58,7 +63,8 @@ def _k8s_pod(params, bundle):
     return KubernetesPodBackend(params.get("containerd_address"), params.get("runc_root"), params.get("criu_path"),
                                 params.get("criu_options"), timeout=_timeout(params), pod_uid=params.get("pod_uid"),
                                 containers=params.get("pod_containers"), restore_pod=params.get("restore_pod"),
-                                restore_token=params.get("restore_token"), restore_wait=params.get("restore_wait"))
+                                restore_token=params.get("restore_token"), restore_wait=params.get("restore_wait"),
+                                tcp_established=_tcp(params))
 
 
 # name -> builder(params, bundle) of that runtime's backend, in the order the modules list them
@@ -95,10 +101,8 @@ def backend_class(name):
     return cls
 
 
-def build(name, params, bundle=None):
+def make(name, params, bundle=None):
     """The backend of runtime ``name`` (a name it does not know: a bare process tree, as an image of an
-    older collection that recorded none) from a module's parameters. ``bundle``: an OCI bundle to
-    restore into (runc, runsc)."""
-    backend = BUILDERS.get(name, BUILDERS[DEFAULT])(params, bundle)
-    backend.tcp_established = bool(params.get("tcp_established"))
-    return backend
+    older collection that recorded none), made with everything it needs from a module's parameters.
+    ``bundle``: an OCI bundle to restore into (runc, runsc)."""
+    return BUILDERS.get(name, BUILDERS[DEFAULT])(params, bundle)

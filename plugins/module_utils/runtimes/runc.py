@@ -36,7 +36,7 @@ import subprocess
 from ..core import procfs
 from ..cuda import devices as gpu_devices
 from ..core.errors import CommandError, InvalidTarget
-from ..core.run import find_binary, run, run_detaching
+from .cli import RuntimeCli
 from .base import ContainerBackend, mount_hint
 from .criu import no_plugins_dir, plugin_free_env
 
@@ -74,25 +74,22 @@ class RuncBackend(ContainerBackend):
     name = "runc"
     capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True)  # paused (cgroup freezer)
 
-    def __init__(self, runc_path=None, root=None, bundle=None, criu_path=None, criu_options=(), timeout=None):
-        super(RuncBackend, self).__init__(criu_path, criu_options, timeout)
+    def __init__(self, runc_path=None, root=None, bundle=None, criu_path=None, criu_options=(), timeout=None,
+                 tcp_established=False):
+        super(RuncBackend, self).__init__(criu_path, criu_options, timeout, tcp_established=tcp_established)
         self.runc_path = runc_path
         self.root = root
         self.bundle = bundle
         self._bundle_seen = self._cgroup_seen = None
+        self.cli = self._make_cli()
 
     # -- helpers -------------------------------------------------------------------------------
-    def _runc(self):
-        return find_binary("runc", self.runc_path, what="install runc, or pass runc_path")
-
-    def _cmd(self, *args):
-        cmd = [self._runc()]
-        if self.root:
-            cmd += ["--root", self.root]
-        return cmd + list(args)
+    def _make_cli(self):
+        """runc with its state's root (made again when bind takes the image's root)."""
+        return RuntimeCli("runc", self.runc_path, "install runc, or pass runc_path", ["--root", self.root] if self.root else [])
 
     def state(self, container, required=True):
-        res = run(self._cmd("state", container), stage="preflight", check=False)
+        res = self.cli.run("state", container, stage="preflight", check=False)
         if res.rc != 0:
             if not required:
                 return None
@@ -106,16 +103,16 @@ class RuncBackend(ContainerBackend):
     passes_criu_flags = ("--tcp-established", "--ext-unix-sk", "--shell-job", "--file-locks")
 
     def present(self):
-        return bool(find_binary("runc", self.runc_path, required=False)) and os.path.isdir(self.root or "/run/runc")
+        return self.cli.installed() and os.path.isdir(self.root or "/run/runc")
 
     def running_containers(self):
-        res = run(self._cmd("list", "--format", "json"), stage="facts")
+        res = self.cli.run("list", "--format", "json", stage="facts")
         return [{"id": c["id"], "pid": c["pid"], "status": c["status"]} for c in json.loads(res.stdout or "null") or []
                 if c.get("pid") and c.get("status") in ("running", "paused")]
 
     # -- Backend ---------------------------------------------------------------------------------
     def runtime_facts(self):
-        res = run(self._cmd("--version"), stage="preflight")
+        res = self.cli.run("--version", stage="preflight")
         return {"runc_version": res.stdout.splitlines()[0].split()[-1] if res.stdout else None}
 
     def resolve(self, target):
@@ -135,7 +132,7 @@ class RuncBackend(ContainerBackend):
     def dump(self, target, image_dir, work_dir, after):
         self.criu_flags()
         if after == "stopped":
-            run(self._cmd("pause", self.container), stage="runtime-dump")
+            self.cli.run("pause", self.container, stage="runtime-dump")
         args = ["checkpoint", "--image-path", image_dir, "--work-path", work_dir]
         if after in ("running", "stopped"):
             args.append("--leave-running")
@@ -143,9 +140,9 @@ class RuncBackend(ContainerBackend):
         try:
             # runc's CRIU inherits this environment: a configuration that names an empty plugin directory (criu.py)
             with no_plugins_dir(work_dir) as libdir:
-                res = run(self._cmd(*args), stage="runtime-dump", timeout=self.timeout, new_session=True,
-                          env=plugin_free_env(libdir, os.path.join(work_dir, "criu-dump.conf")),
-                          hint="see dump.log in the work dir")
+                res = self.cli.run(*args, stage="runtime-dump", timeout=self.timeout, new_session=True,
+                                   env=plugin_free_env(libdir, os.path.join(work_dir, "criu-dump.conf")),
+                                   hint="see dump.log in the work dir")
         except CommandError as exc:
             log = os.path.join(work_dir, "dump.log")
             if os.path.exists(log):
@@ -154,7 +151,7 @@ class RuncBackend(ContainerBackend):
                         [ln for ln in fh if "Error" in ln][-15:])
             exc.hint = mount_hint(exc.stderr, exc.hint)
             if after == "stopped":
-                run(self._cmd("resume", self.container), stage="runtime-dump", check=False)
+                self.cli.run("resume", self.container, stage="runtime-dump", check=False)
             raise
         if after in ("running", "stopped"):  # the container lives on here, and so would runc's marker
             self.remove_dump_marker()
@@ -220,8 +217,8 @@ class RuncBackend(ContainerBackend):
             args = ["restore", "--detach", "--image-path", image_dir, "--work-path", work_dir, "--bundle", bundle]
             args += self.criu_flags(manifest) + [self.container]
             with no_plugins_dir(work_dir) as libdir:  # (after cgroup_env's configuration, which it keeps)
-                rc = run_detaching(self._cmd(*args), relay.stdin, relay.stdin, timeout=self.timeout,
-                                   env=plugin_free_env(libdir, os.path.join(work_dir, "criu-restore.conf"), env=env))
+                rc = self.cli.run_detaching(args, relay.stdin, relay.stdin, timeout=self.timeout,
+                                            env=plugin_free_env(libdir, os.path.join(work_dir, "criu-restore.conf"), env=env))
         finally:
             relay.stdin.close()
         if rc != 0:
@@ -232,10 +229,10 @@ class RuncBackend(ContainerBackend):
                     lines = fh.readlines()
             if rc is None:  # hung: where CRIU stopped says more than its (absent) errors
                 raise CommandError("runc restore did not finish within runtime_timeout (%ss) and was killed with "
-                                   "its CRIU" % self.timeout, stage="runtime-restore", cmd=self._cmd(*args),
+                                   "its CRIU" % self.timeout, stage="runtime-restore", cmd=self.cli.argv(*args),
                                    stderr="".join(lines[-8:]), hint="see restore.log in the work dir")
             raise CommandError("runc restore exited with rc=%d" % rc, stage="runtime-restore",
-                               cmd=self._cmd(*args), rc=rc, stderr="".join([ln for ln in lines if "Error" in ln][-15:]))
+                               cmd=self.cli.argv(*args), rc=rc, stderr="".join([ln for ln in lines if "Error" in ln][-15:]))
         st = self.state(self.container)
         pid = int(st["pid"])
         tree = procfs.process_tree(pid)
@@ -250,6 +247,7 @@ class RuncBackend(ContainerBackend):
         super(RuncBackend, self).bind(manifest)
         if self.root is None:
             self.root = (manifest.get("runtime") or {}).get("runc_root")
+            self.cli = self._make_cli()
 
     def is_held(self, pids):
         st = self.state(self.container, required=False) if self.container else None
@@ -257,7 +255,7 @@ class RuncBackend(ContainerBackend):
 
     def resume(self, pids):
         if self.container:
-            run(self._cmd("resume", self.container), stage="resume-source", check=False)
+            self.cli.run("resume", self.container, stage="resume-source", check=False)
             self.remove_dump_marker()  # a container held by an earlier version still has it
 
     def remove_dump_marker(self):
@@ -276,4 +274,4 @@ class RuncBackend(ContainerBackend):
         return path
 
     def remove(self):
-        run(self._cmd("delete", "--force", self.container), stage="cleanup", check=False)
+        self.cli.run("delete", "--force", self.container, stage="cleanup", check=False)

@@ -38,7 +38,7 @@ import time
 from ..cuda import processes as gpu_procs
 from ..cuda import driver as cuda
 from ..core.errors import CommandError, DriverError, DriverUnavailable, GpuCkptError, InvalidTarget
-from ..core.run import find_binary, run, run_detaching
+from .cli import RuntimeCli
 from .base import ContainerBackend
 
 DEFAULT_TOOL = "/usr/local/bin/cuda-checkpoint"  # where the seeds' runsc integration mounts it
@@ -125,20 +125,30 @@ class SandboxCuda(cuda.StateQueries):
         return self._tool("cuCheckpointProcessUnlock", pid, ["--action", "unlock"], "unlock")[1]
 
 
+class _CudaStageCapabilities(object):
+    """RunscBackend.capabilities, two fixed records: held by runsc pause; gVisor saves its own kernel, and its
+    processes are out of the host's sight. owns_cuda_stage is the backend's CUDA stage (runsc_cuda_stage, then the
+    image's own, see bind); read on the class, the engine's (the default)."""
+    ENGINE = ContainerBackend.capabilities._replace(can_hold_stopped=True, uses_criu=False, cuda_in_sandbox=True)
+    RUNSC = ENGINE._replace(owns_cuda_stage=True)
+
+    def __get__(self, backend, cls=None):
+        return self.RUNSC if backend is not None and backend.cuda_stage == "runsc" else self.ENGINE
+
+
 class RunscBackend(ContainerBackend):
     name = "runsc"
-    # held by runsc pause; gVisor saves its own kernel, and its processes are out of the host's sight.
-    # owns_cuda_stage: runsc_cuda_stage, and then the image's own (see bind)
-    capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True, uses_criu=False, cuda_in_sandbox=True)
+    capabilities = _CudaStageCapabilities()
+    cuda_stage = "engine"  # who runs the CUDA stage: the engine, or runsc's own checkpoint and restore
     passes_criu_flags = ()
 
     def __init__(self, runsc_path=None, root=None, bundle=None, runsc_flags=(), tool=None, timeout=None,
-                 cuda_stage="engine"):
-        super(RunscBackend, self).__init__(None, (), timeout)
+                 cuda_stage="engine", tcp_established=False):
+        super(RunscBackend, self).__init__(None, (), timeout, tcp_established=tcp_established)
         if cuda_stage not in ("engine", "runsc"):
             raise InvalidTarget("runsc_cuda_stage must be engine or runsc, got %r" % cuda_stage, stage="preflight")
         # runsc: runsc's own checkpoint and restore run the CUDA stage (release-20260608 and later)
-        self.capabilities = self.capabilities._replace(owns_cuda_stage=cuda_stage == "runsc")
+        self.cuda_stage = cuda_stage
         self.runsc_path, self.root, self.bundle = runsc_path, root, bundle
         self.runsc_flags = [str(f) for f in (runsc_flags or ())]
         for flag in self.runsc_flags:
@@ -148,20 +158,17 @@ class RunscBackend(ContainerBackend):
         self.tool = tool or DEFAULT_TOOL
         self._bundle_seen = self.sandbox_host_pid = None
         self.driver = None
+        self.cli = self._make_cli()
 
     # -- the runsc command line ---------------------------------------------------------------------------
-    def _runsc(self):
-        return find_binary("runsc", self.runsc_path, what="install gVisor's runsc, or pass runsc_path")
-
-    def _cmd(self, *args):
-        cmd = [self._runsc()]
-        if self.root:
-            cmd += ["--root", self.root]
-        return cmd + self.runsc_flags + list(args)
+    def _make_cli(self):
+        """runsc with its state's root and the user's global flags (made again when bind takes the image's)."""
+        return RuntimeCli("runsc", self.runsc_path, "install gVisor's runsc, or pass runsc_path",
+                          (["--root", self.root] if self.root else []) + self.runsc_flags)
 
     def state(self, container=None, required=True):
         container = container or self.container
-        res = run(self._cmd("state", container), stage="preflight", check=False)
+        res = self.cli.run("state", container, stage="preflight", check=False)
         if res.rc != 0:
             if not required:
                 return None
@@ -175,10 +182,10 @@ class RunscBackend(ContainerBackend):
         args = ["exec"]
         for e in env:
             args += ["-env", e]
-        return run(self._cmd(*(args + [self.container] + list(argv))), timeout=timeout, check=False, stage=stage)
+        return self.cli.run(*(args + [self.container] + list(argv)), timeout=timeout, check=False, stage=stage)
 
     def sandbox_pids(self):
-        res = run(self._cmd("ps", "-format", "json", self.container), stage="preflight")
+        res = self.cli.run("ps", "-format", "json", self.container, stage="preflight")
         return [int(p) for p in json.loads(res.stdout or "[]") or []]
 
     # -- what the engine asks of a sandbox -----------------------------------------------------------------
@@ -224,19 +231,19 @@ class RunscBackend(ContainerBackend):
 
     # -- Backend ---------------------------------------------------------------------------------------------
     def present(self):
-        return bool(find_binary("runsc", self.runsc_path, required=False)) and os.path.isdir(self.root or "/var/run/runsc")
+        return self.cli.installed() and os.path.isdir(self.root or "/var/run/runsc")
 
     def running_containers(self):
-        res = run(self._cmd("list", "-format", "json"), stage="facts")
+        res = self.cli.run("list", "-format", "json", stage="facts")
         return [{"id": c["id"], "pid": c["pid"], "status": c["status"]} for c in json.loads(res.stdout or "null") or []
                 if c.get("pid") and c.get("status") in ("running", "paused")]
 
     def preflight(self, full=True):
-        res = run(self._cmd("--version"), stage="preflight")
+        res = self.cli.run("--version", stage="preflight")
         facts = {"runsc_version": res.stdout.splitlines()[0].split()[-1] if res.stdout else None,
                  "runsc_flags": self.runsc_flags}
         if full or self.capabilities.owns_cuda_stage:
-            helptext = run(self._cmd("help", "checkpoint"), stage="preflight", check=False)
+            helptext = self.cli.run("help", "checkpoint", stage="preflight", check=False)
             facts["runsc_cuda_checkpoint_flag"] = "cuda-checkpoint-path" in (helptext.stdout + helptext.stderr)
             if self.capabilities.owns_cuda_stage and not facts["runsc_cuda_checkpoint_flag"]:
                 raise InvalidTarget("runsc_cuda_stage is runsc, but this runsc (%s) has no --cuda-checkpoint-path (gVisor "
@@ -260,21 +267,21 @@ class RunscBackend(ContainerBackend):
 
     def dump(self, target, image_dir, work_dir, after):
         if after == "stopped":
-            run(self._cmd("pause", self.container), stage="runtime-dump")
+            self.cli.run("pause", self.container, stage="runtime-dump")
         args = ["checkpoint", "-image-path", image_dir]
         if self.capabilities.owns_cuda_stage:  # runsc toggles every CUDA process inside the sandbox with the tool there
             args.append("--cuda-checkpoint-path=%s" % self.tool)
         if after in ("running", "stopped"):
             args.append("-leave-running")
         try:
-            res = run(self._cmd(*(args + [self.container])), stage="runtime-dump", timeout=self.timeout,
-                      new_session=True)
+            res = self.cli.run(*(args + [self.container]), stage="runtime-dump", timeout=self.timeout,
+                               new_session=True)
         except CommandError:
             if after == "stopped":
-                run(self._cmd("resume", self.container), stage="runtime-dump", check=False)
+                self.cli.run("resume", self.container, stage="runtime-dump", check=False)
             raise
         if after == "exit":  # the sandbox is gone; free its id for a restore here (a rollback)
-            run(self._cmd("delete", "-force", self.container), stage="runtime-dump", check=False)
+            self.cli.run("delete", "-force", self.container, stage="runtime-dump", check=False)
         return {"backend": self.name, "container": self.container, "root_pid": int(target),
                 "bundle": self._bundle_seen, "runsc_root": self.root, "runsc_flags": self.runsc_flags,
                 "cuda_checkpoint_path": self.tool, "cuda_stage": "runsc" if self.capabilities.owns_cuda_stage else "engine",
@@ -289,7 +296,7 @@ class RunscBackend(ContainerBackend):
         start = log.tell()
         args = ["restore", "-detach", "-image-path", image_dir, "-bundle", bundle, self.container]
         try:
-            rc = run_detaching(self._cmd(*args), log, log, timeout=self.timeout)
+            rc = self.cli.run_detaching(args, log, log, timeout=self.timeout)
         finally:
             log.close()
         if rc != 0:
@@ -300,7 +307,7 @@ class RunscBackend(ContainerBackend):
             what = ("did not finish within runtime_timeout (%ss)" % self.timeout if rc is None
                     else "exited with rc=%d" % rc)
             raise CommandError("runsc restore %s" % what,
-                               stage="runtime-restore", cmd=self._cmd(*args), rc=rc, stderr=said,
+                               stage="runtime-restore", cmd=self.cli.argv(*args), rc=rc, stderr=said,
                                hint="see container.log in the work dir")
         st = self.state(self.container)
         return [int(st["pid"])]
@@ -323,12 +330,13 @@ class RunscBackend(ContainerBackend):
             self.root = rt.get("runsc_root")
         if not self.runsc_flags:
             self.runsc_flags = list(rt.get("runsc_flags") or [])
+        self.cli = self._make_cli()
         if self.tool == DEFAULT_TOOL and rt.get("cuda_checkpoint_path"):
             self.tool = rt["cuda_checkpoint_path"]
         if rt.get("cuda_stage"):
             # The image says who restores its CUDA processes, whatever this host's runsc_cuda_stage says: an
             # image whose CUDA stage the engine ran, restored with runsc's stage, would stay checkpointed.
-            self.capabilities = self.capabilities._replace(owns_cuda_stage=rt["cuda_stage"] == "runsc")
+            self.cuda_stage = "runsc" if rt["cuda_stage"] == "runsc" else "engine"
 
     def is_held(self, pids):
         st = self.state(self.container, required=False) if self.container else None
@@ -337,10 +345,10 @@ class RunscBackend(ContainerBackend):
     def resume(self, pids):
         st = self.state(self.container, required=False) if self.container else None
         if st and st.get("status") == "paused":
-            run(self._cmd("resume", self.container), stage="resume-source")
+            self.cli.run("resume", self.container, stage="resume-source")
 
     def remove(self):
-        run(self._cmd("delete", "-force", self.container), stage="cleanup", check=False)
+        self.cli.run("delete", "-force", self.container, stage="cleanup", check=False)
 
     def probe(self, root_pid, argv, timeout, stage="probe"):
         """The user's probe or quiesce command, run inside the sandbox (``runsc exec``): the host cannot

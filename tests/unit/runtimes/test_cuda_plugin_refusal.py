@@ -39,4 +39,4 @@ def test_a_daemons_criu_that_would_not_load_it_is_not_refused(plugin_dir, cuda):
 @pytest.mark.parametrize("runtime, refused", [("process", False), ("runc", False), ("docker", True), ("podman", True),
                                               ("containerd", True), ("k8s_pod", True)])
 def test_each_runtime_declares_whether_its_criu_is_kept_from_plugins(runtime, refused):
-    assert registry.build(runtime, {}).capabilities.keeps_criu_plugins_off is not refused
+    assert registry.make(runtime, {}).capabilities.keeps_criu_plugins_off is not refused

@@ -27,7 +27,7 @@ def test_the_modules_offer_every_runtime_the_registry_builds():
 
 @pytest.mark.parametrize("name", sorted(EXPECTED))
 def test_each_runtime_builds_its_backend_with_its_declared_capabilities(name):
-    backend = registry.build(name, {"tcp_established": True, "runtime_timeout": 12.5})
+    backend = registry.make(name, {"tcp_established": True, "runtime_timeout": 12.5})
     assert backend.name == name
     assert isinstance(backend.capabilities, Capabilities)
     assert {k: getattr(backend.capabilities, k) for k in EXPECTED[name]} == EXPECTED[name]
@@ -35,20 +35,20 @@ def test_each_runtime_builds_its_backend_with_its_declared_capabilities(name):
 
 
 def test_a_runtime_timeout_of_zero_means_no_limit():
-    assert registry.build("runc", {"runtime_timeout": 0}).timeout is None
+    assert registry.make("runc", {"runtime_timeout": 0}).timeout is None
 
 
 def test_an_unknown_runtime_name_is_a_bare_process_tree():
     """An image whose manifest names no runtime (or one this collection does not know) is restored as a
     process tree, as before the registry."""
-    assert registry.build("nonsense", {}).name == "process"
+    assert registry.make("nonsense", {}).name == "process"
     assert module_common.make_backend("nonsense", {}).name == "process"
 
 
 def test_runsc_runs_the_cuda_stage_itself_only_when_told_or_when_its_image_says_so():
-    plain = registry.build("runsc", {})
-    told = registry.build("runsc", {"runsc_cuda_stage": "runsc"})
+    plain = registry.make("runsc", {})
+    told = registry.make("runsc", {"runsc_cuda_stage": "runsc"})
     assert plain.capabilities.owns_cuda_stage is False and told.capabilities.owns_cuda_stage is True
     plain.bind({"runtime": {"backend": "runsc", "cuda_stage": "runsc"}})
     assert plain.capabilities.owns_cuda_stage is True
-    assert registry.build("runsc", {}).capabilities.owns_cuda_stage is False, "one backend's image changes no other"
+    assert registry.make("runsc", {}).capabilities.owns_cuda_stage is False, "one backend's image changes no other"
