@@ -94,3 +94,21 @@ def outcome(migration_id, source, target, committed=None, ckpt=None, restore=Non
         "transfer_bytes_s": throughput(ckpt, sync),
         "reason": "" if moved else (target_says if target_says is not None else "no migration with this id had begun"),
     }
+
+
+def after_failure(migration_id, source, target, error, committed=False, held=False, rewind="", released=None,
+                  source_pod_deleted=None):
+    """How a migration ended after a failure on its way, once settled (migrate_one.yml's rescue): ``fails`` and
+    ``msg``. Rolled back (the workload runs on the source, and what an accepted rewind undid), its source held (the
+    settlement's error, which says what holds it and what to run), committed with its source not released (the
+    release, or a pod's deletion, failed), or committed all the same (``fails`` false: the error was on the way)."""
+    if not _bool(committed):
+        if _bool(held):
+            return {"fails": True, "msg": error}
+        return {"fails": True, "msg": "Migration %s failed and was rolled back; the workload runs on %s%s. Cause: %s" % (
+            migration_id, source, ("; " + rewind) if rewind else "", error)}
+    if _bool((released or {}).get("failed")) or _bool((source_pod_deleted or {}).get("failed")):
+        return {"fails": True, "msg": "Migration %s committed: the workload runs on %s; its stopped source on %s was not "
+                                      "released (%s). Run recover.yml to release it." % (migration_id, target, source, error)}
+    return {"fails": False, "msg": "Migration %s committed: the workload runs on %s. On the way: %s" % (
+        migration_id, target, error)}
