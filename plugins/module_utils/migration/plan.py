@@ -32,10 +32,9 @@ from __future__ import annotations
 import random
 import string
 
-from ansible.module_utils.parsing.convert_bool import boolean
-
 from ..core import procfs
 from .planner import id_reuse, option_errors
+from .report import as_bool
 
 DEFAULT_CONTAINER_RUNTIME = "runc"
 POD_RUNTIME = "k8s_pod"
@@ -219,7 +218,7 @@ class Options(object):
         return default if given is None else given
 
     def flag(self, name, default=False):
-        return boolean(self.value(name, default), strict=False)
+        return as_bool(self.value(name, default))
 
     def seconds(self, name, default):
         try:
