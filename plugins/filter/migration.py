@@ -88,6 +88,12 @@ options:
         for the image twice (the image and the restored job's memory) and a reserve of 5 % of its RAM, at least 1 GiB.
     type: bool
     default: false
+  migration_id:
+    description: The migration's id, as the first line of C(lines) names it when the hosts do not fit.
+    type: str
+  headline:
+    description: The first line of C(lines) when the hosts fit (tasks/migrate_one.yml gives the plan's, which says how the source waits).
+    type: str
 """
 
 EXAMPLES = r"""
@@ -100,7 +106,10 @@ EXAMPLES = r"""
 
 RETURN = r"""
 _value:
-  description: C(ok), C(rows), C(table), C(failed), C(unknown), C(allowed_unknown) and C(image_estimate_bytes).
+  description:
+    - C(ok), C(rows), C(table), C(failed), C(unknown), C(allowed_unknown) and C(image_estimate_bytes).
+    - C(lines), what a person reads, the table under its first line. That line is O(headline) when the hosts fit,
+      else the checks that refuse the migration.
   type: dict
 """
 
@@ -151,7 +160,8 @@ def _check_names(given):
 
 def migration_preflight(src, tgt, source_path, target_path, allow_driver_mismatch=False, check_gpus=True,
                         same_pid_space=False, margin=planner.IMAGE_MARGIN, container=False, allow_unknown=None,
-                        gpu_map=None, image_in_memory=False, target_image_in_memory=False):
+                        gpu_map=None, image_in_memory=False, target_image_in_memory=False, migration_id=None,
+                        headline=None):
     """The planner's verdict on moving the source's tree to the target, as rows and a table for people."""
     try:
         opts = planner.options(source_path=source_path, target_path=target_path, allow_unknown=_check_names(allow_unknown),
@@ -163,7 +173,10 @@ def migration_preflight(src, tgt, source_path, target_path, allow_driver_mismatc
         raise AnsibleFilterError("migration_preflight: %s" % exc)
     plan = planner.plan_move(src.get("tree"), src, tgt, opts)
     rows = [_row(c, c.name in plan.allowed) for c in plan.checks]
-    return {"ok": plan.ok, "rows": rows, "table": _table(rows), "failed": [r["check"] for r in rows if not r["ok"]],
+    failed, table = [r["check"] for r in rows if not r["ok"]], _table(rows)
+    first = (headline or "Migration %s" % migration_id) if plan.ok else (
+        "Preflight failed for migration %s: %s" % (migration_id, "; ".join(failed)))
+    return {"ok": plan.ok, "rows": rows, "table": table, "lines": [first] + table.split("\n"), "failed": failed,
             "unknown": plan.unknown, "allowed_unknown": plan.allowed, "image_estimate_bytes": plan.image_estimate_bytes}
 
 

@@ -104,7 +104,10 @@ options:
     type: bool
     default: false
   image_memory_bytes:
-    description: With O(image_in_memory), the image's expected size in bytes (the preflight's estimate).
+    description: With O(image_in_memory), the image's expected size in bytes (by default O(image_estimate_bytes)).
+    type: int
+  image_estimate_bytes:
+    description: With O(image_in_memory), the preflight's estimate of the image's size, used when O(image_memory_bytes) is not given.
     type: int
   remove_image:
     description: On commit, remove this host's image directory (only the one this migration created).
@@ -246,6 +249,7 @@ def main():
         image_dir=dict(type="path"),
         image_in_memory=dict(type="bool", default=False),
         image_memory_bytes=dict(type="int"),
+        image_estimate_bytes=dict(type="int"),
         remove_image=dict(type="bool", default=False),
         keep_image_on_rollback=dict(type="bool", default=False),
         target_phase=dict(type="str"),
@@ -267,7 +271,9 @@ def main():
         **RUNTIME_ARGS
     ), supports_check_mode=True)
     check_path_arg(module, "image_dir", module.params["image_dir"])
-    run_module(module, migration_step, module.params, module.check_mode)
+    # The size given, else the preflight's estimate (a size of 0 is none: begin refuses it, nothing made)
+    params = dict(module.params, image_memory_bytes=module.params["image_memory_bytes"] or module.params["image_estimate_bytes"])
+    run_module(module, migration_step, params, module.check_mode)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ here, in one record:
 
 The decisions are pure functions of their inputs (unit-tested with tables); ``make`` reads the host through the
 probe it is given (``HostProbe`` on the source).
+
+``with_calls`` (the ``migration_plan`` filter, on the controller) adds what the play's options decide: each later
+module call's arguments ready to pass (``*_args``), the restore job's ``restore_async_s``, the option errors and the
+``refusal`` of a new migration (nothing frozen). It runs on the controller, not in the source's module, because the
+target's calls (its restore's probe command and bundle) must come from the inventory, never from the source.
 """
 from __future__ import annotations
 
@@ -28,12 +33,23 @@ import random
 import string
 
 from ..core import procfs
-from .planner import id_reuse
+from .planner import id_reuse, option_errors
+from .report import as_bool
 
 DEFAULT_CONTAINER_RUNTIME = "runc"
 POD_RUNTIME = "k8s_pod"
 PROCESS_RUNTIME = "process"
 TOKEN_CHARS = string.ascii_letters + string.digits
+DEFAULT_IMAGE_ROOT = "/var/lib/gpuckpt/images"
+DEFAULT_PROTECT_DIR = "/etc/gpuckpt/protect"
+# Unknown checks that only a drain accepts by name (its deadline, a workload's runtime): not the preflight's.
+DRAIN_ONLY_UNKNOWN = ("deadline", "runtime")
+# The restore job's margin over its waits: Ansible kills an async job at its limit, so the limit is the job's own
+# waits (the image, the runtime) and this much more; a runtime without a limit (0) counts as three days.
+RESTORE_JOB_MARGIN_S = 600
+UNLIMITED_RUNTIME_S = 259200
+# The restore run after the transfer (no job begun before the freeze, or a lost one): the image is complete then.
+RESTORE_NOW_IMAGE_WAIT_S = 120
 
 
 def named(pid=None, container=None, pod=None):
@@ -185,6 +201,211 @@ def make(params, journal, probe):
     elif plan["new"]:
         plan.update(_new_part(params, pod, probe))
     return plan
+
+class Options(object):
+    """The play's options as given (``gpuckpt_*``, and the plain probe_command and quiesce_* of migrate.yml), read
+    with the defaults the playbooks document. A number that is not one reads as 0, as Jinja's ``float`` reads it:
+    such an option is refused anyway (``option_errors``) before anything is frozen."""
+
+    def __init__(self, values):
+        self._values = dict(values or {})
+
+    def given(self):
+        return dict(self._values)
+
+    def value(self, name, default=None):
+        given = self._values.get(name)
+        return default if given is None else given
+
+    def flag(self, name, default=False):
+        return as_bool(self.value(name, default))
+
+    def seconds(self, name, default):
+        try:
+            return float(self.value(name, default))
+        except (TypeError, ValueError):
+            return 0.0
+
+    def count(self, name, default):
+        try:
+            return int(float(self.value(name, default)))
+        except (TypeError, ValueError):
+            return 0
+
+    def names(self, name):
+        """A list option; ``-e name=[a,b]`` arrives as a string."""
+        given = self.value(name, [])
+        if isinstance(given, str):
+            given = [n.strip(" '\"") for n in given.strip().strip("[]").split(",")]
+        return [n for n in given if n]
+
+
+def _given(**values):
+    """The arguments whose value is given (an option left out is the module's default, as Jinja's ``omit``)."""
+    return {k: v for k, v in values.items() if v is not None}
+
+
+def headline(migration_id, source, target, hold_stopped, exit_reason):
+    """The preflight's first line: the two hosts, and how the source waits."""
+    waits = (", source held stopped until the target runs" if hold_stopped
+             else ", %s: the source exits and its image is the way back" % exit_reason)
+    return "Migration %s: %s -> %s%s" % (migration_id, source, target, waits)
+
+
+def refusal(plan, opts, source, target, source_vars, target_vars):
+    """Why a new migration must not begin (nothing was frozen), as lines; [] when it may: options out of range
+    (``option_errors``, as this host sees them), no workload named, a workload the source cannot find, a target
+    image kept in memory after the migration, or signing keys that differ (the target would refuse the image only
+    after the source was frozen)."""
+    errors = option_errors(opts.given())
+    if errors:
+        return ["Nothing was frozen: fix these options first"] + errors
+    reason = _refusal_reason(plan, opts, source, target, source_vars, target_vars)
+    return [reason] if reason else []
+
+
+def _refusal_reason(plan, opts, source, target, source_vars, target_vars):
+    if plan.get("root_pid") is None and not plan.get("error"):
+        return ("migrate.yml needs one of -e pid=<root pid of the workload on %s>, -e container=<container id on %s> "
+                "(with -e runtime=runc, podman, docker, containerd or runsc), or -e pod=<namespace>/<name> "
+                "(a Kubernetes pod)" % (source, source))
+    if plan.get("error"):
+        return "%s; nothing was frozen" % plan["error"]
+    if opts.flag("gpuckpt_target_image_in_memory") and opts.flag("gpuckpt_keep_target_image"):
+        return ("gpuckpt_keep_target_image would hold the image's tmpfs, and its RAM, on %s after the migration: keep "
+                "it on the target's disk (leave gpuckpt_target_image_in_memory off), or do not keep it. Nothing was "
+                "frozen." % target)
+    if str(source_vars.get("gpuckpt_sign_key") or "") != str(target_vars.get("gpuckpt_sign_key") or ""):
+        return ("gpuckpt_sign_key differs between %s and %s (or is set on one only): the target would refuse the "
+                "image only after the source was frozen; set the same key for both, or for neither. Nothing was "
+                "frozen." % (source, target))
+    return ""
+
+
+def push_args(opts, target, dest, dest_journal):
+    """gpu_checkpoint's push: the image goes to the target while it is written (the dump and the transfer overlap),
+    unless turned off or the link is rate-limited (a limit is gpu_image_sync's, after the dump); None then."""
+    if not opts.flag("gpuckpt_transfer_during_dump", True) or opts.count("gpuckpt_transfer_bwlimit", 0) > 0:
+        return None
+    return _given(to=target, dest=dest, journal_dir=dest_journal, ssh_args=opts.value("gpuckpt_transfer_ssh_args", []),
+                  streams=opts.count("gpuckpt_transfer_streams", 0),
+                  io_timeout=opts.count("gpuckpt_transfer_io_timeout", 120),
+                  python=opts.value("gpuckpt_transfer_python"))
+
+
+def restore_args(plan, opts, target_vars):
+    """gpu_restore's arguments on the target, the same for each of its calls (the early one, one after the
+    transfer, one after a repair); from the inventory and the plan, never from the source."""
+    pod = plan.get("pod_ref")
+    return _given(
+        image_dir=opts.value("gpuckpt_dst_image"), gpu_map=opts.value("gpuckpt_gpu_map"),
+        allow_unverified_signature=opts.flag("gpuckpt_allow_unverified_signature"),
+        bundle=target_vars.get("gpuckpt_bundle") or target_vars.get("gpuckpt_runc_bundle"),
+        runtime_timeout=opts.seconds("gpuckpt_runtime_timeout", 1800),
+        probe_command=opts.value("probe_command", target_vars.get("gpuckpt_probe_command")),
+        probe_timeout=opts.seconds("gpuckpt_probe_timeout", 60),
+        host_huge_pages=opts.flag("gpuckpt_host_huge_pages"),
+        migration_id=opts.value("gpuckpt_mid"), journal_dir=opts.value("gpuckpt_dst_journal"),
+        # a pod: restored by the target node's runtime handler into the pod created for it
+        restore_pod=("%s/%s" % (pod["namespace"], plan.get("target_pod"))) if pod else None,
+        restore_token=plan.get("restore_token") if pod else None,
+        restore_wait=opts.seconds("gpuckpt_pod_restore_wait", 600))
+
+
+def checkpoint_args(plan, opts, target, source_vars):
+    """gpu_checkpoint's arguments: the workload's (the plan's ``calls.checkpoint``: its pid, container or pod and
+    whether the source is held stopped) and the options'."""
+    return _given(
+        image_in_memory=opts.flag("gpuckpt_image_in_memory"),
+        image_memory_bytes=opts.value("gpuckpt_image_memory_bytes"),
+        lock_timeout=opts.seconds("gpuckpt_lock_timeout", 30),
+        quiesce_signal=opts.value("quiesce_signal", source_vars.get("gpuckpt_quiesce_signal")),
+        quiesce_command=opts.value("quiesce_command", source_vars.get("gpuckpt_quiesce_command")),
+        quiesce_timeout=opts.seconds("gpuckpt_quiesce_timeout", 30),
+        quiesce_mode=opts.value("quiesce_mode", source_vars.get("gpuckpt_quiesce_mode") or "release"),
+        quiesce_lease=opts.seconds("gpuckpt_quiesce_lease", 600),
+        host_huge_pages=opts.flag("gpuckpt_host_huge_pages"),
+        runtime_timeout=opts.seconds("gpuckpt_runtime_timeout", 1800),
+        tcp_established=opts.flag("gpuckpt_tcp_established"),
+        migration_id=opts.value("gpuckpt_mid"), journal_dir=opts.value("gpuckpt_src_journal"),
+        push=push_args(opts, target, opts.value("gpuckpt_dst_image"), opts.value("gpuckpt_dst_journal")),
+        **(plan.get("calls") or {}).get("checkpoint", {}))
+
+
+def sync_args(opts):
+    """gpu_image_sync's arguments (stage 2, and the repair of a damaged copy); the target's address is its
+    inventory host's."""
+    return _given(dest=opts.value("gpuckpt_dst_image"), ssh_args=opts.value("gpuckpt_transfer_ssh_args", []),
+                  python=opts.value("gpuckpt_transfer_python"), bwlimit=opts.count("gpuckpt_transfer_bwlimit", 0),
+                  streams=opts.count("gpuckpt_transfer_streams", 0),
+                  io_timeout=opts.count("gpuckpt_transfer_io_timeout", 120), migration_id=opts.value("gpuckpt_mid"),
+                  journal_dir=opts.value("gpuckpt_src_journal"), dest_journal_dir=opts.value("gpuckpt_dst_journal"))
+
+
+def target_pod_args(plan, opts):
+    """gpu_pod's arguments for the pod a pod migration's copy runs in (bound to the target node, run by the restore
+    runtime class); None for any other workload."""
+    pod = plan.get("pod_ref")
+    if not pod:
+        return None
+    return _given(namespace=pod["namespace"], name=plan.get("target_pod"), from_pod=opts.value("gpuckpt_move_pod"),
+                  target_node=opts.value("gpuckpt_move_pod_node"), image_dir=opts.value("gpuckpt_dst_image"),
+                  restore_token=plan.get("restore_token"),
+                  runtime_class=opts.value("gpuckpt_restore_runtime_class", "gpuckpt-restore"),
+                  migration_id=opts.value("gpuckpt_mid"))
+
+
+def with_calls(plan, options, source, target, source_vars=None, target_vars=None):
+    """The plan (``make``'s, from the source) with what the play's options decide (the ``migration_plan``
+    filter): the arguments of each later module call, ready to pass. ``options``: the play's variables by name
+    (``gpuckpt_*`` with the migration's names and directories that tasks/migration_vars.yml set, probe_command,
+    quiesce_*); ``source_vars`` and ``target_vars``: each host's inventory variables."""
+    opts, source_vars, target_vars = Options(options), source_vars or {}, target_vars or {}
+    mid = opts.value("gpuckpt_mid")
+    out = dict(plan)
+    restore = restore_args(plan, opts, target_vars)
+    image_wait = opts.seconds("gpuckpt_image_wait", 3600)
+    out.update(
+        refusal=refusal(plan, opts, source, target, source_vars, target_vars) if plan.get("new") else [],
+        summary_args=dict(migration_id=mid, workload=plan.get("workload"), source=source, target=target,
+                          pod=plan.get("pod_ref"), target_pod=plan.get("target_pod")),
+        source_facts_args=dict((plan.get("calls") or {}).get("source_facts", {}),
+                               paths=[opts.value("gpuckpt_src_root", DEFAULT_IMAGE_ROOT)], list_containers=[],
+                               # (every operation on a node fences first: a stale copy of a job failed over
+                               # elsewhere is stopped, not moved)
+                               protect_dir=source_vars.get("gpuckpt_protect_dir") or DEFAULT_PROTECT_DIR),
+        # The target's own journal directory, where its drain mark is: a target that began draining since a plan was
+        # made is refused by the preflight's not_draining check, right before the freeze.
+        target_facts_args=dict(paths=[opts.value("gpuckpt_dst_root", DEFAULT_IMAGE_ROOT)], list_containers=[],
+                               protect_dir=target_vars.get("gpuckpt_protect_dir") or DEFAULT_PROTECT_DIR,
+                               journal_dir=opts.value("gpuckpt_dst_journal")),
+        preflight_args=dict(
+            source_path=opts.value("gpuckpt_src_root", DEFAULT_IMAGE_ROOT),
+            target_path=opts.value("gpuckpt_dst_root", DEFAULT_IMAGE_ROOT),
+            allow_driver_mismatch=opts.flag("gpuckpt_allow_driver_mismatch"),
+            check_gpus=opts.value("gpuckpt_gpu_map") is None, gpu_map=opts.value("gpuckpt_gpu_map"),
+            same_pid_space=bool(plan.get("one_pid_space")), container=not plan.get("restores_host_pids"),
+            allow_unknown=[n for n in opts.names("gpuckpt_allow_unknown") if n not in DRAIN_ONLY_UNKNOWN],
+            image_in_memory=opts.flag("gpuckpt_image_in_memory"),
+            target_image_in_memory=opts.flag("gpuckpt_target_image_in_memory"), migration_id=mid,
+            headline=headline(mid, source, target, plan.get("hold_stopped"), plan.get("exit_reason"))),
+        # The target's image in memory: a tmpfs sized from the preflight's estimate (or the size given).
+        begin_args=_given(action="begin", journal_dir=opts.value("gpuckpt_dst_journal"),
+                          image_dir=opts.value("gpuckpt_dst_image"),
+                          image_in_memory=opts.flag("gpuckpt_target_image_in_memory"),
+                          image_memory_bytes=opts.value("gpuckpt_image_memory_bytes")),
+        restore_early=opts.flag("gpuckpt_restore_early", True),
+        restore_early_args=dict(restore, wait_for_image=image_wait, progress_file=opts.value("gpuckpt_restore_progress")),
+        restore_async_s=int(image_wait + RESTORE_JOB_MARGIN_S
+                            + (opts.seconds("gpuckpt_runtime_timeout", 1800) or UNLIMITED_RUNTIME_S)),
+        restore_attach_args=dict(image_dir=opts.value("gpuckpt_dst_image"),
+                                 progress_file=opts.value("gpuckpt_restore_progress")),
+        restore_now_args=dict(restore, wait_for_image=RESTORE_NOW_IMAGE_WAIT_S),
+        restore_args=restore,
+        checkpoint_args=checkpoint_args(plan, opts, target, source_vars),
+        sync_args=sync_args(opts),
+        target_pod_args=target_pod_args(plan, opts))
+    return out
 
 
 def host_identity():

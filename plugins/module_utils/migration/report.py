@@ -15,9 +15,10 @@ def _f(value):
         return 0.0
 
 
-def _bool(value):
+def as_bool(value):
+    """A flag as Ansible's ``bool`` filter reads it (a string from ``-e name=yes``, or a boolean)."""
     if isinstance(value, str):
-        return value.strip().lower() in ("true", "yes", "on", "1")
+        return value.strip().lower() in ("y", "yes", "on", "1", "true", "t")
     return bool(value)
 
 
@@ -37,14 +38,14 @@ def throughput(ckpt, sync):
         return round(_f(sync["bytes_transferred"]) / _f(sync["seconds"]), 0)
     timings = ckpt.get("timings") or {}
     spent = _f(timings.get("runtime_dump")) + _f(timings.get("push"))
-    if _bool((ckpt.get("push") or {}).get("pushed")) and int(ckpt.get("image_bytes") or 0) > 0 and spent > 0:
+    if as_bool((ckpt.get("push") or {}).get("pushed")) and int(ckpt.get("image_bytes") or 0) > 0 and spent > 0:
         return round(_f(ckpt["image_bytes"]) / spent, 0)
     return None
 
 
 def _transfer_line(ckpt, sync, human):
     push = ckpt.get("push") or {}
-    if _bool(push.get("pushed")):
+    if as_bool(push.get("pushed")):
         return ("Transfer: %s pushed over %s ssh stream(s) while the image was written, %s of it during the dump; "
                 "%.2f s after the manifest" % (human(push.get("bytes")), push.get("streams"),
                                                human(push.get("bytes_sent_during_dump")),
@@ -80,7 +81,7 @@ def outcome(migration_id, source, target, committed=None, ckpt=None, restore=Non
     """Where the workload runs after this migration (``gpuckpt_move_outcome``): status moved, stayed (settled
     either way) or none (no migration with this id had begun), its downtime and image size, whether it settled
     and is held, what an accepted rewind undid, the link's throughput, and why it stayed."""
-    moved = committed is not None and _bool(committed)
+    moved = committed is not None and as_bool(committed)
     wait = downtime(ckpt, restore)
     return {
         "migration_id": migration_id,
@@ -88,9 +89,27 @@ def outcome(migration_id, source, target, committed=None, ckpt=None, restore=Non
         "where": target if moved else source,
         "downtime_s": round(wait, 2) if wait is not None else None,
         "image_bytes": (ckpt or {}).get("image_bytes"),
-        "settled": _bool(target_answered) and not _bool(held),
-        "held": _bool(held),
+        "settled": as_bool(target_answered) and not as_bool(held),
+        "held": as_bool(held),
         "rewind": rewind or "",
         "transfer_bytes_s": throughput(ckpt, sync),
         "reason": "" if moved else (target_says if target_says is not None else "no migration with this id had begun"),
     }
+
+
+def after_failure(migration_id, source, target, error, committed=False, held=False, rewind="", released=None,
+                  source_pod_deleted=None):
+    """How a migration ended after a failure on its way, once settled (migrate_one.yml's rescue): ``fails`` and
+    ``msg``. Rolled back (the workload runs on the source, and what an accepted rewind undid), its source held (the
+    settlement's error, which says what holds it and what to run), committed with its source not released (the
+    release, or a pod's deletion, failed), or committed all the same (``fails`` false: the error was on the way)."""
+    if not as_bool(committed):
+        if as_bool(held):
+            return {"fails": True, "msg": error}
+        return {"fails": True, "msg": "Migration %s failed and was rolled back; the workload runs on %s%s. Cause: %s" % (
+            migration_id, source, ("; " + rewind) if rewind else "", error)}
+    if as_bool((released or {}).get("failed")) or as_bool((source_pod_deleted or {}).get("failed")):
+        return {"fails": True, "msg": "Migration %s committed: the workload runs on %s; its stopped source on %s was not "
+                                      "released (%s). Run recover.yml to release it." % (migration_id, target, source, error)}
+    return {"fails": False, "msg": "Migration %s committed: the workload runs on %s. On the way: %s" % (
+        migration_id, target, error)}

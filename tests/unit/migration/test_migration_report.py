@@ -60,3 +60,22 @@ def test_throughput_of_a_push_during_the_dump():
     assert report.throughput(ckpt, {"skipped": True}) == 1000.0
     assert report.throughput(dict(ckpt, image_bytes=0), {}) is None
     assert report.throughput(CKPT, {"bytes_transferred": 0, "seconds": 1}) is None
+
+
+def test_the_ending_after_a_failure_on_the_way():
+    rolled = report.after_failure("m-1", "hosta", "hostb", "boom (task: Stage 1/3)", committed="False")
+    assert rolled == {"fails": True, "msg": "Migration m-1 failed and was rolled back; the workload runs on hosta. "
+                                            "Cause: boom (task: Stage 1/3)"}
+    rewound = report.after_failure("m-1", "hosta", "hostb", "boom", committed=False, rewind="the job was rolled back")
+    assert "runs on hosta; the job was rolled back. Cause: boom" in rewound["msg"]
+    # a held source: its settlement's error says what holds it and what to run
+    assert report.after_failure("m-1", "hosta", "hostb", "HELD on hosta", held=True) == {"fails": True,
+                                                                                         "msg": "HELD on hosta"}
+    not_released = report.after_failure("m-1", "hosta", "hostb", "kill failed", committed=True,
+                                        released={"failed": True}, source_pod_deleted={"skipped": True})
+    assert not_released["fails"] and "its stopped source on hosta was not released (kill failed)" in not_released["msg"]
+    pod_kept = report.after_failure("m-1", "hosta", "hostb", "api", committed="True", source_pod_deleted={"failed": True})
+    assert pod_kept["fails"] and "Run recover.yml to release it" in pod_kept["msg"]
+    on_the_way = report.after_failure("m-1", "hosta", "hostb", "summary failed", committed=True, released={})
+    assert on_the_way == {"fails": False,
+                          "msg": "Migration m-1 committed: the workload runs on hostb. On the way: summary failed"}

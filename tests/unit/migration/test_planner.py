@@ -229,6 +229,16 @@ def test_filter_prints_differs_for_what_does_not_fit():
     assert "DIFFERS" in res["table"] and "hostb:%s has 1.0 GiB, the image needs 24.2 GiB" % ROOT in res["table"]
 
 
+def test_filter_lines_open_with_the_headline_or_what_refuses():
+    src, tgt = workload(by_gpu={0: 20}), host("hostb", gpus=[gpu(0, 70), gpu(1, 70)], disk_gib=1)
+    refused = migration_preflight(src, tgt, ROOT, ROOT, migration_id="m-1", headline="Migration m-1: a -> b")
+    assert refused["lines"] == ["Preflight failed for migration m-1: free disk for the image (~24.2 GiB)"
+                                ] + refused["table"].split("\n")
+    fits = migration_preflight(src, host("hostb", gpus=[gpu(0, 70), gpu(1, 70)]), ROOT, ROOT, migration_id="m-1",
+                               headline="Migration m-1: a -> b")
+    assert fits["ok"] and fits["lines"] == ["Migration m-1: a -> b"] + fits["table"].split("\n")
+
+
 # -- the regression: GPU memory nothing could read once sized a 25.6 GB image at 1.3 GiB ------------------
 
 DOUBLE = os.path.join(REPO, "tests", "doubles", "nvidia-smi")
