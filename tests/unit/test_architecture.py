@@ -16,10 +16,12 @@ ALLOWED = {
     "core": set(),
     "cuda": {"core"},
     "k8s": {"core"},
+    "replica": {"core"},
+    "transfer": {"core", "replica"},
     "runtimes": {"core", "cuda", "k8s"},
-    "engine": {"core", "cuda", "runtimes"},
+    "engine": {"core", "cuda", "runtimes", "transfer"},
     "migration": {"core", "cuda", "runtimes", "engine"},
-    "fleet": {"core", "cuda", "k8s", "runtimes", "engine", "migration"},
+    "fleet": {"core", "cuda", "k8s", "replica", "transfer", "runtimes", "engine", "migration"},
 }
 # Third-party packages a room may import (lazily, where the host has them); the rest is the standard library.
 THIRD_PARTY = {

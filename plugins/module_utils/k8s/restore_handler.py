@@ -6,7 +6,7 @@ nvidia_container_runtime installs it: one Python file, assembled at install time
 (restore_protocol.py), the core modules it and the handler use, and the handler's own code
 (roles/nvidia_container_runtime/files/gpuckpt_restore_runtime.py). So the node's restore and the handler speak
 the one protocol of this collection's version, and the node needs nothing but python3, as
-core/transfer.receiver_program does for the transfer's receiver.
+transfer/transfer.receiver_program does for the transfer's receiver.
 
 The modules' package imports fail in the assembled program and fall back to the names defined before them; the
 handler's imports of the collection are dropped, their names being defined above it.

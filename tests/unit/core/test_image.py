@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import chunk_hasher, image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import chunk_hasher
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import ImageError, InvalidTarget
 
 

@@ -39,11 +39,11 @@ import stat
 import time
 
 try:  # a package import; the receiver program defines these names before this code
-    from .errors import GpuCkptError, ImageError, InvalidTarget
-    from .fsutil import (UnsafePath, atomic_write, check_private_ancestors, identity, make_dirs_private, open_beneath,
+    from ..core.errors import GpuCkptError, ImageError, InvalidTarget
+    from ..core.fsutil import (UnsafePath, atomic_write, check_private_ancestors, identity, make_dirs_private, open_beneath,
                          open_dir, read_json, remove_tree)
-    from .image import MANIFEST, STATE_DIR, Image, image_bytes
-    from .wait import flock_within
+    from ..core.image import MANIFEST, STATE_DIR, Image, image_bytes
+    from ..core.wait import flock_within
 except ImportError:  # pragma: no cover - only in the receiver program, where they are globals
     pass
 

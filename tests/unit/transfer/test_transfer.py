@@ -1,4 +1,4 @@
-"""The one transfer path (module_utils/core/transfer.py and receiver.py) on this host's own files.
+"""The one transfer path (module_utils/transfer/transfer.py and receiver.py) on this host's own files.
 
 TEST DOUBLE: ``ssh`` is replaced by a script that runs the remote command here with sh (no second host
 is needed for what these tests check: how pieces are cut, written, resumed, repaired, fenced, and what
@@ -19,7 +19,7 @@ import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import transaction as migration
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import Journal
 
@@ -264,7 +264,7 @@ def _push_while_written(tmp_path, sizes, streams=2, **sender_kw):
     """A checkpoint's push as engine/checkpoint.py runs it: the streams open, the push watches the image
     while its page files grow (in odd sizes, as a dump appends), then the dump ends and the checksums come
     from ChunkHasher with the push's digests. Returns (src, dest, checksums, hasher, sender)."""
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import chunk_hasher
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import chunk_hasher
     src, dest = tmp_path / "src", tmp_path / "dest"
     image.prepare_dir(str(src))
     sender = transfer.Sender(_target(), str(dest), streams=streams, receiver={"image_id": "img-p"}, **sender_kw).start()

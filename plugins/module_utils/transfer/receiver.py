@@ -14,7 +14,7 @@ the stream's first bytes, then the stream carries framed operations: a JSON head
   deliver  the manifest: checked, then written (atomically) as the image's last file
   end      done
 
-A push into a replica store (core/replica.py; config ``replica``: {"root", "job", "epoch", "node"}) is an image
+A push into a replica store (replica/replica.py; config ``replica``: {"root", "job", "epoch", "node"}) is an image
 push whose dest must be <root>/<job>/<image_id>: the store's check_push runs before the directory is created
 (a fenced copy's push is refused, with ``fenced`` in the reply) and again, under the job's lock, before the
 manifest is written. Config ``replica_op`` ("check", "commit", "list") runs that operation of the store instead
@@ -51,11 +51,12 @@ import threading
 import time
 
 try:  # a package import; the receiver program defines these names before this code
-    from . import image, replica
-    from .errors import GpuCkptError
-    from .fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json,
+    from ..core import image
+    from ..replica import replica
+    from ..core.errors import GpuCkptError
+    from ..core.fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json,
                          remove_tree)
-    from .journal import Journal, process_identity
+    from ..core.journal import Journal, process_identity
 except ImportError:  # pragma: no cover - only in the receiver program, where they are globals
     image = replica = None
 

@@ -40,16 +40,16 @@ from concurrent.futures import Future
 
 # The receiver program's modules, imported here (not by name at run time) so that Ansible packs them
 # with every module that sends an image.
-from . import errors
-from . import fsutil
-from . import image
-from . import journal, memdir
-from . import procfs
+from ..core import errors
+from ..core import fsutil
+from ..core import image
+from ..core import journal, memdir
+from ..core import procfs
 from . import receiver
-from . import replica
-from . import wait
-from .errors import GpuCkptError, InvalidTarget, TransactionError
-from .progress import BytesProgress
+from ..replica import replica
+from ..core import wait
+from ..core.errors import GpuCkptError, InvalidTarget, TransactionError
+from ..core.progress import BytesProgress
 
 CHUNK = image.CHUNK
 HASHED_BLOCK = 2**20   # a piece hashed on its way goes in blocks read, hashed and written while in the core's cache
