@@ -34,12 +34,9 @@ import stat
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-try:  # a package import; the transfer's receiver program defines these names before this code
-    from .errors import ImageError, InvalidTarget
-    from .fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json, remove_tree, same_dir)
-    from .procfs import usable_cpus
-except ImportError:  # pragma: no cover - only in the receiver program
-    pass
+from .errors import ImageError, InvalidTarget
+from .fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json, remove_tree, same_dir)
+from .procfs import usable_cpus
 
 SCHEMA_VERSION = 1
 MANIFEST = "manifest.json"

@@ -226,11 +226,14 @@ def test_bad_target_values_are_refused_before_anything_runs():
     assert t.host == "fd00::2" and t.ssh()[-1] == "fd00::2" and t.ssh()[-2] == "--"
 
 
-def test_the_receiver_program_defines_each_name_once():
-    import ast
-    tree = ast.parse(transfer.receiver_program())
-    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+def test_the_receiver_program_carries_the_receiver_and_the_store_not_the_sender():
+    """The modules receiver.py imports (core/bundle.py follows them), none of the sender's side."""
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import bundle
+    carried = set(bundle.bundled_sources("from %s import main\n" % transfer.receiver.__name__))
+    mu = bundle.PACKAGE + "."
+    assert {mu + "transfer.receiver", mu + "replica.replica", mu + "core.journal", mu + "core.image"} <= carried
+    assert not {m for m in carried if m.startswith((mu + "transfer.transfer", mu + "runtimes", mu + "engine", mu + "cuda"))}
+    assert transfer.receiver_program().decode().rstrip().endswith("sys.exit(main())")
 
 
 def test_automatic_streams_are_a_quarter_of_the_cores():
