@@ -394,10 +394,9 @@ def list_images(root, job):
 
 def _verify_files(img, full):
     """Every file of the image against its manifest (no signature: that is checked at the restore, with the key).
-    ``full``: read every byte again, not taking the receipts the receiver wrote as it received them."""
-    if full:
-        img.receipts = lambda expected: {}  # a receipt proves what was written then, not what the disk holds now
-    img.verify(None, allow_unverified_signature=True)
+    ``full``: read every byte again, not taking the receipts the receiver wrote as it received them (a receipt
+    proves what was written then, not what the disk holds now)."""
+    img.verify(None, allow_unverified_signature=True, use_receipts=not full)
 
 
 def _retain(fd, root, job, keep, committed):
