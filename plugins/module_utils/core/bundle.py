@@ -128,4 +128,3 @@ def program(main_source, header=""):
     parts.append("# ---- main ----\n")
     parts.append(main_source)
     return "".join(parts)
-

@@ -146,7 +146,6 @@ def test_a_changed_byte_with_its_mtime_put_back_is_found_despite_receipts(tmp_pa
         image.verify(str(d))
 
 
-
 def test_a_verification_without_receipts_reads_every_file_again(tmp_path, monkeypatch):
     """Image.verify(use_receipts=False) (a replica's full check): receipts that claim the manifest's checksums for a
     file that holds other bytes (a receipt proves what was written then, not what the disk holds now) are not taken."""
@@ -167,6 +166,7 @@ def test_a_verification_without_receipts_reads_every_file_again(tmp_path, monkey
         img.verify()  # the receipts stand for the files
         with pytest.raises(ImageError, match="checksum mismatch in pages-1.img"):
             img.verify(use_receipts=False)
+
 
 def test_missing_and_bad_manifest(tmp_path):
     with pytest.raises(ImageError, match="does not exist"):
