@@ -37,7 +37,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "gpu"))
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import hugepages  # noqa: E402
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import chunk_hasher  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import chunk_hasher  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.criu import Criu  # noqa: E402
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend  # noqa: E402
 from gpu_helpers import TorchWorkload, raw_driver  # noqa: E402

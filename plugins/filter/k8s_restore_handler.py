@@ -1,7 +1,7 @@
 # -*- coding: utf-8 -*-
 # Copyright: gpuckpt.fleet contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
-"""The program of the node's runtime handler for pod restores, assembled where the role installs it."""
+"""The program of the node's runtime handler for pod restores, bundled where the role installs it."""
 from __future__ import annotations
 
 DOCUMENTATION = r"""

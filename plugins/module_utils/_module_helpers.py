@@ -12,7 +12,8 @@ containers that cuda_process_facts reports. The engine's own calls stay in the m
 """
 from __future__ import annotations
 
-from .core import hugepages, image, transfer
+from .core import hugepages, image
+from .transfer import transfer
 from .core.errors import GpuCkptError, InvalidTarget, TransactionError
 from .runtimes.registry import DEFAULT as DEFAULT_RUNTIME
 from .module_common import (MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, SPEED_ARGS, TOOL_ARGS, backend_of_image,

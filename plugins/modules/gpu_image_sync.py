@@ -208,7 +208,7 @@ probe:
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import link_probe
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import link_probe
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import PROGRESS_ARGS, check_path_arg
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (

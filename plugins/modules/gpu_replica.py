@@ -222,7 +222,7 @@ import platform
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import replica, replica_owner
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica, replica_owner
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import check_path_arg
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import run_module

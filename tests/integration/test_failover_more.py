@@ -283,7 +283,7 @@ FILL_AT = {
 
 
 # (CI runs the later moment, which also runs the way out as printed; GPUCKPT_TEST_ALL_FILL_MOMENTS=1 runs both. The
-# hint's class, a refusal of the receiver for a full disk named as such, is tests/unit/core/test_transfer_refusal_hint.py.)
+# hint's class, a refusal of the receiver for a full disk named as such, is tests/unit/transfer/test_transfer_refusal_hint.py.)
 @pytest.mark.parametrize("fill_at", sorted(FILL_AT) if os.environ.get("GPUCKPT_TEST_ALL_FILL_MOMENTS") else
                          ["pages_arrived"])
 def test_a_target_disk_that_fills_during_the_send_is_named_with_the_epoch_and_the_way_out(

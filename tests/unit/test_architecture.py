@@ -16,10 +16,12 @@ ALLOWED = {
     "core": set(),
     "cuda": {"core"},
     "k8s": {"core"},
+    "replica": {"core"},
+    "transfer": {"core", "replica"},
     "runtimes": {"core", "cuda", "k8s"},
-    "engine": {"core", "cuda", "runtimes"},
+    "engine": {"core", "cuda", "runtimes", "transfer"},
     "migration": {"core", "cuda", "runtimes", "engine"},
-    "fleet": {"core", "cuda", "k8s", "runtimes", "engine", "migration"},
+    "fleet": {"core", "cuda", "k8s", "replica", "transfer", "runtimes", "engine", "migration"},
 }
 # Third-party packages a room may import (lazily, where the host has them); the rest is the standard library.
 THIRD_PARTY = {
@@ -87,3 +89,12 @@ def test_no_module_utils_file_is_too_long():
 def test_every_room_is_known():
     rooms = {d for d in os.listdir(MU) if os.path.isdir(os.path.join(MU, d)) and d != "__pycache__"}
     assert rooms <= set(ALLOWED), rooms - set(ALLOWED)
+
+
+def test_no_import_falls_back_in_the_rooms_that_programs_carry():
+    """The receiver and the pod restore handler are bundled with an importer (core/bundle.py): their modules import
+    as in the package, so none catches ImportError (third-party imports of the rooms above may)."""
+    fallbacks = ["%s:%d" % (rel, node.lineno) for rel, path in _sources() if _room(rel) in ("core", "replica", "transfer")
+                 for node in ast.walk(ast.parse(open(path).read(), path))
+                 if isinstance(node, ast.ExceptHandler) and "ImportError" in ast.dump(node.type or ast.Pass())]
+    assert not fallbacks

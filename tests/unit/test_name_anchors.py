@@ -10,7 +10,9 @@ import re
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.filter.drain_move_host import drain_move_host
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, journal, replica, transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, journal
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import devices
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import plan

@@ -26,10 +26,7 @@ import os
 import shutil
 import stat
 
-try:  # a package import; the transfer's receiver program defines these names before this code
-    from .memdir import is_image_mount, unmount
-except ImportError:
-    pass
+from .memdir import is_image_mount, unmount
 
 DIR_MODE = 0o700
 FILE_MODE = 0o600

@@ -28,13 +28,10 @@ import os
 import re
 import time
 
-try:  # a package import; the transfer's receiver program defines these names before this code
-    from .errors import InvalidTarget, TransactionError
-    from .fsutil import Reserve, atomic_write, check_private_ancestors, make_dirs_private, read_json
-    from .procfs import boot_id, read_stat
-    from .wait import flock_within
-except ImportError:  # pragma: no cover - only in the receiver program
-    pass
+from .errors import InvalidTarget, TransactionError
+from .fsutil import Reserve, atomic_write, check_private_ancestors, make_dirs_private, read_json
+from .procfs import boot_id, read_stat
+from .wait import flock_within
 
 DEFAULT_JOURNAL_DIR = "/var/lib/gpuckpt/journal"
 ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")

@@ -12,11 +12,8 @@ import socket
 import stat
 import struct
 
-try:  # a package import; the transfer's receiver program defines these names before this code
-    from .errors import InvalidTarget
-    from .wait import wait_for
-except ImportError:  # pragma: no cover - only in the receiver program
-    pass
+from .errors import InvalidTarget
+from .wait import wait_for
 
 PF_KTHREAD = 0x00200000
 

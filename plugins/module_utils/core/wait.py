@@ -6,7 +6,7 @@
 Every wait of the collection (a pid to be reaped, a journal's lock, a delivered image, a container
 to stop, a pod to run or go) goes through ``wait_for``, so each has a bound, none spins, and a
 timeout always says what it waited for and for how long. Standard library only: the receiver
-program is assembled from core/ and may use it.
+program carries core/ modules (core/bundle.py) and may use it.
 """
 from __future__ import annotations
 
@@ -14,10 +14,7 @@ import errno
 import fcntl
 import time
 
-try:  # a package import; the receiver program defines these names before this code
-    from .errors import GpuCkptError
-except ImportError:  # pragma: no cover - only in the receiver program
-    pass
+from .errors import GpuCkptError
 
 
 class WaitTimeout(GpuCkptError):

@@ -18,7 +18,7 @@ import os
 import time
 import uuid
 
-from ..core import chunk_hasher
+from ..transfer import chunk_hasher
 from ..core import hugepages
 from ..core import image
 from ..core import memdir

@@ -5,7 +5,7 @@
 replica goes to which host (``restorability.choose``); and the list of a job's images with their verdicts. Pure:
 facts in (gpu_replica's listings, cuda_process_facts), a plan with reasons and its lines for people out.
 
-Never two copies: the replicas' record (``core/replica.py``) names the job's owner and its epoch, and a failover
+Never two copies: the replicas' record (``replica/replica.py``) names the job's owner and its epoch, and a failover
 is refused when that owner is not the lost node (it was failed over already) or is the target (it runs the job).
 Each replica's record must name the new owner afterwards, so the plan names, for each other replica, the images
 its own gpu_replica failover may take.

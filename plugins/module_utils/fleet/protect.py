@@ -34,7 +34,7 @@ import stat
 import time
 import uuid
 
-from ..core import transfer
+from ..transfer import transfer
 from ..core.errors import GpuCkptError, InvalidTarget
 from ..core.fsutil import identity, remove_tree
 from ..core.journal import Journal, process_identity

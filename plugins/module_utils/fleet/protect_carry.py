@@ -12,7 +12,7 @@ target runs the workload), finish_or_roll_back.yml carries it (playbooks/tasks/c
    identity: never a bare pid, see find_job; or its container) is one of the source's protected jobs (not one
    fenced here), and what the target needs to protect it (the role's job spec, the
    replicas, the source's systemd);
-2. each replica's record handed to the target (core/replica_owner.handover: owner the target, epoch + 1), so that
+2. each replica's record handed to the target (replica/replica_owner.handover: owner the target, epoch + 1), so that
    a copy left on the source is fenced and a failover of the source is refused;
 3. the job's pid file written on the target from the migration's restored root pid (``write_pid_file``);
 4. the job's timer and config removed on the source (the role's absent.yml);

@@ -13,7 +13,7 @@ import os
 import re
 import stat
 
-from ..core import transfer
+from ..transfer import transfer
 from ..core.errors import InvalidTarget
 from ..core.fsutil import make_dirs_private, read_json
 from ..runtimes import registry
@@ -120,7 +120,7 @@ def replica_dest(rep, job, image_id):
 
 
 def replica_call(target, config, timeout=60):
-    """core/transfer's replica_call (one JSON request to the replica's receiver, one reply)."""
+    """transfer/transfer's replica_call (one JSON request to the replica's receiver, one reply)."""
     return transfer.replica_call(target, config, timeout=timeout)
 
 

@@ -3,7 +3,7 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """The restore of a pod on its target node, as two processes agree on it through files in the pod's image: the
 node's restore (runtimes/k8s_pod.py, run by the engine) and the node's runtime handler (gpuckpt-restore-runtime,
-run by containerd's runc shim in place of runc). Defined here once: the handler's program is assembled from this
+run by containerd's runc shim in place of runc). Defined here once: the handler's program carries this
 source (k8s/restore_handler.py), so the two cannot drift apart.
 
 - The target pod carries the **restore request** (annotation ``gpuckpt.fleet/restore``: the image's path on the
@@ -29,10 +29,7 @@ import hmac
 import json
 import os
 
-try:  # a package import; the runtime handler's program defines these names before this code
-    from ..core.fsutil import atomic_write
-except ImportError:  # pragma: no cover - only in the runtime handler's program
-    pass
+from ..core.fsutil import atomic_write
 
 RESTORE_ANNOTATION = "gpuckpt.fleet/restore"
 TICKET = "restore-ticket.json"

@@ -23,9 +23,9 @@ Why each check (a pod's annotations are written by whoever may create pods):
 
 The ticket, the claims and the restore request are the collection's restore protocol
 (plugins/module_utils/k8s/restore_protocol.py), which the node's restore (runtimes/k8s_pod.py) speaks too. This file
-is the handler's own code; what the role installs is the program assembled from the protocol's source, the core
-modules it uses and this code (k8s/restore_handler.handler_program: the imports of the collection below are
-dropped there, their names defined above them). It runs on the node with the standard library only, outside
+is the handler's own code; what the role installs is one program of this code and the modules of the collection
+it imports, the protocol and the core modules it uses (k8s/restore_handler.handler_program, core/bundle.py: the
+imports below work there as they are written). It runs on the node with the standard library only, outside
 Ansible, started by the launcher ``gpuckpt-restore-runtime`` beside it (the handler's ``BinaryName``). Its settings,
 ``restore-runtime.json`` beside it or /etc/gpuckpt/restore-runtime.json: ``runc`` (the runtime it runs),
 ``image_roots``, ``state_dir``, ``ticket_wait`` (seconds a create waits for the node to write the restore ticket),

@@ -6,7 +6,8 @@ import os
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import chunk_hasher, image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import chunk_hasher
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import ImageError, InvalidTarget
 
 
@@ -143,6 +144,28 @@ def test_a_changed_byte_with_its_mtime_put_back_is_found_despite_receipts(tmp_pa
     assert "pages-1.img" not in image.receipts(str(d), m["files"])
     with pytest.raises(ImageError, match="checksum mismatch in pages-1.img"):
         image.verify(str(d))
+
+
+def test_a_verification_without_receipts_reads_every_file_again(tmp_path, monkeypatch):
+    """Image.verify(use_receipts=False) (a replica's full check): receipts that claim the manifest's checksums for a
+    file that holds other bytes (a receipt proves what was written then, not what the disk holds now) are not taken."""
+    monkeypatch.setattr(image, "CHUNK", 2**20)
+    d = _make(tmp_path)
+    m = image.load_manifest(str(d))
+    with open(d / "pages-1.img", "r+b") as fh:  # the disk's bytes change before the receipts are written
+        fh.write(b"\0" * 16)
+    state = image.state_dir(str(d))
+    with open(os.path.join(state, "receipt-1.jsonl"), "w") as fh:
+        for rel, meta in m["files"].items():
+            for i, h in enumerate(meta["sha256_chunks"]):
+                fh.write(json.dumps({"path": rel, "off": i * 2**20, "len": min(2**20, meta["size"] - i * 2**20),
+                                     "sha256": h}) + "\n")
+    with open(os.path.join(state, "fixed.json"), "w") as fh:
+        json.dump({rel: image.file_identity(os.lstat(d / rel)) for rel in m["files"]}, fh)
+    with image.Image.open(str(d)) as img:
+        img.verify()  # the receipts stand for the files
+        with pytest.raises(ImageError, match="checksum mismatch in pages-1.img"):
+            img.verify(use_receipts=False)
 
 
 def test_missing_and_bad_manifest(tmp_path):

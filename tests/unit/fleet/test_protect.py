@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs, transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget, TransactionError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import checkpoint as engine_checkpoint
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import protect, protect_cli, protect_fence

@@ -1,4 +1,4 @@
-"""fleet/protect_carry.py and core/replica_owner.handover: a protected job that a migration moved takes its protection
+"""fleet/protect_carry.py and replica/replica_owner.handover: a protected job that a migration moved takes its protection
 along (issue 43, 7): which workload is which job, what the target gets, the replica's record handed over once."""
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs, replica, replica_owner
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica, replica_owner
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import Journal
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import protect_carry, protect_fence

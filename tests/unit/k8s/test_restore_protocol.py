@@ -1,5 +1,5 @@
 """The restore protocol as both of its sides speak it: the node's restore (runtimes/k8s_pod.py) and the runtime
-handler as the role installs it (the program assembled from k8s/restore_protocol.py and the handler's code).
+handler as the role installs it (the program bundled from k8s/restore_protocol.py and the handler's code).
 A ticket admits only its pod with its token; each container is restored once; a node restore that gives up
 stops every restore of the pod, even one that finishes after it gave up."""
 from __future__ import annotations
@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import sys
 
 import pytest
 
@@ -23,7 +24,9 @@ def handler():
     with open(SOURCE) as fh:
         program = handler_program(fh.read())
     mod = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpuckpt_restore_runtime", loader=None))
+    meta_path = list(sys.meta_path)
     exec(compile(program, "gpuckpt_restore_runtime.py", "exec"), mod.__dict__)
+    sys.meta_path[:] = meta_path  # the program's importer is its own; this process imports the package itself
     return mod
 
 

@@ -21,7 +21,9 @@ SOURCE = os.path.join(REPO, "roles", "nvidia_container_runtime", "files", "gpuck
 with open(SOURCE) as fh:
     PROGRAM = handler_program(fh.read())
 handler = importlib.util.module_from_spec(importlib.util.spec_from_loader("gpuckpt_restore_runtime", loader=None))
+_META_PATH = list(sys.meta_path)
 exec(compile(PROGRAM, "gpuckpt_restore_runtime.py", "exec"), handler.__dict__)
+sys.meta_path[:] = _META_PATH  # the program's importer is its own; this process imports the package itself
 
 
 @pytest.mark.parametrize("argv, expected", [

@@ -11,7 +11,7 @@ from ansible.template import Templar
 from ansible.vars.hostvars import HostVars
 from ansible.vars.manager import VariableManager
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
 from ansible_collections.gpuckpt.fleet.plugins.plugin_utils.inventory_target import (
     connection_of, inventory_connection, merge_connection)
 

@@ -1,4 +1,4 @@
-"""The replica store (module_utils/core/replica.py) and the module over it (gpu_replica), on this host's files:
+"""The replica store (module_utils/replica/replica.py) and the module over it (gpu_replica), on this host's files:
 who owns a job (epochs, fencing), what counts as verified, retention, failover and what it refuses, and the
 target's adoption. The receiver's side of a push into the store is in test_receiver_replica.py."""
 from __future__ import annotations
@@ -12,7 +12,8 @@ import time
 import pytest
 from ansible.module_utils.testing import patch_module_args
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, replica, replica_owner
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica, replica_owner
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, ImageError, InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.modules import gpu_replica
 

@@ -26,8 +26,8 @@ An image counts once ``commit`` verified every checksum and wrote its replica.js
 push cut before its commit) is unverified. Retention keeps the newest ``keep`` verified images, never the
 only verified one nor the one just committed, and removes failed pushes older than the newest verified image.
 
-Standard library only: the receiver program (transfer.receiver_program) carries this file, which is why it
-falls back to names defined before it when its package import fails.
+Standard library and core/ only: the receiver program (transfer.receiver_program, bundled by core/bundle.py)
+carries this file.
 """
 from __future__ import annotations
 
@@ -38,14 +38,11 @@ import re
 import stat
 import time
 
-try:  # a package import; the receiver program defines these names before this code
-    from .errors import GpuCkptError, ImageError, InvalidTarget
-    from .fsutil import (UnsafePath, atomic_write, check_private_ancestors, identity, make_dirs_private, open_beneath,
-                         open_dir, read_json, remove_tree)
-    from .image import MANIFEST, STATE_DIR, Image, image_bytes
-    from .wait import flock_within
-except ImportError:  # pragma: no cover - only in the receiver program, where they are globals
-    pass
+from ..core.errors import GpuCkptError, ImageError, InvalidTarget
+from ..core.fsutil import (UnsafePath, atomic_write, check_private_ancestors, identity, make_dirs_private, open_beneath,
+                           open_dir, read_json, remove_tree)
+from ..core.image import MANIFEST, STATE_DIR, Image, image_bytes
+from ..core.wait import flock_within
 
 JOB_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,63}\Z")
 REPLICA_IMAGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
@@ -397,10 +394,9 @@ def list_images(root, job):
 
 def _verify_files(img, full):
     """Every file of the image against its manifest (no signature: that is checked at the restore, with the key).
-    ``full``: read every byte again, not taking the receipts the receiver wrote as it received them."""
-    if full:
-        img.receipts = lambda expected: {}  # a receipt proves what was written then, not what the disk holds now
-    img.verify(None, allow_unverified_signature=True)
+    ``full``: read every byte again, not taking the receipts the receiver wrote as it received them (a receipt
+    proves what was written then, not what the disk holds now)."""
+    img.verify(None, allow_unverified_signature=True, use_receipts=not full)
 
 
 def _retain(fd, root, job, keep, committed):

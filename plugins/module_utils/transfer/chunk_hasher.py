@@ -8,10 +8,10 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from .errors import ImageError
-from .fsutil import UnsafePath, open_beneath, open_dir
-from . import image
-from .procfs import usable_cpus
+from ..core.errors import ImageError
+from ..core.fsutil import UnsafePath, open_beneath, open_dir
+from ..core import image
+from ..core.procfs import usable_cpus
 
 
 class ChunkHasher(object):

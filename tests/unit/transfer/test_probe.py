@@ -1,4 +1,4 @@
-"""core/link_probe.probe and the receiver's side of it: a measured probe of the link (gpu_image_sync's probe_mib),
+"""transfer/link_probe.probe and the receiver's side of it: a measured probe of the link (gpu_image_sync's probe_mib),
 with the transfer a migration uses, that leaves nothing on either host, also when the transfer fails.
 
 TEST DOUBLE: ``ssh`` is replaced by a script that runs the remote command here with sh (the real receiver),
@@ -16,9 +16,9 @@ import zlib
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import link_probe
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import receiver
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import link_probe
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import receiver
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.modules import gpu_image_sync
 

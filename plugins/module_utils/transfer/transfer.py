@@ -38,26 +38,18 @@ import threading
 import time
 from concurrent.futures import Future
 
-# The receiver program's modules, imported here (not by name at run time) so that Ansible packs them
-# with every module that sends an image.
-from . import errors
-from . import fsutil
-from . import image
-from . import journal, memdir
-from . import procfs
+from ..core import bundle
+from ..core import image
+from ..core import procfs
+from ..core.errors import GpuCkptError, InvalidTarget, TransactionError
+from ..core.progress import BytesProgress
 from . import receiver
-from . import replica
-from . import wait
-from .errors import GpuCkptError, InvalidTarget, TransactionError
-from .progress import BytesProgress
 
 CHUNK = image.CHUNK
 HASHED_BLOCK = 2**20   # a piece hashed on its way goes in blocks read, hashed and written while in the core's cache
 FENCE_EVERY = 8 * 2**20
 FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
 GROWING = image.GROWING
-# The receiver program: these modules' sources, in this order (each needs only those before it).
-RECEIVER_MODULES = (errors, memdir, fsutil, wait, procfs, journal, image, replica, receiver)
 HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\[\]-]+\Z")
 USER_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*\Z")
 PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]+\Z")
@@ -115,32 +107,11 @@ class Target(object):
         return self.host
 
 
-def _module_source(mod):
-    """The source of one of our module_utils, also from inside an AnsiballZ zip."""
-    loader = getattr(mod, "__loader__", None)
-    if loader is not None and hasattr(loader, "get_source"):
-        src = loader.get_source(mod.__name__)
-        if src:
-            return src
-    with open(mod.__file__) as fh:
-        return fh.read()
-
-
 def receiver_program():
-    """The receiver as one Python program: RECEIVER_MODULES concatenated (their package imports fail
-    there and fall back to the names defined before them), ending in receiver.main()."""
-    parts = ["from __future__ import annotations\n"]
-    for mod in RECEIVER_MODULES:
-        name = mod.__name__.rsplit(".", 1)[-1]
-        src = _module_source(mod)
-        lines = [ln for ln in src.splitlines() if not ln.startswith("from __future__ import")]
-        text = "\n".join(lines)
-        if name == "receiver":
-            text = text.replace('if __name__ == "__main__":', "if True:")
-        else:
-            text = text.replace('if __name__ == "__main__":', "if False:")
-        parts.append("# ---- %s.py ----\n%s\n" % (name, text))
-    return "".join(parts).encode("utf-8")
+    """The receiver as one Python program (core/bundle.py): receiver.py and the modules of this package it imports,
+    ending in receiver.main()."""
+    main = "import sys\nfrom %s import main\nsys.exit(main())\n" % receiver.__name__
+    return bundle.program(main, header="# gpuckpt receiver, bundled by gpuckpt.fleet (transfer/transfer.py)\n").encode("utf-8")
 
 
 _BOOTSTRAP = "import sys; exec(compile(sys.stdin.buffer.read(%d), 'gpuckpt-receiver', 'exec'))"

@@ -23,7 +23,9 @@ import sys
 import pytest
 from ansible.module_utils.testing import patch_module_args
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, receiver, replica, replica_owner, transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica, replica_owner
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import receiver, transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.fsutil import UnsafePath
 from ansible_collections.gpuckpt.fleet.plugins.modules import gpu_replica

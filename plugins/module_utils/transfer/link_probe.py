@@ -8,10 +8,10 @@ from __future__ import annotations
 import os
 import time
 
-from . import fsutil
-from . import image
+from ..core import fsutil
+from ..core import image
 from . import receiver
-from .errors import GpuCkptError, InvalidTarget
+from ..core.errors import GpuCkptError, InvalidTarget
 from .transfer import Stream, TransferError, receiver_program, send_image
 
 PROBE_BLOCK = 16 * 2**20

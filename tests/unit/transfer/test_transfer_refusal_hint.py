@@ -1,4 +1,4 @@
-"""core/transfer.py: the hint of a failed transfer says what failed. A receiver that answered (ssh and its Python ran)
+"""transfer/transfer.py: the hint of a failed transfer says what failed. A receiver that answered (ssh and its Python ran)
 and refused for a full disk (ENOSPC creating the image: issue 43, item 8) is named as a full disk, never as ssh or
 Python; a receiver that refused for another reason is not hinted as ssh or Python either; an ssh that cannot connect
 is.
@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.transfer import TransferError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer.transfer import TransferError
 
 FAKE_SSH = r'''#!%(py)s
 import json, os, re, sys

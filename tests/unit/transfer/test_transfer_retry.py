@@ -1,4 +1,4 @@
-"""core/transfer.py: whether a failed transfer is tried again, as the error says (TransferError.retryable).
+"""transfer/transfer.py: whether a failed transfer is tried again, as the error says (TransferError.retryable).
 
 TEST DOUBLE: ``ssh`` is replaced by a script that, as FAKE_SSH_MODE says, runs the remote command here
 (``local``: the real receiver), fails as an ssh that cannot connect does (``down``), or ends as a receiver
@@ -13,9 +13,9 @@ import sys
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import Journal
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.transfer import TransferError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer.transfer import TransferError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import transaction as migration
 
 FAKE_SSH = r'''#!%(py)s

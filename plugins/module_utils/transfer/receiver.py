@@ -4,7 +4,7 @@
 """The receiving end of an image transfer, run on the target at the end of each ssh stream.
 
 The sender (transfer.py) starts it as ``python3 -c <bootstrap> <config JSON>``; the bootstrap reads
-this program (errors, fsutil, journal and image, then this file: see transfer.receiver_program) from
+this program (this module and the modules it imports, bundled by transfer.receiver_program) from
 the stream's first bytes, then the stream carries framed operations: a JSON header line, and for
 ``data`` and ``deliver`` that many bytes.
 
@@ -14,7 +14,7 @@ the stream's first bytes, then the stream carries framed operations: a JSON head
   deliver  the manifest: checked, then written (atomically) as the image's last file
   end      done
 
-A push into a replica store (core/replica.py; config ``replica``: {"root", "job", "epoch", "node"}) is an image
+A push into a replica store (replica/replica.py; config ``replica``: {"root", "job", "epoch", "node"}) is an image
 push whose dest must be <root>/<job>/<image_id>: the store's check_push runs before the directory is created
 (a fenced copy's push is refused, with ``fenced`` in the reply) and again, under the job's lock, before the
 manifest is written. Config ``replica_op`` ("check", "commit", "list") runs that operation of the store instead
@@ -50,14 +50,12 @@ import sys
 import threading
 import time
 
-try:  # a package import; the receiver program defines these names before this code
-    from . import image, replica
-    from .errors import GpuCkptError
-    from .fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json,
-                         remove_tree)
-    from .journal import Journal, process_identity
-except ImportError:  # pragma: no cover - only in the receiver program, where they are globals
-    image = replica = None
+from ..core import image
+from ..core.errors import GpuCkptError
+from ..core.fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json,
+                           remove_tree)
+from ..core.journal import Journal, process_identity
+from ..replica import replica
 
 RECEIVE_PHASES = ("receiving", "received", "restore_failed")
 TRANSFER_MARK = "transfer.json"  # outside a migration: which image this dir is receiving
@@ -156,8 +154,8 @@ class Receiver(object):
     def __init__(self, config, inp, out):
         self.config, self.inp, self.out = config, inp, out
         self.dest = os.path.abspath(config["dest"]) if config.get("dest") else None  # none for a replica_op
-        self.chunk = int(config.get("chunk") or _image().CHUNK)
-        _image().CHUNK = self.chunk  # the sender's chunks are the manifest's: hash the same ranges
+        self.chunk = int(config.get("chunk") or image.CHUNK)
+        image.CHUNK = self.chunk  # the sender's chunks are the manifest's: hash the same ranges
         self.fds, self.fixed = {}, {}
         self.dir_fd = self.state_fd = self.receipt_fd = None
         self.journal = None
@@ -171,14 +169,14 @@ class Receiver(object):
             self._check_replica()
             self._open_for_image()
             if self.config.get("replica"):
-                _replica().check_image_parent(self.config["replica"]["root"], self.config["replica"]["job"], self.dir_fd)
+                replica.check_image_parent(self.config["replica"]["root"], self.config["replica"]["job"], self.dir_fd)
         try:
-            os.mkdir(_image().STATE_DIR, 0o700, dir_fd=self.dir_fd)
+            os.mkdir(image.STATE_DIR, 0o700, dir_fd=self.dir_fd)
         except FileExistsError:
             pass
-        self.state_fd = open_beneath(self.dir_fd, _image().STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
+        self.state_fd = open_beneath(self.dir_fd, image.STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
         self._refuse_committed()
-        name = "%s%d-%s.jsonl" % (_image().RECEIPT_PREFIX, os.getpid(), os.urandom(4).hex())
+        name = "%s%d-%s.jsonl" % (image.RECEIPT_PREFIX, os.getpid(), os.urandom(4).hex())
         self.receipt_fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC,
                                   0o600, dir_fd=self.state_fd)
 
@@ -210,11 +208,11 @@ class Receiver(object):
             return
         if not isinstance(r, dict) or not r.get("root"):
             raise Refused("a push into a replica store names its root, job, epoch and node")
-        want = os.path.join(os.path.abspath(r["root"]), _replica().check_job(r.get("job")),
-                            _replica().check_image_id(self.config.get("image_id")))
+        want = os.path.join(os.path.abspath(r["root"]), replica.check_job(r.get("job")),
+                            replica.check_image_id(self.config.get("image_id")))
         if self.dest != want:
             raise Refused("a push into the replica store goes to %s, not %s" % (want, self.dest))
-        _replica().check_push(r["root"], r["job"], r.get("epoch"), r.get("node"))
+        replica.check_push(r["root"], r["job"], r.get("epoch"), r.get("node"))
 
     def _refuse_committed(self):
         """A push into a replica store changes nothing of an image the store committed (its replica mark is there):
@@ -223,13 +221,13 @@ class Receiver(object):
         if not self.config.get("replica") or self.state_fd is None:
             return
         try:
-            os.stat(_replica().REPLICA_MARK, dir_fd=self.state_fd, follow_symlinks=False)
+            os.stat(replica.REPLICA_MARK, dir_fd=self.state_fd, follow_symlinks=False)
         except FileNotFoundError:
             return
         raise Refused("image %s of job %s was committed on this replica (it has its %s): a push never changes a "
                       "committed image; push a new image id" % (self.config.get("image_id"),
                                                                 self.config["replica"].get("job"),
-                                                                _replica().REPLICA_MARK))
+                                                                replica.REPLICA_MARK))
 
     def _open_for_image(self):
         want, probe = self.config.get("image_id"), bool(self.config.get("probe"))
@@ -242,8 +240,8 @@ class Receiver(object):
         try:
             create_private_dir(self.dest)
             self.dir_fd = open_dir(self.dest)
-            os.mkdir(_image().STATE_DIR, 0o700, dir_fd=self.dir_fd)
-            state = open_beneath(self.dir_fd, _image().STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
+            os.mkdir(image.STATE_DIR, 0o700, dir_fd=self.dir_fd)
+            state = open_beneath(self.dir_fd, image.STATE_DIR, os.O_RDONLY | os.O_DIRECTORY)
             try:
                 atomic_write(TRANSFER_MARK, mark, dir_fd=state)
             finally:
@@ -253,7 +251,7 @@ class Receiver(object):
             pass
         self.dir_fd = open_dir(self.dest)
         st = os.fstat(self.dir_fd)
-        mark = read_json(os.path.join(_image().STATE_DIR, TRANSFER_MARK), dir_fd=self.dir_fd) or {}
+        mark = read_json(os.path.join(image.STATE_DIR, TRANSFER_MARK), dir_fd=self.dir_fd) or {}
         if st.st_uid != os.geteuid():
             raise Refused("%s belongs to uid %d; refusing to write an image into it" % (self.dest, st.st_uid))
         ours = mark.get("image_id") == want and bool(mark.get("probe")) == probe
@@ -318,20 +316,20 @@ class Receiver(object):
 
     def sums(self, op):
         files = [image_rel(rel) for rel in op["files"]]
-        self._reply({"sums": _image().checksum_files(self.dest, files)})
+        self._reply({"sums": image.checksum_files(self.dest, files)})
 
     def fix(self, op):
-        fixed = read_json(_image().FIXED, dir_fd=self.state_fd) or {}
+        fixed = read_json(image.FIXED, dir_fd=self.state_fd) or {}
         for rel, size in op["files"]:
             fd = self._file(rel)
             if os.fstat(fd).st_size != size:
                 os.ftruncate(fd, size)
-            fixed[rel] = _image().file_identity(os.fstat(fd))
-        atomic_write(_image().FIXED, fixed, dir_fd=self.state_fd)
+            fixed[rel] = image.file_identity(os.fstat(fd))
+        atomic_write(image.FIXED, fixed, dir_fd=self.state_fd)
 
     def deliver(self, op):
         data = self._read(int(op["len"]), "the manifest")
-        manifest = _image().parse_manifest(data.decode("utf-8", "replace"), "the manifest sent to %s" % self.dest)
+        manifest = image.parse_manifest(data.decode("utf-8", "replace"), "the manifest sent to %s" % self.dest)
         if self.journal is None:
             if manifest.get("id") != self.config.get("image_id"):
                 raise Refused("the manifest is of image %s, not %s" % (manifest.get("id"), self.config.get("image_id")))
@@ -349,7 +347,7 @@ class Receiver(object):
             if identity(os.fstat(self.dir_fd)) != list(doc.get("image_dir_identity") or []) or \
                     not os.path.samestat(os.fstat(self.dir_fd), os.lstat(self.dest)):
                 raise Refused("%s is no longer the directory migration %s created" % (self.dest, self.journal.id))
-            atomic_write(_image().MANIFEST, data, dir_fd=self.dir_fd)
+            atomic_write(image.MANIFEST, data, dir_fd=self.dir_fd)
             self.journal.transition("received", manifest_id=manifest.get("id"))
         self._reply({"delivered": True})
 
@@ -358,12 +356,12 @@ class Receiver(object):
         (under the job's lock, so that no failover comes between the check and the write)."""
         r = self.config.get("replica")
         if not r:
-            atomic_write(_image().MANIFEST, data, dir_fd=self.dir_fd)
+            atomic_write(image.MANIFEST, data, dir_fd=self.dir_fd)
             return
         try:
-            with _replica().push_guard(r["root"], r["job"], r["epoch"], r["node"]):
+            with replica.push_guard(r["root"], r["job"], r["epoch"], r["node"]):
                 self._refuse_committed()
-                atomic_write(_image().MANIFEST, data, dir_fd=self.dir_fd)
+                atomic_write(image.MANIFEST, data, dir_fd=self.dir_fd)
         except (GpuCkptError, Refused) as exc:
             self._reply(_refusal(exc))
             raise Refused(str(exc))
@@ -371,7 +369,7 @@ class Receiver(object):
     def replica_op(self):
         """Run the replica store's operation of the config, reply, and wait for the end mark."""
         try:
-            reply = dict(_replica().run_op(self.config), ready=True)
+            reply = dict(replica.run_op(self.config), ready=True)
         except (GpuCkptError, UnsafePath, OSError, KeyError, TypeError, ValueError) as exc:
             self._reply(_refusal(exc))
             return REFUSED
@@ -470,7 +468,7 @@ def remove_probe_dir(path, image_id):
         return False
     try:
         st = os.fstat(dir_fd)
-        mark = read_json(os.path.join(_image().STATE_DIR, TRANSFER_MARK), dir_fd=dir_fd) or {}
+        mark = read_json(os.path.join(image.STATE_DIR, TRANSFER_MARK), dir_fd=dir_fd) or {}
     finally:
         os.close(dir_fd)
     if not image_id or st.st_uid != os.geteuid() or not mark.get("probe") or mark.get("image_id") != image_id:
@@ -495,25 +493,11 @@ def image_rel(rel):
         raise Refused("refusing path %r: an image's file is named by a relative path without '..'" % (rel,))
     norm = os.path.normpath(rel)
     parts = norm.split("/")
-    if norm in (".", "") or parts[0] in (".", "..") or parts[0] == _image().STATE_DIR or \
-            (len(parts) == 1 and parts[0].startswith(_image().MANIFEST)):
+    if norm in (".", "") or parts[0] in (".", "..") or parts[0] == image.STATE_DIR or \
+            (len(parts) == 1 and parts[0].startswith(image.MANIFEST)):
         raise Refused("refusing path %r: it is not one of the image's files (%s and the manifest are the "
-                      "receiver's)" % (rel, _image().STATE_DIR))
+                      "receiver's)" % (rel, image.STATE_DIR))
     return norm
-
-
-def _image():
-    """The image module: imported in the package, this program's own globals in the receiver."""
-    if image is not None:
-        return image
-    return sys.modules["__main__"]
-
-
-def _replica():
-    """The replica store's module: imported in the package, this program's own globals in the receiver."""
-    if replica is not None:
-        return replica
-    return sys.modules["__main__"]
 
 
 def main(argv=None):

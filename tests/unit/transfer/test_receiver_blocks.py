@@ -16,7 +16,8 @@ import sys
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, receiver, transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import receiver, transfer
 
 
 def _data(rel, off, payload):

@@ -1,4 +1,4 @@
-"""The one transfer path (module_utils/core/transfer.py and receiver.py) on this host's own files.
+"""The one transfer path (module_utils/transfer/transfer.py and receiver.py) on this host's own files.
 
 TEST DOUBLE: ``ssh`` is replaced by a script that runs the remote command here with sh (no second host
 is needed for what these tests check: how pieces are cut, written, resumed, repaired, fenced, and what
@@ -19,7 +19,7 @@ import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import transaction as migration
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import Journal
 
@@ -226,11 +226,14 @@ def test_bad_target_values_are_refused_before_anything_runs():
     assert t.host == "fd00::2" and t.ssh()[-1] == "fd00::2" and t.ssh()[-2] == "--"
 
 
-def test_the_receiver_program_defines_each_name_once():
-    import ast
-    tree = ast.parse(transfer.receiver_program())
-    names = [n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))]
-    assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
+def test_the_receiver_program_carries_the_receiver_and_the_store_not_the_sender():
+    """The modules receiver.py imports (core/bundle.py follows them), none of the sender's side."""
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import bundle
+    carried = set(bundle.bundled_sources("from %s import main\n" % transfer.receiver.__name__))
+    mu = bundle.PACKAGE + "."
+    assert {mu + "transfer.receiver", mu + "replica.replica", mu + "core.journal", mu + "core.image"} <= carried
+    assert not {m for m in carried if m.startswith((mu + "transfer.transfer", mu + "runtimes", mu + "engine", mu + "cuda"))}
+    assert transfer.receiver_program().decode().rstrip().endswith("sys.exit(main())")
 
 
 def test_automatic_streams_are_a_quarter_of_the_cores():
@@ -264,7 +267,7 @@ def _push_while_written(tmp_path, sizes, streams=2, **sender_kw):
     """A checkpoint's push as engine/checkpoint.py runs it: the streams open, the push watches the image
     while its page files grow (in odd sizes, as a dump appends), then the dump ends and the checksums come
     from ChunkHasher with the push's digests. Returns (src, dest, checksums, hasher, sender)."""
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import chunk_hasher
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import chunk_hasher
     src, dest = tmp_path / "src", tmp_path / "dest"
     image.prepare_dir(str(src))
     sender = transfer.Sender(_target(), str(dest), streams=streams, receiver={"image_id": "img-p"}, **sender_kw).start()
