@@ -10,10 +10,9 @@ import os
 import socket
 import time
 
-import pytest
-
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import ports
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
 import test_steps
 from test_steps import RecordingBackend, _doubles
@@ -116,7 +115,6 @@ def test_the_checkpoint_records_the_listening_ports_and_the_restore_waits_for_th
     log, drv, backend = _doubles(workload)
     backend.criu_needs = {"tcp_listen": [29500]}
     image_dir = str(tmp_path / "img")
-    from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
     checkpoint(workload[0], image_dir, backend=backend, parallel=False)
     with open(os.path.join(image_dir, "manifest.json")) as fh:
         assert json.load(fh)["target"]["tcp_listen_ports"] == [29500]
