@@ -161,6 +161,7 @@ class _Steps(object):
         elif c.after == "exit":
             if backend.capabilities.restores_host_pids:
                 procfs.wait_gone(c.pids, 10)  # PID 1 may take a second to reap the dumped tree
+            ports.wait_time_wait_gone(ports.recorded(backend))  # (CRIU binds its listening ports again here)
             own_image = {"target": {"pids": c.pids, "cuda_pids": [], "states": c.states}, "runtime": c.runtime_info}
             unreported = Clock()  # (the rollback's stages are not the checkpoint's: timed apart, never reported)
             unreported.start()
