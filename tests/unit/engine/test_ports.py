@@ -10,7 +10,10 @@ import os
 import socket
 import time
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs
+import pytest
+
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import TransactionError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, procfs
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import ports
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
@@ -134,3 +137,29 @@ def test_the_checkpoint_records_the_listening_ports_and_the_restore_waits_for_th
     assert seen and all(("runtime_restore",) not in s for s in seen), "waited before the runtime's restore"
     assert res["tcp_time_wait"]["cleared"] and res["tcp_time_wait"]["ports"] == [29500], res
     assert "TIME_WAIT sockets on TCP port 29500" in res["msg"]
+
+
+def test_the_undo_of_a_failed_checkpoint_whose_tree_exited_waits_for_its_ports_before_it_restores(
+        workload, tmp_path, monkeypatch):
+    """The manifest cannot be written after the dump (the tree exited): its undo restores the tree from its own
+    image in place, once no TIME_WAIT socket holds a port the tree listened on."""
+    log, drv, backend = _doubles(workload)
+    backend.criu_needs = {"tcp_listen": [29500]}
+    held = [(socket.AF_INET, "127.0.0.1", 29500)]
+    tables = [held, []]
+    seen = []
+
+    def read():
+        seen.append(list(log))
+        return tables.pop(0) if len(tables) > 1 else tables[0]
+
+    def no_room(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(procfs, "tcp_time_wait", read)
+    monkeypatch.setattr(ports, "bind_refused", lambda *a: True)
+    monkeypatch.setattr(ports.time, "sleep", lambda s: None)
+    monkeypatch.setattr(image, "write_manifest", no_room)
+    with pytest.raises(TransactionError, match="rolled back"):
+        checkpoint(workload[0], str(tmp_path / "img"), backend=backend, parallel=False)
+    assert len(seen) == 2 and all(("runtime_restore",) not in s for s in seen) and ("runtime_restore",) in log, seen
