@@ -138,9 +138,10 @@ def used_memory_bound(apps, tpids, unread, source):
     """Where some CUDA processes of the tree (``unread``: torchrun's agent holds a CUDA context that nvidia-smi
     lists no memory for) leave its GPU memory unknown: a GPU's own used memory (NVML's, nvidia-smi's
     memory.used) is a measured upper bound of the tree's memory there when every process the driver lists on
-    that GPU belongs to the tree. The GPUs it may hold memory on: those its listed processes are on, and for a
-    process nothing lists, those whose device file it holds open (every GPU when it names none). Returns
-    (the tree's GPU memory as that bound, None) or (None, why there is no bound)."""
+    that GPU belongs to the tree, and the list shows at least one of them there (a list that shows none, as
+    nvidia-smi in another pid namespace gives, may miss others too). The GPUs it may hold memory on: those its
+    listed processes are on, and for a process nothing lists, those whose device file it holds open (every GPU
+    when it names none). Returns (the tree's GPU memory as that bound, None) or (None, why there is no bound)."""
     gpus, gpu_source = gpu_usage.gpus()
     if not gpus:
         return None, "no reading of the GPUs' used memory bounds it (none answered)"
@@ -154,6 +155,12 @@ def used_memory_bound(apps, tpids, unread, source):
     if others:
         return None, ("the GPU's used memory bounds the tree's only where every process the driver lists there is the "
                       "tree's, and GPU %s also runs pid %s" % others[0])
+    seen_there = {a["gpu_uuid"] for a in apps if a["pid"] in tpids}
+    unseen = sorted(where - seen_there)
+    if unseen:  # (a list that shows none of the tree's processes there may not show every process there either)
+        return None, ("the GPU's used memory bounds the tree's only where the driver's list shows the tree's processes "
+                      "and no other, and it shows none of them on GPU %s, which pid(s) %s may use"
+                      % (unseen[0], ",".join(map(str, unread))))
     used = {g["uuid"]: g.get("memory_used_mib") for g in gpus if g["uuid"] in where}
     unmeasured = sorted(u for u in where if used.get(u) is None)
     if unmeasured:

@@ -348,6 +348,9 @@ def test_no_bound_where_a_gpu_the_job_may_use_lists_another_process(monkeypatch,
     opened = {AGENT: ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm"]}
     tree = torchrun_tree(monkeypatch, tmp_path, gpus, apps, opened)
     assert tree["gpu_bytes_by_gpu"] == {"GPU-0": 21 * GIB, "GPU-1": 21 * GIB}, tree
+    # a GPU the agent may use on which the list shows none of the job's processes: it may miss others there too
+    lone = torchrun_tree(monkeypatch, tmp_path, gpus, RANKS, {AGENT: ["/dev/nvidia0", "/dev/nvidia2"]})
+    assert lone["gpu_bytes"] is None and "shows none of them on GPU GPU-2" in lone["gpu_memory_unknown_reason"], lone
     # another process on a GPU a rank is listed on: no bound
     shared = torchrun_tree(monkeypatch, tmp_path, gpus, RANKS + [{"pid": OTHER, "gpu_uuid": "GPU-1",
                                                                   "used_memory": 1024}], opened)
