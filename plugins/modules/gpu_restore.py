@@ -191,6 +191,15 @@ cooperative_resumed:
   type: list
   elements: int
   sample: [4242, 4243]
+tcp_time_wait:
+  description:
+    - The wait before CRIU's restore for the TCP ports the image's tree listened on, where TIME_WAIT sockets of
+      this network namespace still held them (they would fail the restore with "Address already in use"). Bounded
+      by the kernel's TIME_WAIT length (60 s) and a margin; ports, left (those still held when it gave up),
+      waited_s, cleared and msg.
+  returned: when such a port had TIME_WAIT sockets
+  type: dict
+  sample: {"ports": [29500], "left": [], "waited_s": 41.2, "cleared": true, "msg": "waited 41.2 s for ..."}
 gpu_pairs:
   description:
     - The (old, new) GPU UUID pairs passed to the driver.

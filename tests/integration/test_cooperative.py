@@ -502,3 +502,34 @@ def test_migrated_by_migrate_yml_in_the_cooperative_mode(tmp_path, fakecuda, hos
         job.check()
     finally:
         job.kill()
+
+
+def test_drained_off_the_node_in_the_cooperative_mode(tmp_path, fakecuda, hosts, playbook):
+    """drain.yml with quiesce_mode=cooperative (issue 45 part 3): the torchrun tree (its agent and both ranks, each
+    rank in a session of its own) is one workload, moved whole to hostb with the mode passed to its move; one
+    copy runs there, every rank counting on from its boundary, nothing locked, and the node is reported empty."""
+    job = CoopJob(str(tmp_path / "job"), fakecuda, hosts=hosts, host="hosta")
+    try:
+        run = playbook("gpuckpt.fleet.drain", {"node": "hosta", "quiesce_mode": "cooperative",
+                                               "gpuckpt_quiesce_timeout": 60},
+                       inventory=hosts.path("inventory.yml"))
+        assert run.rc == 0, run.stdout
+        plan = run.task("Place each workload on a target")["ansible_facts"]["gpuckpt_drain_plan"]
+        assert len(plan["moves"]) == 1 and plan["moves"][0]["target"] == "hostb", plan["lines"]
+        ck, rs = run.task("Stage 1/3"), run.task("Restore on hostb")
+        step = ck["quiesce"]["step"]
+        assert ck["quiesce"]["mode"] == "cooperative" and len(ck["quiesce"]["ranks"]) == 2, ck
+        assert len(rs["cooperative_resumed"]) == 2, rs
+        assert "runs no GPU workload any more" in run.task("The node is empty")["msg"]
+        job.host_pid = _by_ns_pid(job.pid, _with(job.tag))
+        assert hosts.pids["hostb"] in _ancestors(job.host_pid), "the job runs on hostb"
+        job.counting_on([step] * 2)
+        job.check()
+    finally:
+        job.kill()
+        for name in ("hosta", "hostb"):
+            for f in ("drain.json", "throughput.json"):
+                try:
+                    os.unlink(hosts.path(name, "journal", f))
+                except OSError:
+                    pass

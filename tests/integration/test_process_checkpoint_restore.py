@@ -283,11 +283,12 @@ class NcclJob(object):
     """tests/workloads/nccl_ranks.py: a launcher with its TCP store and 2 ranks of the libcuda TEST DOUBLE sharing
     /dev/shm/nccl-<tag>, each counting into <dir>/rank<N>.count."""
 
-    def __init__(self, directory, fakecuda, env):
+    def __init__(self, directory, fakecuda, env, hello=False):
         self.dir, self.tag = directory, "gpuckpt-test-%s" % uuid.uuid4().hex[:8]
-        subprocess.run([sys.executable, NCCL_RANKS, "--dir", directory, "--fakecuda", fakecuda.lib, "--tag", self.tag,
-                        "--daemon"], env=dict({k: v for k, v in os.environ.items() if not k.startswith("NCCL_")},
-                                              **dict(fakecuda.env, **env)), check=True)
+        cmd = [sys.executable, NCCL_RANKS, "--dir", directory, "--fakecuda", fakecuda.lib, "--tag", self.tag, "--daemon"]
+        subprocess.run(cmd + (["--hello"] if hello else []),
+                       env=dict({k: v for k, v in os.environ.items() if not k.startswith("NCCL_")},
+                                **dict(fakecuda.env, **env)), check=True)
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not (self.counts()[0] > 2 and self.counts()[1] > 2):
             time.sleep(0.05)
@@ -332,8 +333,10 @@ class NcclJob(object):
 
 def test_an_nccl_job_started_as_the_driver_can_restore_is_checkpointed_and_restored(tmp_path, playbook, fakecuda):
     """Both ranks locked before any is checkpointed, the launcher's rendezvous connections (both ends in the tree)
-    dumped without the user naming tcp_established, restored, and every rank counting on from its count."""
-    job = NcclJob(str(tmp_path / "job"), fakecuda, RESTORABLE_NCCL)
+    dumped without the user naming tcp_established, restored, and every rank counting on from its count.
+    Restored in place at once: the store's port still has the TIME_WAIT sockets of the ranks' hellos (closed by the
+    store first), which would fail CRIU's bind ("Address already in use"); the restore waits them out first."""
+    job = NcclJob(str(tmp_path / "job"), fakecuda, RESTORABLE_NCCL, hello=True)
     image_dir = str(tmp_path / "img")
     try:
         run = _ckpt(playbook, fakecuda, job.pid, image_dir)
@@ -343,12 +346,17 @@ def test_an_nccl_job_started_as_the_driver_can_restore_is_checkpointed_and_resto
         calls = [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")]
         assert calls == ["lock", "lock", "checkpoint", "checkpoint"], calls
         with open(os.path.join(image_dir, "manifest.json")) as fh:
-            assert "--tcp-established" in json.load(fh)["runtime"]["auto_flags"]
+            manifest = json.load(fh)
+        assert "--tcp-established" in manifest["runtime"]["auto_flags"]
+        store_port = manifest["target"]["tcp_listen_ports"]
+        assert len(store_port) == 1, manifest["target"]
         held = job.counts()
         time.sleep(0.3)
         assert job.counts() == held
         run = _restore(playbook, fakecuda, image_dir)
         assert run.rc == 0, run.stdout
+        waited = run.task("Restore from")["tcp_time_wait"]
+        assert waited["ports"] == store_port and waited["cleared"] and 0 < waited["waited_s"] < 66, waited
         assert job.counting_on(held), (held, job.counts())
         job.no_count_twice()
     finally:

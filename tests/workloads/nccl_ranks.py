@@ -6,7 +6,11 @@ sync (a lock freezes it), adds one to its count in the shared segment and in <di
 count), and asks the store for the other rank's count over TCP. Each rank's environment is the launcher's
 (RANK and WORLD_SIZE added), so NCCL_* settings given to the launcher reach the ranks as torchrun passes them.
 
-  nccl_ranks.py --dir D --fakecuda LIB --tag T [--daemon]     prints the launcher's pid
+With --hello each rank first says hello to the store on a connection of its own, which the store closes first (as
+a TCPStore server ends a client's short connection): that leaves a TIME_WAIT socket on the store's listening port
+for the kernel's 60 s, which a restore in the same network namespace must wait out to bind the port again.
+
+  nccl_ranks.py --dir D --fakecuda LIB --tag T [--daemon] [--hello]     prints the launcher's pid
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ import threading
 import time
 
 WORLD = 2
+HELLO = b"\xff"
 
 
 def serve(lst, fd):
@@ -31,6 +36,10 @@ def serve(lst, fd):
         while True:
             b = conn.recv(1)
             if not b:
+                return
+            if b == HELLO:  # answered, then closed from this side first (the store's port keeps a TIME_WAIT)
+                conn.sendall(b"ok")
+                conn.close()
                 return
             other = 1 - b[0]
             conn.sendall(os.pread(fd, 8, 8 * other))
@@ -44,6 +53,11 @@ def rank(args, r, port):
     lib.fakeCudaAttach()
     fd = os.open("/dev/shm/nccl-%s" % args.tag, os.O_RDWR)
     shm = mmap.mmap(fd, 4096)
+    if args.hello:
+        with socket.create_connection(("127.0.0.1", port)) as hello:
+            hello.sendall(HELLO)
+            while hello.recv(8):  # its answer, then the store's close
+                pass
     store = socket.create_connection(("127.0.0.1", port))
     path = os.path.join(args.dir, "rank%d.count" % r)
     count = struct.unpack_from("<Q", shm, 8 * r)[0]
@@ -64,6 +78,7 @@ def main():
     ap.add_argument("--fakecuda", required=True)
     ap.add_argument("--tag", required=True)
     ap.add_argument("--daemon", action="store_true")
+    ap.add_argument("--hello", action="store_true", help="each rank's hello closed by the store first (TIME_WAIT)")
     ap.add_argument("--rank", type=int, help="(the launcher starts each rank so)")
     ap.add_argument("--port", type=int, help="(the launcher starts each rank so)")
     args = ap.parse_args()
@@ -89,7 +104,8 @@ def main():
     for r in range(WORLD):  # (exec'd: each rank's /proc/<pid>/environ shows its RANK and WORLD_SIZE)
         env = dict(os.environ, RANK=str(r), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(r))
         subprocess.Popen([sys.executable, os.path.abspath(__file__), "--dir", args.dir, "--fakecuda", args.fakecuda,
-                          "--tag", args.tag, "--rank", str(r), "--port", str(port)], env=env, close_fds=True)
+                          "--tag", args.tag, "--rank", str(r), "--port", str(port)] + (["--hello"] if args.hello else []),
+                         env=env, close_fds=True)
     serve(lst, fd)
 
 

@@ -450,6 +450,42 @@ def tcp_endpoints(pids):
     return sorted(set(out))
 
 
+def tcp_listen_ports(pids):
+    """The TCP ports that sockets of ``pids`` listen on (IPv4 and IPv6), read in the network namespace of the first
+    pid: a restore in that namespace binds each of them again."""
+    pids = [int(p) for p in pids or []]
+    inodes = _socket_inodes(pids)
+    if not inodes:
+        return []
+    return sorted({_hex_port(f[1]) for f in _tcp_rows("/proc/%d/net/" % pids[0]) if f[3] == "0A" and f[9] in inodes})
+
+
+def tcp_time_wait(net_dir="/proc/self/net/"):
+    """The TIME_WAIT sockets of the network namespace ``net_dir`` shows (by default this process's own), as
+    [(address family, local address text, local port)]. Such a socket holds its local port for the kernel's
+    TIME_WAIT length (60 s) after its connection closed from this side."""
+    out = []
+    for name, family in (("tcp", socket.AF_INET), ("tcp6", socket.AF_INET6)):
+        for f in _tcp_rows(net_dir, (name,)):
+            if f[3] == "06":
+                addr = _addr_text(f[1])
+                out.append((family, addr.rsplit(":", 1)[0].strip("[]"), _hex_port(f[1])))
+    return out
+
+
+def _tcp_rows(net_dir, names=("tcp", "tcp6")):
+    """The split lines of ``net_dir``'s tcp and tcp6 tables (at least 10 fields each); none when unreadable."""
+    rows = []
+    for name in names:
+        try:
+            with open(os.path.join(net_dir, name)) as fh:
+                next(fh)
+                rows += [f for f in (line.split() for line in fh) if len(f) > 9]
+        except (OSError, StopIteration):
+            pass
+    return rows
+
+
 def tcp_outside(pids):
     """The TCP connections of ``pids`` whose other end the tree does not hold (a peer process outside it, or
     on another host), as "local -> remote" text; [] when every connection runs between two of its own sockets
@@ -527,15 +563,18 @@ def largest_deleted_file(pids):
 
 def criu_needs(pids):
     """What CRIU must be told, or cannot do, for the tree ``pids``, found before anything is frozen:
-    {"file_locks": {pid: [...]}, "ext_unix_dgram": [...], "ext_unix_stream": [...], "tcp": [...]}.
+    {"file_locks": {pid: [...]}, "ext_unix_dgram": [...], "ext_unix_stream": [...], "tcp": [...],
+    "tcp_listen": [ports the tree listens on, when it shares this process's network namespace]}.
     External unix sockets are connected to a peer outside the tree: CRIU dumps a datagram one to a
     named peer with --ext-unix-sk (and reconnects it on restore, e.g. /dev/log) and cannot dump one
     end of a stream connection at all. Peers are seen only in this host's network namespace."""
     pids = [int(p) for p in pids]
     needs = {"file_locks": file_locks(pids), "ext_unix_dgram": [], "ext_unix_stream": [], "tcp": tcp_connections(pids),
-             "io_uring": io_uring_users(pids), "ghost_bytes": largest_deleted_file(pids)}
+             "io_uring": io_uring_users(pids), "ghost_bytes": largest_deleted_file(pids), "tcp_listen": []}
     ours = set(_socket_inodes(pids))
     if any(net_namespace(p) == net_namespace() for p in pids[:1]):
+        # (a tree in this namespace is restored into the restorer's own: it binds these ports there again)
+        needs["tcp_listen"] = tcp_listen_ports(pids)
         table = unix_sockets()
         for ino in sorted(ours):
             entry = table.get(int(ino))

@@ -29,7 +29,7 @@ from ..core.progress import StageProgress
 from ..cuda import nccl
 from ..cuda import processes as gpu_procs
 from ..runtimes.process import ProcessBackend
-from . import cooperative, in_memory, quiesce
+from . import cooperative, in_memory, ports, quiesce
 from .delivery import deliver
 from .plan import CheckpointOptions, plan_checkpoint
 from .restore import restore_from
@@ -161,6 +161,7 @@ class _Steps(object):
         elif c.after == "exit":
             if backend.capabilities.restores_host_pids:
                 procfs.wait_gone(c.pids, 10)  # PID 1 may take a second to reap the dumped tree
+            ports.wait_time_wait_gone(ports.recorded(backend))  # (CRIU binds its listening ports again here)
             own_image = {"target": {"pids": c.pids, "cuda_pids": [], "states": c.states}, "runtime": c.runtime_info}
             unreported = Clock()  # (the rollback's stages are not the checkpoint's: timed apart, never reported)
             unreported.start()
@@ -182,7 +183,7 @@ class _Steps(object):
         clock = self.clock
         files = c.hasher.checksums() if c.hasher is not None else image.checksum_files(c.image_dir)
         clock.stop("checksum")
-        m = _manifest(c, files, clock)
+        m = _manifest(c, files, clock, ports.recorded(self.backend))
         c.manifest = image.write_manifest(c.image_dir, m, self.opts.sign_key)
         clock.stop("manifest")
         c.journal_data["checkpointed"] = {"manifest_id": m["id"], "image_bytes": m["sizes"]["image_bytes"],
@@ -217,15 +218,16 @@ class _Steps(object):
         return steps
 
 
-def _manifest(c, files, clock):
-    """The image's manifest: what was checkpointed, where, how, and every file's checksum."""
+def _manifest(c, files, clock, listen_ports=()):
+    """The image's manifest: what was checkpointed, where, how, and every file's checksum. ``listen_ports``: the
+    TCP ports the tree listened on in the checkpointer's network namespace (a restore there waits for them)."""
     host = dict(c.host)
     host.update(c.runtime_facts)
     m = {"id": c.opts.image_id or str(uuid.uuid4()), "created": now_iso(), "tool": "gpuckpt.fleet", "tool_version": COLLECTION_VERSION,
          "host": host, "runtime": c.runtime_info,
          "target": {"workload": str(c.target), "root_pid": c.root, "pids": c.pids, "cuda_pids": c.cuda_pids,
                     "identities": c.identities, "states": c.states, "after": c.after,
-                    "gpus": c.cuda_gpus,
+                    "gpus": c.cuda_gpus, "tcp_listen_ports": list(listen_ports),
                     "processes": [gpu_procs.process_info(p) for p in c.pids] if c.after == "running" else
                     [{"pid": p} for p in c.pids]},
          "cooperative": cooperative.record_of(c.quiesce),

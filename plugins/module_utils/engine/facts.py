@@ -113,14 +113,64 @@ def tree_gpu_memory(tpids, cuda_states):
                                          "nvidia-smi could be asked on %s" % socket.gethostname())
     unread = _unread_pids(apps, set(tpids), cuda_pids)
     if unread:
-        return _unknown_gpu_memory(source, "%s reports no GPU memory for CUDA pid(s) %s"
-                                   % (source, ",".join(map(str, unread))))
+        why = "%s reports no GPU memory for CUDA pid(s) %s" % (source, ",".join(map(str, unread)))
+        bound, not_bound = used_memory_bound(apps, set(tpids), unread, source)
+        return bound or _unknown_gpu_memory(source, "%s; %s" % (why, not_bound))
     by_gpu = {}
     for app in apps:
         if app["pid"] in tpids:
             by_gpu[app["gpu_uuid"]] = by_gpu.get(app["gpu_uuid"], 0) + app["bytes"]
     return {"gpu_bytes": sum(by_gpu.values()), "gpu_bytes_by_gpu": by_gpu, "gpu_memory_source": source,
             "gpu_memory_unknown_reason": None}
+
+
+def _gpus_opened(pid, gpus):
+    """The UUIDs of ``gpus`` whose device file (/dev/nvidia<minor>) ``pid`` holds open; empty when it names none."""
+    minors = set()
+    for path in gpu_procs.nvidia_fds(pid):
+        tail = path[len("/dev/nvidia"):]
+        if tail.isdigit():
+            minors.add(int(tail))
+    return {g["uuid"] for g in gpus if g.get("minor") is not None and g["minor"] in minors}
+
+
+def used_memory_bound(apps, tpids, unread, source):
+    """Where some CUDA processes of the tree (``unread``: torchrun's agent holds a CUDA context that nvidia-smi
+    lists no memory for) leave its GPU memory unknown: a GPU's own used memory (NVML's, nvidia-smi's
+    memory.used) is a measured upper bound of the tree's memory there when every process the driver lists on
+    that GPU belongs to the tree, and the list shows at least one of them there (a list that shows none, as
+    nvidia-smi in another pid namespace gives, may miss others too). The GPUs it may hold memory on: those its
+    listed processes are on, and for a process nothing lists, those whose device file it holds open (every GPU
+    when it names none). Returns (the tree's GPU memory as that bound, None) or (None, why there is no bound)."""
+    gpus, gpu_source = gpu_usage.gpus()
+    if not gpus:
+        return None, "no reading of the GPUs' used memory bounds it (none answered)"
+    listed = {a["pid"] for a in apps}
+    where = {a["gpu_uuid"] for a in apps if a["pid"] in tpids}
+    for p in unread:
+        if p not in listed:
+            where |= _gpus_opened(p, gpus) or {g["uuid"] for g in gpus}
+    others = sorted({(a["gpu_uuid"], a["pid"]) for a in apps if a["gpu_uuid"] in where and a["pid"] not in tpids},
+                    key=str)
+    if others:
+        return None, ("the GPU's used memory bounds the tree's only where every process the driver lists there is the "
+                      "tree's, and GPU %s also runs pid %s" % others[0])
+    seen_there = {a["gpu_uuid"] for a in apps if a["pid"] in tpids}
+    unseen = sorted(where - seen_there)
+    if unseen:  # (a list that shows none of the tree's processes there may not show every process there either)
+        return None, ("the GPU's used memory bounds the tree's only where the driver's list shows the tree's processes "
+                      "and no other, and it shows none of them on GPU %s, which pid(s) %s may use"
+                      % (unseen[0], ",".join(map(str, unread))))
+    used = {g["uuid"]: g.get("memory_used_mib") for g in gpus if g["uuid"] in where}
+    unmeasured = sorted(u for u in where if used.get(u) is None)
+    if unmeasured:
+        return None, "GPU %s reports no used memory to bound it" % unmeasured[0]
+    by_gpu = {u: mib * gpu_usage.MIB for u, mib in used.items() if mib}
+    return {"gpu_bytes": sum(by_gpu.values()), "gpu_bytes_by_gpu": by_gpu,
+            "gpu_memory_source": "%s memory.used" % gpu_source, "gpu_memory_unknown_reason": None,
+            "gpu_memory_bound": "an upper bound from the GPU's used memory (%s memory.used of GPU %s): every process "
+                                "the driver lists there belongs to the tree, and %s reports no memory for pid(s) %s"
+                                % (gpu_source, ", ".join(sorted(where)), source, ",".join(map(str, unread)))}, None
 
 
 def _tree(drv, tree_of, tree_pids):

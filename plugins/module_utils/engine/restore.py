@@ -31,7 +31,7 @@ from ..core.journal import identities, process_identity, same_process
 from ..core.progress import StageProgress
 from ..cuda import driver as cuda
 from ..runtimes.process import ProcessBackend
-from . import cooperative, verify_beside
+from . import cooperative, ports, verify_beside
 from .delivery import wait_for_delivery
 from .steps import DEAD, STOPPED, Clock, NoHangup, PartlyDone, describe_failure, driver_seconds, driver_seconds_by_pid, \
     each, error_fields, now_iso
@@ -164,6 +164,25 @@ def _wait_pids_free(manifest, backend, pid_wait):
                             stage="preflight", pid=p, hint="stop that process, or restore on another host")
 
 
+def _wait_ports_free(manifest, backend, opts):
+    """Before CRIU binds the tree's listening ports again in this network namespace: wait (bounded by the
+    kernel's TIME_WAIT length and a margin) until no TIME_WAIT socket holds one of them (engine/ports.py).
+    Returns the wait's report, or None when there was nothing to wait for."""
+    if opts.check_mode or not backend.capabilities.uses_criu:
+        return None
+    return ports.wait_time_wait_gone(ports.listen_ports(manifest))
+
+
+def _with_ports_wait(result, ports_wait):
+    """The restore's result, saying how long it waited for its ports (``tcp_time_wait``) where it had to."""
+    if ports_wait is not None:
+        result["tcp_time_wait"] = ports_wait
+        result["msg"] = "%s; %s" % (result.get("msg", ""), ports_wait["msg"])
+        if not ports_wait["cleared"]:
+            result.setdefault("warnings", []).append(ports_wait["msg"])
+    return result
+
+
 def _restore_preflight(backend, needs_driver, libcuda_path):
     backend.preflight(full=False)  # `criu check` is for checkpoint/facts; here it would add downtime
     return backend.load_cuda(libcuda_path) if needs_driver else (None, None)
@@ -255,6 +274,7 @@ def _restore(img, opts, backend, journal, progress, make_backend=None):
     try:
         if gate is None:
             _wait_pids_free(manifest, backend, opts.pid_wait)
+            ports_wait = _wait_ports_free(manifest, backend, opts)
             clock.stop("wait_pids_free")
             verify_seconds, drv = _verify_and_load(img, opts, backend, journal, clock)
         else:  # all but the pages now; the pages beside the wait for the pids and the runtime's restore
@@ -262,9 +282,15 @@ def _restore(img, opts, backend, journal, progress, make_backend=None):
             verify_seconds, drv = _verify_and_load(img, opts, backend, journal, clock, files=rest)
             pages = verify_beside.PagesBeside(img, opts, gate).start()
             _wait_pids_free(manifest, backend, opts.pid_wait)
+            ports_wait = _wait_ports_free(manifest, backend, opts)
             clock.stop("wait_pids_free")
-        return _signature_result(_restore_checked(img, opts, backend, journal, clock, drv, pages, verify_seconds),
-                                 signature)
+        try:
+            result = _restore_checked(img, opts, backend, journal, clock, drv, pages, verify_seconds)
+        except GpuCkptError as exc:
+            if ports_wait is not None and not ports_wait["cleared"]:
+                exc.msg = "%s (%s)" % (exc.msg, ports_wait["msg"])
+            raise
+        return _signature_result(_with_ports_wait(result, ports_wait), signature)
     finally:
         if pages is not None:
             pages.settle()

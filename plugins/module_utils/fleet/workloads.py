@@ -8,9 +8,12 @@ containerd, runsc) that holds CUDA processes, a Kubernetes pod (the containers o
 that the kubelet's labels name as one pod's, moved together with the pod path), or a bare process tree whose processes hold CUDA contexts and
 belong to no container. A bare tree's root is found by walking up from each CUDA process through parents of
 the same process group that have no controlling terminal: a launcher (torchrun, a job script run by cron or
-a scheduler) moves with its workers, while the login shell or sshd session that started it stays. CUDA
-processes with the same root are one workload, and so is a root inside another root's tree (torchrun's ranks,
-each in a session of its own, under an agent that holds a CUDA context).
+a scheduler) moves with its workers, while the login shell or sshd session that started it stays. torchrun's
+agent starts each rank in a session of its own: a rank (its environment names its elastic run,
+``TORCHELASTIC_RUN_ID``) walks on up to its agent, so the agent and all its ranks are one workload that needs
+their GPUs on one target. CUDA processes with the same root are one workload, and so is a root inside another
+root's tree (a launcher of another kind whose workers start sessions of their own, under a launcher that holds a
+CUDA context).
 
 Each workload carries the facts of its tree in the shape of ``cuda_process_facts``' ``tree`` (pids, CUDA
 states, RSS, GPU memory per GPU or unknown), which is what ``migration/planner.py`` checks.
@@ -21,7 +24,12 @@ from ..core import procfs
 from ..k8s.names import K8S_NAMESPACE, POD_NAME, POD_NAMESPACE, POD_UID
 
 
-def tree_root(pid, read_stat=procfs.read_stat):
+def _elastic_worker(pid, read_environ):
+    """Whether ``pid`` is a worker that torchrun's agent started (its parent is then that agent)."""
+    return bool(read_environ(pid).get("TORCHELASTIC_RUN_ID"))
+
+
+def tree_root(pid, read_stat=procfs.read_stat, read_environ=procfs.environ):
     """The root of the bare process tree that ``pid`` belongs to (see the module doc)."""
     st = read_stat(int(pid))
     if st is None:
@@ -29,8 +37,9 @@ def tree_root(pid, read_stat=procfs.read_stat):
     root = st
     while root["ppid"] > 1:
         parent = read_stat(root["ppid"])
-        if (parent is None or parent["pgrp"] != st["pgrp"] or parent["tty_nr"] != 0
-                or parent["flags"] & procfs.PF_KTHREAD):
+        if parent is None or parent["tty_nr"] != 0 or parent["flags"] & procfs.PF_KTHREAD:
+            break
+        if parent["pgrp"] != root["pgrp"] and not _elastic_worker(root["pid"], read_environ):
             break
         root = parent
     return root["pid"]
@@ -94,7 +103,7 @@ def _container(c, tree_of):
     return w
 
 
-def _bare_trees(procs, tree_of, read_stat, driver_answers=False):
+def _bare_trees(procs, tree_of, read_stat, driver_answers=False, read_environ=procfs.environ):
     """The workloads of the CUDA processes of ``procs`` that are in no container, one per tree root. When the
     driver answers, a process it knows no CUDA context of (it only holds /dev/nvidia*: nvidia-persistenced, a
     DCGM host engine) is no workload; when it does not, every holder is listed, and the planner's checkpoint
@@ -104,7 +113,7 @@ def _bare_trees(procs, tree_of, read_stat, driver_answers=False):
         if driver_answers and not p.get("cuda_state"):
             continue
         if p.get("exists", True) and not p.get("container") and not p.get("in_sandbox"):
-            roots.add(tree_root(p["pid"], read_stat))
+            roots.add(tree_root(p["pid"], read_stat, read_environ))
     out = []
     for root in sorted(roots - _nested(roots, read_stat)):
         st = read_stat(root) or {}
@@ -114,9 +123,9 @@ def _bare_trees(procs, tree_of, read_stat, driver_answers=False):
 
 
 def _nested(roots, read_stat):
-    """The roots that lie inside another root's tree (one of them is an ancestor): they move with it. torchrun starts
-    each rank in a session of its own, so a rank's walk up stops at the rank, while its launcher (the agent holds a
-    CUDA context of its own under PyTorch 2.11) is a root too, and its tree holds the ranks: one job, one workload."""
+    """The roots that lie inside another root's tree (one of them is an ancestor): they move with it. A launcher whose
+    workers each start a session of their own (torchrun's ranks, when their elastic run is not in their environment)
+    holds them in its tree when it is a root too (it holds a CUDA context of its own): one job, one workload."""
     inside = set()
     for root in roots:
         st, seen = read_stat(root), set()
@@ -129,13 +138,13 @@ def _nested(roots, read_stat):
     return inside
 
 
-def from_facts(facts, tree_of, read_stat=procfs.read_stat):
+def from_facts(facts, tree_of, read_stat=procfs.read_stat, read_environ=procfs.environ):
     """The node's workloads from its ``cuda_process_facts`` (``cuda_processes`` and ``gpu_containers``);
     ``tree_of(root_pid, pids=None)`` gives a tree's facts. Sorted by key, so every run lists them alike."""
     containers = facts.get("gpu_containers") or []
     out = [_container(c, tree_of) for c in containers if not _in_pod(c)] + _pods(containers, tree_of)
     out += _bare_trees(facts.get("cuda_processes") or [], tree_of, read_stat,
-                       bool((facts.get("driver") or {}).get("available")))
+                       bool((facts.get("driver") or {}).get("available")), read_environ)
     return sorted(out, key=lambda w: w["key"])
 
 

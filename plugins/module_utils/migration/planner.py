@@ -381,7 +381,20 @@ def check_target(workload, source_facts, target_facts, opts):
     host of ``target_facts``, in order; the GPU checks only for a workload with CUDA processes."""
     tree = workload or {}
     steps = ALWAYS + (ON_GPU if tree.get("cuda_pids") else ()) + HOSTS
-    return [c for step in steps for c in step(tree, source_facts or {}, target_facts or {}, opts)]
+    return _saying_bound([c for step in steps for c in step(tree, source_facts or {}, target_facts or {}, opts)], tree)
+
+
+SIZED_BY_GPU_MEMORY = ("gpu_memory", "disk", "host_ram", "source_ram")
+
+
+def _saying_bound(checks, tree):
+    """Where the tree's GPU memory is a bound (facts.used_memory_bound: a GPU's used memory, every process
+    listed there the tree's), each check sized by it says so in its reason."""
+    bound = tree.get("gpu_memory_bound")
+    if not bound:
+        return checks
+    return [c._replace(reason="%s (the GPU memory is %s)" % (c.reason, bound) if c.reason else "the GPU memory is %s"
+                       % bound) if c.name in SIZED_BY_GPU_MEMORY else c for c in checks]
 
 
 def verdict(checks, opts, estimate=None):

@@ -40,6 +40,23 @@ def test_tree_root(case, stats, pid, root):
     assert workloads.tree_root(pid, fake_proc(*stats)) == root, case
 
 
+def test_a_torchrun_tree_is_one_workload_though_each_rank_leads_a_session_of_its_own():
+    """torchrun starts each rank in a new session: a rank (TORCHELASTIC_RUN_ID in its environment) walks up to its
+    agent, and on from there as any process; a process of another session without it stays its own root."""
+    agent = stat(800, 50, pgrp=800, comm="torchrun")
+    ranks = [stat(801, 800, pgrp=801), stat(802, 800, pgrp=802)]
+    helper = stat(803, 800, pgrp=803)  # (no elastic run in its environment)
+    environ = {801: {"TORCHELASTIC_RUN_ID": "none", "RANK": "0"}, 802: {"TORCHELASTIC_RUN_ID": "none"}}.get
+    proc = fake_proc(SSHD, SHELL, agent, helper, *ranks)
+    assert [workloads.tree_root(p, proc, lambda pid: environ(pid) or {}) for p in (801, 802, 803)] == [800, 800, 803]
+    facts = {"cuda_processes": [{"pid": 801, "exists": True}, {"pid": 802, "exists": True}]}
+    found = workloads.from_facts(facts, tree_of_recorder()[0], proc, lambda pid: environ(pid) or {})
+    assert [w["root_pid"] for w in found] == [800]
+    # under a launcher of the same group, the rank walks on up through it
+    under = fake_proc(SSHD, SHELL, LAUNCHER, stat(810, 100, pgrp=810))
+    assert workloads.tree_root(810, under, lambda pid: {"TORCHELASTIC_RUN_ID": "x"} if pid == 810 else {}) == 100
+
+
 def test_tree_root_takes_a_pid_given_as_text():
     assert workloads.tree_root("101", fake_proc(SSHD, SHELL, LAUNCHER, WORKER)) == 100
 

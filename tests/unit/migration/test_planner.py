@@ -284,7 +284,118 @@ def test_a_cuda_process_that_nvidia_smi_does_not_list_is_unknown(monkeypatch, tm
     monkeypatch.setenv("GPUCKPT_FAKE_NVIDIA_SMI", str(spec))
     tree = tree_of_a_cuda_process("GPU-a")["tree"]
     assert tree["gpu_bytes"] is None
-    assert tree["gpu_memory_unknown_reason"] == "nvidia-smi reports no GPU memory for CUDA pid(s) %d" % os.getpid()
+    assert tree["gpu_memory_unknown_reason"].startswith("nvidia-smi reports no GPU memory for CUDA pid(s) %d; "
+                                                        % os.getpid())
+
+
+# -- torchrun's agent: a CUDA context nvidia-smi lists no memory for (issue 45) ---------------------------------
+AGENT, RANK0, RANK1, OTHER = 4190001, 4190002, 4190003, 4190009  # (no such processes: above the usual pid_max)
+
+
+def smi_gpu(index, used_mib, uuid=None):
+    return {"index": index, "name": H100, "uuid": uuid or "GPU-%d" % index, "memory.total": 81559,
+            "memory.used": used_mib, "memory.free": None if used_mib is None else 81559 - used_mib,
+            "driver_version": "580.159.04"}
+
+
+def torchrun_tree(monkeypatch, tmp_path, gpus, apps, opened=None):
+    """The tree of a 2-rank torchrun job whose agent holds a CUDA context nvidia-smi does not list, its GPU memory
+    read through the nvidia-smi TEST DOUBLE; ``opened``: the device files the agent holds ({pid: [...]})."""
+    spec = tmp_path / "nvidia-smi.json"
+    spec.write_text(json.dumps({"gpus": gpus, "compute_apps": apps}))
+    monkeypatch.setenv("GPUCKPT_NVIDIA_SMI", DOUBLE)
+    monkeypatch.setenv("GPUCKPT_FAKE_NVIDIA_SMI", str(spec))
+    monkeypatch.setattr(host_facts.gpu_usage, "_with_nvml", lambda read: None)  # (nvidia-smi answers, not NVML)
+    inventory = [{"uuid": g["uuid"], "minor": g["index"]} for g in gpus]
+    monkeypatch.setattr(host_facts.gpu_usage.devices, "inventory", lambda: inventory)
+    monkeypatch.setattr(host_facts.gpu_procs, "nvidia_fds", lambda pid: (opened or {}).get(pid, []))
+    states = {AGENT: "running", RANK0: "running", RANK1: "running"}
+    tree = {"root": AGENT, "exists": True, "pids": [AGENT, RANK0, RANK1], "cuda_pids": [AGENT, RANK0, RANK1],
+            "cuda_states": {str(p): s for p, s in states.items()}, "rss_bytes": 2 * GIB}
+    tree.update(host_facts.tree_gpu_memory([AGENT, RANK0, RANK1], states))
+    return tree
+
+
+RANKS = [{"pid": RANK0, "gpu_uuid": "GPU-0", "used_memory": 20 * 1024},
+         {"pid": RANK1, "gpu_uuid": "GPU-1", "used_memory": 20 * 1024}]
+
+
+def test_a_torchrun_job_is_sized_by_its_gpus_used_memory_where_every_process_listed_there_is_its_own(
+        monkeypatch, tmp_path):
+    """Both GPUs list only the job's ranks: each GPU's memory.used (its ranks, the agent's context and the driver's
+    own) bounds the job's memory there; the checks it sizes pass, each saying it is a bound."""
+    tree = torchrun_tree(monkeypatch, tmp_path, [smi_gpu(0, 21 * 1024), smi_gpu(1, 20 * 1024 + 512)], RANKS)
+    assert tree["gpu_bytes_by_gpu"] == {"GPU-0": 21 * GIB, "GPU-1": 20 * GIB + 512 * 2**20}, tree
+    assert tree["gpu_bytes"] == 41 * GIB + 512 * 2**20 and tree["gpu_memory_unknown_reason"] is None
+    assert tree["gpu_memory_source"] == "nvidia-smi memory.used"
+    assert "upper bound from the GPU's used memory" in tree["gpu_memory_bound"]
+    assert "no memory for pid(s) %d" % AGENT in tree["gpu_memory_bound"], tree["gpu_memory_bound"]
+    src = dict(source(gpus=[dict(gpu(0, 59), uuid="GPU-0"), dict(gpu(1, 60), uuid="GPU-1")]), tree=tree)
+    p = planner.plan_move(tree, src, host("hostb", gpus=[gpu(0, 70), gpu(1, 70)], disk_gib=500), planner.options(
+        source_path=ROOT, target_path=ROOT))
+    assert p.ok and not p.unknown, p
+    for name in ("gpu_memory", "disk", "host_ram"):
+        assert status(p, name) == [planner.OK] and "upper bound from the GPU's used memory" in reason(p, name), name
+    assert p.image_estimate_bytes == int((2 * GIB + tree["gpu_bytes"]) * planner.IMAGE_MARGIN)
+    # a bound that does not fit refuses, saying it is a bound
+    small = planner.plan_move(tree, src, host("hostb", gpus=[gpu(0, 70), gpu(1, 70)], disk_gib=30),
+                              planner.options(source_path=ROOT, target_path=ROOT))
+    assert small.failed == ["disk"] and "the GPU memory is an upper bound" in reason(small, "disk")
+
+
+def test_no_bound_where_a_gpu_the_job_may_use_lists_another_process(monkeypatch, tmp_path):
+    """The agent names no device file: it may hold its context on any GPU, and GPU-2 runs another job: UNKNOWN
+    (never 0), saying why; with the agent's device files naming GPUs 0 and 1 only, the bound holds."""
+    gpus = [smi_gpu(0, 21 * 1024), smi_gpu(1, 21 * 1024), smi_gpu(2, 30 * 1024)]
+    apps = RANKS + [{"pid": OTHER, "gpu_uuid": "GPU-2", "used_memory": 30 * 1024}]
+    tree = torchrun_tree(monkeypatch, tmp_path, gpus, apps)
+    assert tree["gpu_bytes"] is None and not tree.get("gpu_memory_bound")
+    assert "GPU GPU-2 also runs pid %d" % OTHER in tree["gpu_memory_unknown_reason"], tree["gpu_memory_unknown_reason"]
+    src = dict(source(gpus=[gpu(0, 59), gpu(1, 59), gpu(2, 50)]), tree=tree)
+    p = planner.plan_move(tree, src, host("hostb", gpus=[gpu(0, 70), gpu(1, 70), gpu(2, 70)]), planner.options(
+        source_path=ROOT, target_path=ROOT))
+    assert set(p.unknown) >= {"gpu_memory", "disk", "host_ram"}
+    opened = {AGENT: ["/dev/nvidia0", "/dev/nvidia1", "/dev/nvidiactl", "/dev/nvidia-uvm"]}
+    tree = torchrun_tree(monkeypatch, tmp_path, gpus, apps, opened)
+    assert tree["gpu_bytes_by_gpu"] == {"GPU-0": 21 * GIB, "GPU-1": 21 * GIB}, tree
+    # a GPU the agent may use on which the list shows none of the job's processes: it may miss others there too
+    lone = torchrun_tree(monkeypatch, tmp_path, gpus, RANKS, {AGENT: ["/dev/nvidia0", "/dev/nvidia2"]})
+    assert lone["gpu_bytes"] is None and "shows none of them on GPU GPU-2" in lone["gpu_memory_unknown_reason"], lone
+    # another process on a GPU a rank is listed on: no bound
+    shared = torchrun_tree(monkeypatch, tmp_path, gpus, RANKS + [{"pid": OTHER, "gpu_uuid": "GPU-1",
+                                                                  "used_memory": 1024}], opened)
+    assert shared["gpu_bytes"] is None and "GPU GPU-1 also runs pid %d" % OTHER in shared["gpu_memory_unknown_reason"]
+
+
+def test_no_bound_where_the_gpu_reports_no_used_memory_and_unknown_is_never_zero(monkeypatch, tmp_path):
+    tree = torchrun_tree(monkeypatch, tmp_path, [smi_gpu(0, None), smi_gpu(1, 21 * 1024)], RANKS)
+    assert tree["gpu_bytes"] is None and "GPU GPU-0 reports no used memory" in tree["gpu_memory_unknown_reason"]
+    # the agent listed without a figure ([N/A]) on GPU 0: its GPU is known
+    listed = RANKS + [{"pid": AGENT, "gpu_uuid": "GPU-0", "used_memory": None}]
+    tree = torchrun_tree(monkeypatch, tmp_path, [smi_gpu(0, 21 * 1024), smi_gpu(1, 20 * 1024)], listed)
+    assert tree["gpu_bytes_by_gpu"] == {"GPU-0": 21 * GIB, "GPU-1": 20 * GIB}
+
+
+def test_the_bound_through_nvml(monkeypatch):
+    """The same rule when NVML answers (a fake pynvml): the agent is listed with no figure (NVML_VALUE_NOT_AVAILABLE
+    reads as None), every process on both GPUs is the job's."""
+    import types
+    procs = {0: [(RANK0, 20 * GIB), (AGENT, None)], 1: [(RANK1, 20 * GIB)]}
+    fake = types.SimpleNamespace(
+        nvmlInit=lambda: None, nvmlShutdown=lambda: None, nvmlSystemGetDriverVersion=lambda: "580.159.04",
+        nvmlDeviceGetCount=lambda: 2, nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetName=lambda h: H100,
+        nvmlDeviceGetUUID=lambda h: "GPU-%d" % h,
+        nvmlDeviceGetMemoryInfo=lambda h: types.SimpleNamespace(total=80 * GIB, used=(21 + h) * GIB,
+                                                                free=(59 - h) * GIB),
+        nvmlDeviceGetComputeRunningProcesses=lambda h: [types.SimpleNamespace(pid=p, usedGpuMemory=b)
+                                                        for p, b in procs[h]])
+    monkeypatch.setitem(__import__("sys").modules, "pynvml", fake)
+    monkeypatch.setattr(host_facts.gpu_usage.devices, "inventory", lambda: [])
+    monkeypatch.setattr(host_facts.gpu_procs, "nvidia_fds", lambda pid: [])
+    states = {AGENT: "running", RANK0: "running", RANK1: "running"}
+    mem = host_facts.tree_gpu_memory([AGENT, RANK0, RANK1], states)
+    assert mem["gpu_bytes_by_gpu"] == {"GPU-0": 21 * GIB, "GPU-1": 22 * GIB} and mem["gpu_memory_source"] == \
+        "nvml memory.used", mem
 
 
 def test_a_checkpointed_or_cpu_only_tree_holds_no_gpu_memory_without_asking(monkeypatch, tmp_path):
