@@ -17,10 +17,9 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, p
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import ports
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
-import test_steps
-from test_steps import RecordingBackend, _doubles
 
-workload = test_steps.workload  # its fixture, used here too
+pytestmark = pytest.mark.usefixtures("no_host_facts")  # (tests/unit/engine/conftest.py)
+
 
 
 def _listener(reuse):
@@ -112,10 +111,10 @@ def test_the_wait_ends_when_the_time_wait_sockets_are_gone():
     assert not stuck["cleared"] and stuck["waited_s"] == ports.TIME_WAIT_S + ports.MARGIN_S
 
 
-def test_the_checkpoint_records_the_listening_ports_and_the_restore_waits_for_them(workload, tmp_path, monkeypatch):
+def test_the_checkpoint_records_the_listening_ports_and_the_restore_waits_for_them(workload, tmp_path, monkeypatch, doubles, recording_backend):
     """The runtime's plan found the ports (criu_needs' tcp_listen): the manifest keeps them, and the restore waits
     until no TIME_WAIT socket holds them, before the runtime's restore, saying so in its result."""
-    log, drv, backend = _doubles(workload)
+    log, drv, backend = doubles()
     backend.criu_needs = {"tcp_listen": [29500]}
     image_dir = str(tmp_path / "img")
     checkpoint(workload[0], image_dir, backend=backend, parallel=False)
@@ -133,17 +132,17 @@ def test_the_checkpoint_records_the_listening_ports_and_the_restore_waits_for_th
     monkeypatch.setattr(ports, "bind_refused", lambda *a: True)
     monkeypatch.setattr(ports.time, "sleep", lambda s: None)
     log[:] = []
-    res = restore(image_dir, backend=RecordingBackend(log, workload, drv), parallel=False, validate_wait=0, pid_wait=0)
+    res = restore(image_dir, backend=recording_backend(log, workload, drv), parallel=False, validate_wait=0, pid_wait=0)
     assert seen and all(("runtime_restore",) not in s for s in seen), "waited before the runtime's restore"
     assert res["tcp_time_wait"]["cleared"] and res["tcp_time_wait"]["ports"] == [29500], res
     assert "TIME_WAIT sockets on TCP port 29500" in res["msg"]
 
 
 def test_the_undo_of_a_failed_checkpoint_whose_tree_exited_waits_for_its_ports_before_it_restores(
-        workload, tmp_path, monkeypatch):
+        workload, tmp_path, monkeypatch, doubles):
     """The manifest cannot be written after the dump (the tree exited): its undo restores the tree from its own
     image in place, once no TIME_WAIT socket holds a port the tree listened on."""
-    log, drv, backend = _doubles(workload)
+    log, drv, backend = doubles()
     backend.criu_needs = {"tcp_listen": [29500]}
     held = [(socket.AF_INET, "127.0.0.1", 29500)]
     tables = [held, []]

@@ -11,10 +11,9 @@ import pytest
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import ImageError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
-import test_steps
-from test_steps import _gpu_given_back, _image
 
-workload, no_host_facts, doubles = test_steps.workload, test_steps.no_host_facts, test_steps.doubles  # its fixtures
+pytestmark = pytest.mark.usefixtures("no_host_facts")  # (tests/unit/engine/conftest.py)
+
 
 
 @pytest.fixture
@@ -36,14 +35,14 @@ def counted(monkeypatch):
     return counts
 
 
-def test_a_restore_opens_its_image_once_and_reads_its_manifest_once(workload, tmp_path, counted, doubles, recording_backend):
+def test_a_restore_opens_its_image_once_and_reads_its_manifest_once(workload, tmp_path, counted, doubles, recording_backend, gpu_given_back, checkpointed_image):
     root, b, c = workload
-    image_dir, drv = _image(doubles, workload, tmp_path)
+    image_dir, drv = checkpointed_image()
     log = []
     drv.log = log
     counted.update(opens=0, manifest_reads=0)
     res = restore(image_dir, backend=recording_backend(log, workload, drv), parallel=False, validate_wait=0, pid_wait=0)
-    assert log == [("runtime_restore",)] + _gpu_given_back(b, c)
+    assert log == [("runtime_restore",)] + gpu_given_back(b, c)
     assert counted == {"opens": 1, "manifest_reads": 1}
     with image.Image.open(image_dir) as img:
         assert img.restored_mark()["pids"] == res["pids"] == workload
@@ -52,9 +51,9 @@ def test_a_restore_opens_its_image_once_and_reads_its_manifest_once(workload, tm
     assert again["changed"] is False and "nothing to do" in again["msg"]
 
 
-def test_a_restore_handed_an_open_image_uses_it_and_leaves_it_open(workload, tmp_path, counted, doubles, recording_backend):
+def test_a_restore_handed_an_open_image_uses_it_and_leaves_it_open(workload, tmp_path, counted, doubles, recording_backend, checkpointed_image):
     root, b, c = workload
-    image_dir, drv = _image(doubles, workload, tmp_path)
+    image_dir, drv = checkpointed_image()
     log = []
     drv.log = log
     with image.Image.open(image_dir) as img:
@@ -67,8 +66,8 @@ def test_a_restore_handed_an_open_image_uses_it_and_leaves_it_open(workload, tmp
         assert img.restored_mark()["pids"] == workload, "the caller's image is still open"
 
 
-def test_a_symlink_given_as_the_image_is_refused_before_anything_is_restored(workload, tmp_path, doubles, recording_backend):
-    image_dir, drv = _image(doubles, workload, tmp_path)
+def test_a_symlink_given_as_the_image_is_refused_before_anything_is_restored(workload, tmp_path, doubles, recording_backend, checkpointed_image):
+    image_dir, drv = checkpointed_image()
     link = str(tmp_path / "link")
     os.symlink(image_dir, link)
     log = []

@@ -8,79 +8,16 @@ the workload running (its GPU state running again); a restore that fails stops w
 from __future__ import annotations
 
 import os
-import subprocess
 
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import DriverError, InvalidTarget, \
-    TransactionError
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import plan
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget, TransactionError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
 
 
-class FakeDriver(object):
-    """TEST DOUBLE of the driver's checkpoint API: running -> locked -> checkpointed -> locked -> running.
-    ``fail``: {(call, pid)} that raise the driver's error instead."""
-
-    def __init__(self, log, cuda_pids, fail=()):
-        self.log, self.fail = log, set(fail)
-        self.states = {p: "running" for p in cuda_pids}
-        self.calls, self.api_version = [], 12080
-
-    def _call(self, call, pid, want, then):
-        self.log.append((call, pid))
-        if (call, pid) in self.fail:
-            raise DriverError("cuCheckpointProcess" + call.title(), 999, "CUDA_ERROR_TEST", pid=pid, stage=call)
-        if self.states[pid] != want:  # as the driver answers a call out of order
-            raise DriverError("cuCheckpointProcess" + call.title(), 401, "CUDA_ERROR_ILLEGAL_STATE", pid=pid, stage=call)
-        self.states[pid] = then
-
-    def cuda_state(self, pid):
-        return self.states.get(pid)
-
-    def device_uuids(self):
-        return []
-
-    def lock(self, pid, timeout_ms):
-        self._call("lock", pid, "running", "locked")
-
-    def checkpoint(self, pid):
-        self._call("checkpoint", pid, "locked", "checkpointed")
-
-    def restore(self, pid, gpu_pairs=None):
-        self._call("restore", pid, "checkpointed", "locked")
-
-    def unlock(self, pid):
-        self._call("unlock", pid, "locked", "running")
-
-
-@pytest.fixture
-def workload():
-    """Three real sleeping processes: the root and two CUDA processes (as the driver double says)."""
-    procs = [subprocess.Popen(["sleep", "60"]) for unused in range(3)]
-    yield [p.pid for p in procs]
-    for p in procs:
-        p.kill()
-        p.wait()
-
-
-@pytest.fixture(autouse=True)
-def no_host_facts(monkeypatch):
-    monkeypatch.setattr(plan, "host_facts", lambda drv=None: {"hostname": "test"})
-
-
-@pytest.fixture
-def doubles(workload, recording_backend):
-    """Makes the driver and runtime doubles over ``workload``, sharing one log: (log, driver, backend).
-    ``backend_class``: a RecordingBackend subclass to make instead."""
-    def make(drv_fail=(), backend_fail=(), probe_rc=0, capabilities=None, backend_class=recording_backend):
-        log = []
-        root, b, c = workload
-        drv = FakeDriver(log, [b, c], drv_fail)
-        return log, drv, backend_class(log, workload, drv, backend_fail, probe_rc, capabilities)
-    return make
+pytestmark = pytest.mark.usefixtures("no_host_facts")
 
 
 def _frozen_and_checkpointed(b, c):
@@ -172,19 +109,9 @@ def test_a_refusal_in_the_plan_touches_nothing(workload, tmp_path, doubles, reco
     assert log == [] and not os.path.exists(str(tmp_path / "img"))
 
 
-def _image(doubles, workload, tmp_path):
+def test_a_restore_gives_the_gpu_back_to_every_process_then_unlocks(workload, tmp_path, doubles, recording_backend, checkpointed_image):
     root, b, c = workload
-    log, drv, backend = doubles()
-    image_dir = str(tmp_path / "img")
-    res = checkpoint(root, image_dir, backend=backend, parallel=False)
-    assert res["changed"] and res["cuda_pids"] == [b, c]
-    assert drv.states == {b: "checkpointed", c: "checkpointed"}
-    return image_dir, drv
-
-
-def test_a_restore_gives_the_gpu_back_to_every_process_then_unlocks(workload, tmp_path, doubles, recording_backend):
-    root, b, c = workload
-    image_dir, drv = _image(doubles, workload, tmp_path)
+    image_dir, drv = checkpointed_image()
     log = []
     backend = recording_backend(log, workload, drv)
     drv.log = log
@@ -196,11 +123,11 @@ def test_a_restore_gives_the_gpu_back_to_every_process_then_unlocks(workload, tm
 
 
 @pytest.mark.parametrize("where", ["cuda_restore", "probe"])
-def test_a_failed_restore_kills_what_it_brought_up(workload, tmp_path, where, doubles, recording_backend):
+def test_a_failed_restore_kills_what_it_brought_up(workload, tmp_path, where, doubles, recording_backend, checkpointed_image):
     """The GPU restore of one process fails, or the user's probe does: what the runtime brought up is
     killed, nothing was unlocked (no restored copy ever ran), and the image is kept to try again."""
     root, b, c = workload
-    image_dir, drv = _image(doubles, workload, tmp_path)
+    image_dir, drv = checkpointed_image()
     log = []
     backend = recording_backend(log, workload, drv, probe_rc=1 if where == "probe" else 0)
     drv.log = log
@@ -215,10 +142,10 @@ def test_a_failed_restore_kills_what_it_brought_up(workload, tmp_path, where, do
     assert image.has_manifest(image_dir)
 
 
-def test_a_restore_of_host_pids_refuses_while_the_original_still_runs(workload, tmp_path, doubles, recording_backend):
+def test_a_restore_of_host_pids_refuses_while_the_original_still_runs(workload, tmp_path, doubles, recording_backend, checkpointed_image):
     """A runtime that restores the dumped pids themselves (a bare process tree) must not start a second
     copy beside the original (a checkpoint with leave_running): refused before anything is restored."""
-    image_dir, drv = _image(doubles, workload, tmp_path)
+    image_dir, drv = checkpointed_image()
     log = []
     backend = recording_backend(log, workload, drv,
                                 capabilities=recording_backend.capabilities._replace(restores_host_pids=True))

@@ -17,10 +17,9 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import verify
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.steps import Clock
-import test_steps
-from test_steps import _gpu_given_back
 
-workload, no_host_facts, doubles = test_steps.workload, test_steps.no_host_facts, test_steps.doubles  # its fixtures
+pytestmark = pytest.mark.usefixtures("no_host_facts")  # (tests/unit/engine/conftest.py)
+
 
 
 @pytest.fixture
@@ -67,11 +66,11 @@ def _flip_a_byte(path):
         fh.write(bytes([first[0] ^ 0xFF]))
 
 
-def test_pages_checked_beside_the_restore_open_its_gate(workload, tmp_path, doubles, gated_backend):
+def test_pages_checked_beside_the_restore_open_its_gate(workload, tmp_path, doubles, gated_backend, gpu_given_back):
     root, b, c = workload
     image_dir, backend, log = _gated_image(doubles, gated_backend, workload, tmp_path)
     res = restore(image_dir, backend=backend, parallel=False, validate_wait=0, pid_wait=0, verify_beside_bytes=0)
-    assert log == [("runtime_restore", True), ("gate", 0)] + _gpu_given_back(b, c)
+    assert log == [("runtime_restore", True), ("gate", 0)] + gpu_given_back(b, c)
     assert res["pages_verified_beside_restore"] is True and res["verify_seconds"] >= 0
     assert res["pids"] == workload
 
@@ -97,13 +96,13 @@ def test_the_rest_of_the_image_is_checked_before_the_runtime_restores_anything(w
     assert log == [], "CRIU's metadata steers it as root: it is never read unchecked"
 
 
-def test_small_pages_or_check_mode_are_checked_first_without_a_gate(workload, tmp_path, doubles, gated_backend):
+def test_small_pages_or_check_mode_are_checked_first_without_a_gate(workload, tmp_path, doubles, gated_backend, gpu_given_back):
     root, b, c = workload
     image_dir, backend, log = _gated_image(doubles, gated_backend, workload, tmp_path)
     checked = restore(image_dir, backend=backend, check_mode=True, pid_wait=0, verify_beside_bytes=0)
     assert checked["changed"] is True and log == []
     res = restore(image_dir, backend=backend, parallel=False, validate_wait=0, pid_wait=0)  # 4 KiB of pages
-    assert log == [("runtime_restore", False)] + _gpu_given_back(b, c)
+    assert log == [("runtime_restore", False)] + gpu_given_back(b, c)
     assert res["pages_verified_beside_restore"] is False
 
 
