@@ -168,14 +168,10 @@ def _clear_stale(pids):
         quiesce.remove_ack(p)
 
 
-def ask(pids, signum, name, timeout, lease, number, poll=0.02):
-    """Ask the ranks ``pids`` to release their communicators at one step boundary (request ``number``), and wait
-    (at most ``timeout`` s) for every acknowledgement. Returns the report. Raises GpuCkptError, every rank told to
-    resume, when one is gone, does not answer in time, or answers at another step."""
-    started = time.monotonic()
-    idents = {p: process_identity(p) for p in pids}
-    _clear_stale(pids)
-    for p in pids:  # every request is written before any signal: a rank carried to the boundary by the others
+def _send_requests(pids, signum, lease, number):
+    """Write every rank's request, then signal each: every request is written before any signal, so that a rank
+    the others carry to the boundary finds its own there."""
+    for p in pids:
         if not write_file(p, REQUEST, {"request": number, "lease_s": lease, "asked_at": time.time()}):
             raise _failed(pids, number, "%s could not be asked (its /tmp cannot be written)" % rank_name(p), p)
     for p in pids:
@@ -183,6 +179,12 @@ def ask(pids, signum, name, timeout, lease, number, poll=0.02):
             os.kill(p, signum)
         except ProcessLookupError:
             raise _failed(pids, number, "%s went away before it could be asked" % rank_name(p), p)
+
+
+def _gather_acks(pids, idents, number, timeout, poll):
+    """Wait, at most ``timeout`` s, until every rank acknowledged request ``number`` having released its
+    communicators, or one is gone. Returns (acked, waiting): by pid, the acknowledgements of the ranks that
+    released, and of those at their boundary still waiting for the others. Their ack files are removed."""
     acked, waiting = {}, {}
 
     def all_acknowledged():
@@ -196,21 +198,33 @@ def ask(pids, signum, name, timeout, lease, number, poll=0.02):
                         waiting[p] = ack
         return len(acked) == len(pids) or any(not same_process(idents[p]) for p in pids if p not in acked)
 
-    wait_for(all_acknowledged, max(0.0, timeout - (time.monotonic() - started)),
-             "the acknowledgements of request %d" % number, interval=poll, on_timeout="return")
+    wait_for(all_acknowledged, max(0.0, timeout), "the acknowledgements of request %d" % number, interval=poll,
+             on_timeout="return")
     for p in set(acked) | set(waiting):
         quiesce.remove_ack(p)
+    return acked, waiting
+
+
+def _unacknowledged(pids, idents, number, timeout, missing, acked, waiting):
+    """The error for ranks that did not acknowledge: the first one gone, else those that never reached their
+    boundary (the ranks there wait for them)."""
+    gone = [p for p in missing if not same_process(idents[p])]
+    if gone:
+        return _failed(pids, number, "%s exited before it acknowledged" % rank_name(gone[0]), gone[0])
+    late = [p for p in missing if p not in waiting] or missing  # (those at their boundary wait for these)
+    there = [p for p in pids if p in waiting or p in acked]
+    return _failed(pids, number, "%s did not reach its step boundary and acknowledge the cooperative checkpoint "
+                   "within %ss (%s)" % (", ".join(rank_name(p) for p in late), timeout,
+                                        "%s waited there for it" % ", ".join(rank_name(p) for p in there)
+                                        if there else "no rank acknowledged"), late[0])
+
+
+def _judge_acks(pids, idents, number, timeout, acked, waiting):
+    """Raises GpuCkptError (every rank told to resume) unless every rank acknowledged, at one step, with its
+    communicators released. Returns the step, by pid."""
     missing = [p for p in pids if p not in acked]
     if missing:
-        gone = [p for p in missing if not same_process(idents[p])]
-        if gone:
-            raise _failed(pids, number, "%s exited before it acknowledged" % rank_name(gone[0]), gone[0])
-        late = [p for p in missing if p not in waiting] or missing  # (those at their boundary wait for these)
-        there = [p for p in pids if p in waiting or p in acked]
-        raise _failed(pids, number, "%s did not reach its step boundary and acknowledge the cooperative checkpoint "
-                      "within %ss (%s)" % (", ".join(rank_name(p) for p in late), timeout,
-                                           "%s waited there for it" % ", ".join(rank_name(p) for p in there)
-                                           if there else "no rank acknowledged"), late[0])
+        raise _unacknowledged(pids, idents, number, timeout, missing, acked, waiting)
     steps = {p: acked[p].get("step") for p in pids}
     if len(set(map(str, steps.values()))) > 1:
         raise _failed(pids, number, "the ranks stopped at different steps (%s)"
@@ -218,6 +232,19 @@ def ask(pids, signum, name, timeout, lease, number, poll=0.02):
     kept = [p for p in pids if not acked[p].get("released")]
     if kept:
         raise _failed(pids, number, "%s acknowledged without releasing its communicators" % rank_name(kept[0]), kept[0])
+    return steps
+
+
+def ask(pids, signum, name, timeout, lease, number, poll=0.02):
+    """Ask the ranks ``pids`` to release their communicators at one step boundary (request ``number``), and wait
+    (at most ``timeout`` s) for every acknowledgement. Returns the report. Raises GpuCkptError, every rank told to
+    resume, when one is gone, does not answer in time, or answers at another step."""
+    started = time.monotonic()
+    idents = {p: process_identity(p) for p in pids}
+    _clear_stale(pids)
+    _send_requests(pids, signum, lease, number)
+    acked, waiting = _gather_acks(pids, idents, number, timeout - (time.monotonic() - started), poll)
+    steps = _judge_acks(pids, idents, number, timeout, acked, waiting)
     return {"mode": "cooperative", "signal": name, "request": number, "lease_s": lease,
             "step": steps[pids[0]], "seconds": round(time.monotonic() - started, 3),
             "ranks": {str(p): {k: acked[p].get(k) for k in ("rank", "step", "seconds", "backend")} for p in pids},

@@ -132,9 +132,9 @@ def test_a_pid_file_gives_its_pid_or_none(tmp_path, content, pid):
 
 @pytest.fixture
 def built(monkeypatch):
-    """The runtime registry's builds: (runtime, params) each."""
+    """The backends the runtime registry was asked to make: (runtime, params) each."""
     calls = []
-    monkeypatch.setattr(protect_job.registry, "build", lambda name, params: calls.append((name, params)) or name)
+    monkeypatch.setattr(protect_job.registry, "make", lambda name, params, bundle=None: calls.append((name, params)) or name)
     return calls
 
 
