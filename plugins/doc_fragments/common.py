@@ -6,7 +6,7 @@
 A module names in extends_documentation_fragment (as gpuckpt.fleet.common.<name>): ATTRIBUTES (with
 ansible.builtin.action_common_attributes); ACTIONGROUP_GPU for the modules of the action group gpu, with
 the options that group shares; OPERATION, which a checkpoint and a restore share; SIGNATURE_CHECK, a
-restore's; PROGRESS. Each fragment is
+restore's; PROGRESS; MIGRATION_HOSTS, the source and target options of the filters over one migration. Each fragment is
 a literal (ansible-test's yamllint reads them as such).
 """
 from __future__ import annotations
@@ -210,4 +210,18 @@ options:
       - A host where it cannot be set does not fail the operation; the result's C(huge_pages.error) says why.
     type: bool
     default: false
+"""
+
+    # The filters over one migration (migration_plan, migration_summary, migration_outcome, migration_ending) each
+    # take its two hosts by name.
+    MIGRATION_HOSTS = r"""
+options:
+  source:
+    description: The source host.
+    type: str
+    required: true
+  target:
+    description: The target host.
+    type: str
+    required: true
 """

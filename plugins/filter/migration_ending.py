@@ -8,6 +8,8 @@ DOCUMENTATION = r"""
 name: migration_ending
 short_description: How a migration ended after a failure on its way, once settled
 version_added: "0.4.0"
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.MIGRATION_HOSTS
 description:
   - A thin wrapper over C(after_failure) of plugins/module_utils/migration/report.py.
   - Rolled back (the workload runs on the source), its source held, committed with its source not released, or
@@ -15,14 +17,6 @@ description:
 options:
   _input:
     description: The migration's id.
-    type: str
-    required: true
-  source:
-    description: The source host.
-    type: str
-    required: true
-  target:
-    description: The target host.
     type: str
     required: true
   error:

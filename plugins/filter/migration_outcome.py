@@ -8,20 +8,14 @@ DOCUMENTATION = r"""
 name: migration_outcome
 short_description: Where the workload runs after a migration, its downtime, image size and the link's throughput
 version_added: "0.4.0"
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.MIGRATION_HOSTS
 description:
   - A thin wrapper over C(outcome) of plugins/module_utils/migration/report.py. C(status) is C(moved), C(stayed)
     (settled either way) or C(none) (no migration with this id had begun).
 options:
   _input:
     description: The migration's id.
-    type: str
-    required: true
-  source:
-    description: The source host.
-    type: str
-    required: true
-  target:
-    description: The target host.
     type: str
     required: true
   committed:

@@ -8,6 +8,8 @@ DOCUMENTATION = r"""
 name: migration_plan
 short_description: A migration's plan with the arguments of each later module call, ready to pass
 version_added: "0.4.0"
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.MIGRATION_HOSTS
 description:
   - A thin wrapper over C(with_calls) of plugins/module_utils/migration/plan.py, on the controller.
   - Adds to the plan that C(gpuckpt.fleet.gpu_migration) C(action=plan) made on the source what the play's options
@@ -26,14 +28,6 @@ options:
       - The play's variables by name. These are C(gpuckpt_*), with the migration's names and directories
         (tasks/migration_vars.yml), and probe_command and quiesce_*.
     type: dict
-    required: true
-  source:
-    description: The source host.
-    type: str
-    required: true
-  target:
-    description: The target host.
-    type: str
     required: true
   source_vars:
     description: The source's inventory variables (its signing key, quiesce settings, protect_dir).

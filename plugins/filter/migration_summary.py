@@ -8,6 +8,8 @@ DOCUMENTATION = r"""
 name: migration_summary
 short_description: The lines of a migration's summary (downtime, each stage's seconds, the transfer)
 version_added: "0.4.0"
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.MIGRATION_HOSTS
 description:
   - A thin wrapper over C(summary) of plugins/module_utils/migration/report.py.
 options:
@@ -28,14 +30,6 @@ options:
     required: true
   workload:
     description: The workload in words (the plan's C(workload)).
-    type: str
-    required: true
-  source:
-    description: The source host.
-    type: str
-    required: true
-  target:
-    description: The target host.
     type: str
     required: true
   pod:
