@@ -6,7 +6,8 @@
 A module names in extends_documentation_fragment (as gpuckpt.fleet.common.<name>): ATTRIBUTES (with
 ansible.builtin.action_common_attributes); ACTIONGROUP_GPU for the modules of the action group gpu, with
 the options that group shares; OPERATION, which a checkpoint and a restore share; SIGNATURE_CHECK, a
-restore's; PROGRESS; MIGRATION_HOSTS, the source and target options of the filters over one migration. Each fragment is
+restore's; PROGRESS; MIGRATION_HOSTS, the source and target options of the filters over one migration; RESTORABILITY, what the
+filters that judge an image's host may accept; DRAIN_PLAN_INPUT, the input of the filters over a drain's plan. Each fragment is
 a literal (ansible-test's yamllint reads them as such).
 """
 from __future__ import annotations
@@ -223,5 +224,27 @@ options:
   target:
     description: The target host.
     type: str
+    required: true
+"""
+
+    # The filters that judge whether an image can be restored on a host (image_restorability, failover_plan).
+    RESTORABILITY = r"""
+options:
+  allow_driver_mismatch:
+    description: Accept another driver and CUDA API version on the host than the image was taken with.
+    type: bool
+    default: false
+  same_kernel:
+    description: Refuse a host whose kernel release is not the one the image was taken on.
+    type: bool
+    default: false
+"""
+
+    # The filters over a drain's plan and what its moves said (drain_report, drain_end).
+    DRAIN_PLAN_INPUT = r"""
+options:
+  _input:
+    description: The plan (gpuckpt.fleet.drain_plan's result).
+    type: dict
     required: true
 """

@@ -8,6 +8,8 @@ DOCUMENTATION = r"""
 name: drain_end
 short_description: The end of a drain as read from the hosts, and whether the node is empty
 version_added: "0.5.0"
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.DRAIN_PLAN_INPUT
 description:
   - Every end state comes from the hosts, read at the end of the drain, never from the plan or from what a move said
     of itself. A move's workload is C(MOVED) when its target's journal says committed and those processes run there,
@@ -17,10 +19,6 @@ description:
   - The node is C(empty) only when it could be asked, runs no GPU workload, and holds no move's source. A copy that a
     move committed, and that the node sees only because both share one pid space, is not the node's.
 options:
-  _input:
-    description: The plan (gpuckpt.fleet.drain_plan's result).
-    type: dict
-    required: true
   outcomes:
     description: What each move (and each earlier move settled first) said of itself, by migration id.
     type: dict

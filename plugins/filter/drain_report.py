@@ -8,16 +8,14 @@ DOCUMENTATION = r"""
 name: drain_report
 short_description: The table at the end of a drain, and whether the node is empty
 version_added: "0.4.0"
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.DRAIN_PLAN_INPUT
 description:
   - Returns C(lines) (each workload, where it runs now and its downtime beside the plan's estimate, or why it stayed),
     C(empty) (every planned move moved, and no workload stayed or was left out), C(pending) (the moves that are not
     settled, for the node's drain mark, as a re-run settles them first) and C(throughput) (O(throughput) updated with
     what each move showed, by target).
 options:
-  _input:
-    description: The plan (gpuckpt.fleet.drain_plan's result).
-    type: dict
-    required: true
   outcomes:
     description: Each move's outcome by migration id (status V(moved) or V(stayed), where, reason, downtime_s, took_s, image_bytes).
     type: dict

@@ -8,6 +8,8 @@ DOCUMENTATION = r"""
 name: failover_plan
 short_description: Choose the image and the host that a protected job of a lost node fails over to
 version_added: "0.6.0"
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.RESTORABILITY
 description:
   - A thin wrapper over the collection's failover plan (C(module_utils/fleet/failover.py)). It checks each image
     of the job against each host with the restorability checks (C(module_utils/fleet/restorability.py), the
@@ -58,14 +60,6 @@ options:
     description: Names of checks whose unknown status does not refuse (as in M(gpuckpt.fleet.image_restorability#filter)).
     type: list
     elements: str
-  allow_driver_mismatch:
-    description: Accept another driver and CUDA API version on the host than the image was taken with.
-    type: bool
-    default: false
-  same_kernel:
-    description: Refuse a host whose kernel release is not the one the image was taken on.
-    type: bool
-    default: false
 """
 
 EXAMPLES = r"""

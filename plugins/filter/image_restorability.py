@@ -8,6 +8,8 @@ DOCUMENTATION = r"""
 name: image_restorability
 short_description: List a protected job's images on its replicas and say whether each can be restored on a host
 version_added: "0.6.0"
+extends_documentation_fragment:
+  - gpuckpt.fleet.common.RESTORABILITY
 description:
   - A thin wrapper over the collection's restorability checks (C(module_utils/fleet/restorability.py)), the list
     made by C(module_utils/fleet/failover.py). Each image stands in for the source of a migration, with what its
@@ -52,14 +54,6 @@ options:
         gpu_model, gpu_count, gpu_memory, criu, kernel, runtime, disk, host_ram, pids, not_draining).
     type: list
     elements: str
-  allow_driver_mismatch:
-    description: Accept another driver and CUDA API version on the host than the image was taken with.
-    type: bool
-    default: false
-  same_kernel:
-    description: Refuse a host whose kernel release is not the one the image was taken on.
-    type: bool
-    default: false
 """
 
 EXAMPLES = r"""

@@ -166,10 +166,16 @@ def held_run(journal_dir, run, prefix=MODULE_PREFIX):
     try:
         return run(record)
     finally:
-        with record.hold(wait=30, purpose="the end of checkpoint %s" % record.id):
-            phase = record.phase
-            if phase is not None and phase not in ("resumed", "rolled_back", "rollback_failed"):
-                record.transition("resumed", ended="the checkpoint returned with the job running")
-                phase = "resumed"
-            if phase != "rollback_failed":
-                forget(record)
+        finish_record(record)
+
+
+def finish_record(record):
+    """A checkpoint under ``record`` returned: the workload runs (leave_running), or the engine rolled it back. The
+    record goes; one whose rollback failed stays for the next give-back."""
+    with record.hold(wait=30, purpose="the end of checkpoint %s" % record.id):
+        phase = record.phase
+        if phase is not None and phase not in ("resumed", "rolled_back", "rollback_failed"):
+            record.transition("resumed", ended="the checkpoint returned with the job running")
+            phase = "resumed"
+        if phase != "rollback_failed":
+            forget(record)

@@ -182,18 +182,6 @@ class _StopOnTerm(object):
         return False
 
 
-def _finish_record(record):
-    """A run that returned: the job runs (leave_running), or the engine rolled it back. Its record goes; one whose
-    rollback failed stays for the next give-back."""
-    with record.hold(wait=30, purpose="the end of checkpoint %s" % record.id):
-        phase = record.phase
-        if phase is not None and phase not in ("resumed", "rolled_back", "rollback_failed"):
-            record.transition("resumed", ended="the checkpoint returned with the job running")
-            phase = "resumed"
-        if phase != "rollback_failed":
-            engine_give_back.forget(record)
-
-
 def _checkpoint(cfg, folder, image_id, image_dir, record):
     """The engine's checkpoint (leave_running), pushed to the first replica while it is written, under ``record``
     (a journal in hold/: what it holds, for a give-back should this process die)."""
@@ -273,7 +261,7 @@ def attempt(cfg, folder, trigger):
             try:
                 res = _checkpoint(cfg, folder, image_id, image_dir, record)
             finally:
-                _finish_record(record)
+                engine_give_back.finish_record(record)
     except (GpuCkptError, OSError) as exc:  # the engine undid what it did: the job runs on, the replicas' images too
         progress["after"] = hist.read_progress(cfg.get("progress_file"), cfg.get("progress_key"))
         line.update(reason=getattr(exc, "msg", None) or str(exc), stage=getattr(exc, "stage", None),
