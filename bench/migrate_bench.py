@@ -28,7 +28,7 @@ sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
 from loopback import LoopbackHosts  # noqa: E402
 from push_bench import cpu_times, parse_cpus  # noqa: E402  (bench/, this script's own directory)
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer.transfer import FAST_CIPHERS  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer.targets import FAST_CIPHERS  # noqa: E402
 
 PLAYBOOK = os.environ.get("GPUCKPT_ANSIBLE_PLAYBOOK") or os.path.join(REPO, ".venv", "bin", "ansible-playbook")
 PY = os.environ.get("GPUCKPT_WORKLOAD_PYTHON", "python3")

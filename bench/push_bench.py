@@ -29,16 +29,15 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
 from loopback import LoopbackHosts  # noqa: E402
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer.transfer import FAST_CIPHERS  # noqa: E402
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer.targets import FAST_CIPHERS  # noqa: E402
 PAGE_FILE = "pages-1.img"
 BLOCK = 64 * 2**20
 
 SENDER = r"""
 import json, os, sys, time
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
 src, dest, streams, cfg, host, port, image_id = sys.argv[1:8]
-target = transfer.Target(host, port=int(port), ssh_args=["-F", cfg])
+target = targets.Target(host, port=int(port), ssh_args=["-F", cfg])
 sender = transfer.Sender(target, dest, int(streams), receiver={"image_id": image_id})
 files = {rel: st.st_size for rel, st in image.walk(src).items()}
 t0 = time.monotonic()

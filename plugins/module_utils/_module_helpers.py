@@ -13,7 +13,7 @@ containers that cuda_process_facts reports. The engine's own calls stay in the m
 from __future__ import annotations
 
 from .core import hugepages, image
-from .transfer import transfer
+from .transfer import targets, transfer
 from .core.errors import GpuCkptError, InvalidTarget, TransactionError
 from .runtimes.registry import DEFAULT as DEFAULT_RUNTIME
 from .module_common import (MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, SPEED_ARGS, TOOL_ARGS, backend_of_image,
@@ -49,10 +49,10 @@ def transfer_target_spec(prefix):
 
 
 def transfer_target(params, prefix):
-    """The transfer.Target of the options of transfer_target_spec(``prefix``); it checks every value,
+    """The targets.Target of the options of transfer_target_spec(``prefix``); it checks every value,
     which becomes part of an ssh command line (InvalidTarget)."""
-    return transfer.Target(params[prefix + "host"], params[prefix + "user"], params[prefix + "port"],
-                           params["ssh_args"], params["python"], params["io_timeout"], become=params[prefix + "become"])
+    return targets.Target(params[prefix + "host"], params[prefix + "user"], params[prefix + "port"],
+                          params["ssh_args"], params["python"], params["io_timeout"], become=params[prefix + "become"])
 
 
 def receiver_checks(migration_id, journal_dir, nonce, image_id=None):

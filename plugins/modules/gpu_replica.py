@@ -222,7 +222,7 @@ import platform
 
 from ansible.module_utils.basic import AnsibleModule
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica, replica_owner
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica_images, replica_owner
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import check_path_arg
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import run_module
@@ -238,7 +238,7 @@ def replica_step(p, check_mode):
                     msg="%s runs job %s from epoch %s on" % (owner, p["job"], doc["epoch"]))
     out, changed = {}, False
     if p["state"] == "verify":
-        ok, why, changed = replica.reverify(p["root"], p["job"], p["image_id"], write=not check_mode)
+        ok, why, changed = replica_images.reverify(p["root"], p["job"], p["image_id"], write=not check_mode)
         out.update(verified=ok, reason=why, msg="image %s %s" % (p["image_id"], "verifies" if ok else "does not verify: %s" % why))
     elif p["state"] == "failover":
         res = replica_owner.failover_verified(p["root"], p["job"], p["lost_node"], p["target"], p["candidates"],
@@ -268,7 +268,7 @@ def replica_step(p, check_mode):
         changed = not check_mode
         out.update(epoch=record["epoch"], msg="job %s on this replica: %s at epoch %s; %s is fenced" % (
             p["job"], p["target"], record["epoch"], p["lost_node"]))
-    listed = replica.list_images(p["root"], p["job"])
+    listed = replica_images.list_images(p["root"], p["job"])
     out.setdefault("msg", "%d image(s) of job %s, %d verified" % (len(listed["images"]), p["job"],
                                                                   sum(1 for i in listed["images"] if i["verified"])))
     return dict(out, changed=changed, record=listed["record"], images=listed["images"])

@@ -12,7 +12,7 @@ import pytest
 from ansible_collections.gpuckpt.fleet.plugins.filter.drain_move_host import drain_move_host
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, journal
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import targets
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import devices
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import plan
@@ -67,9 +67,9 @@ def test_a_migration_id_with_a_trailing_newline_is_refused():
 ])
 def test_a_transfer_target_with_a_trailing_newline_is_refused(field, kwargs):
     """Each value becomes part of an ssh command line."""
-    transfer.Target("hostb", user="root", python="python3")
+    targets.Target("hostb", user="root", python="python3")
     with pytest.raises(InvalidTarget, match="transfer %s" % field):
-        transfer.Target(**kwargs)
+        targets.Target(**kwargs)
 
 
 def test_a_pod_or_container_name_with_a_trailing_newline_is_refused(tmp_path):

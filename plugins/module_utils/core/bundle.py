@@ -2,7 +2,7 @@
 # Copyright: gpuckpt.fleet contributors
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Modules of this package and a main as one Python program that needs nothing of ours installed where it runs:
-the transfer's receiver (transfer.receiver_program, sent as the first bytes of each ssh stream) and the pod
+the transfer's receiver (transfer/streams.receiver_program, sent as the first bytes of each ssh stream) and the pod
 restore's runtime handler (k8s/restore_handler.handler_program, installed on a node).
 
 The program carries the sources of the modules that the main imports of this package, and of the modules those

@@ -16,7 +16,7 @@
   (a tmpfs of its own, memdir.py) is emptied and unmounted.
 
 Plain Python with the standard library only: it is also sent, as source, to the receiving end of a
-transfer (see transfer.receiver_program).
+transfer (see transfer/streams.receiver_program).
 """
 from __future__ import annotations
 

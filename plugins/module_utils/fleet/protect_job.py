@@ -13,7 +13,7 @@ import os
 import re
 import stat
 
-from ..transfer import transfer
+from ..transfer import targets, transfer
 from ..core.errors import InvalidTarget
 from ..core.fsutil import make_dirs_private, read_json
 from ..runtimes import registry
@@ -105,9 +105,9 @@ def replica_target(rep, io_timeout=None):
     become = rep.get("become")
     if isinstance(become, str):  # (a config templated by an older Ansible carries "False" as a string)
         become = become.strip().lower() in ("true", "yes", "on", "1")
-    return transfer.Target(rep["host"], rep.get("user") or "root", int(rep.get("port") or 22), rep.get("ssh_args") or [],
-                           rep.get("python") or "python3", int(io_timeout or rep.get("io_timeout") or 120),
-                           become=bool(become))
+    return targets.Target(rep["host"], rep.get("user") or "root", int(rep.get("port") or 22), rep.get("ssh_args") or [],
+                          rep.get("python") or "python3", int(io_timeout or rep.get("io_timeout") or 120),
+                          become=bool(become))
 
 
 def replica_ref(cfg, rep):

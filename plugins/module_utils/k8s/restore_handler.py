@@ -6,7 +6,7 @@ nvidia_container_runtime installs it: one Python file, bundled at install time (
 own code (roles/nvidia_container_runtime/files/gpuckpt_restore_runtime.py) and the modules of this collection it
 imports: the restore protocol (restore_protocol.py) and the core modules it and the handler use. So the node's
 restore and the handler speak the one protocol of this collection's version, and the node needs nothing but
-python3, as transfer/transfer.receiver_program does for the transfer's receiver. The handler's own code runs as the
+python3, as transfer/streams.receiver_program does for the transfer's receiver. The handler's own code runs as the
 program's ``__main__``, with its imports of the collection as they are written.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Who owns a protected job, as a replica records it, moved only by the controller's calls (gpu_replica): a
 failover (the epoch raised by one, the owner changed), the operator's re-protect, and the target's word that it
-runs the job (adopt). None of this is in the receiver program (replica/replica.py, run_op): no operation a node sends
+runs the job (adopt). None of this is in the receiver program (replica_images.run_op): no operation a node sends
 to a replica moves an epoch or an owner. The record's layout and the rules of fencing: replica/replica.py."""
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import time
 
 from ..core.errors import ImageError, InvalidTarget
 from ..core.fsutil import UnsafePath, atomic_write, check_private_ancestors, make_dirs_private, open_beneath, open_dir, read_json
-from .replica import (JOB_RECORD, FailoverRefused, _check_epoch, _check_node, _history, _images, _iso_utc, _job_locked, _read_record,
-                      _reverify_locked, check_image_id, check_job)
+from .replica import (JOB_RECORD, FailoverRefused, _check_epoch, _check_node, _history, _iso_utc, _job_locked, _read_record,
+                      check_image_id, check_job)
+from .replica_images import _images, _reverify_locked
 
 
 # -- failover ----------------------------------------------------------------------------------------

@@ -12,7 +12,8 @@ from ..core import fsutil
 from ..core import image
 from . import receiver
 from ..core.errors import GpuCkptError, InvalidTarget
-from .transfer import Stream, TransferError, receiver_program, send_image
+from .streams import Stream, TransferError, receiver_program
+from .transfer import send_image
 
 PROBE_BLOCK = 16 * 2**20
 PROBE_FILE = "probe.bin"

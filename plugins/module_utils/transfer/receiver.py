@@ -3,8 +3,8 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """The receiving end of an image transfer, run on the target at the end of each ssh stream.
 
-The sender (transfer.py) starts it as ``python3 -c <bootstrap> <config JSON>``; the bootstrap reads
-this program (this module and the modules it imports, bundled by transfer.receiver_program) from
+The sender (transfer.py, through streams.Stream) starts it as ``python3 -c <bootstrap> <config JSON>``; the bootstrap reads
+this program (this module and the modules it imports, bundled by streams.receiver_program) from
 the stream's first bytes, then the stream carries framed operations: a JSON header line, and for
 ``data`` and ``deliver`` that many bytes.
 
@@ -14,7 +14,7 @@ the stream's first bytes, then the stream carries framed operations: a JSON head
   deliver  the manifest: checked, then written (atomically) as the image's last file
   end      done
 
-A push into a replica store (replica/replica.py; config ``replica``: {"root", "job", "epoch", "node"}) is an image
+A push into a replica store (replica/replica.py, replica_images.py; config ``replica``: {"root", "job", "epoch", "node"}) is an image
 push whose dest must be <root>/<job>/<image_id>: the store's check_push runs before the directory is created
 (a fenced copy's push is refused, with ``fenced`` in the reply) and again, under the job's lock, before the
 manifest is written. Config ``replica_op`` ("check", "commit", "list") runs that operation of the store instead
@@ -44,10 +44,8 @@ import fcntl
 import hashlib
 import json
 import os
-import queue
 import stat
 import sys
-import threading
 import time
 
 from ..core import image
@@ -55,7 +53,8 @@ from ..core.errors import GpuCkptError
 from ..core.fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json,
                            remove_tree)
 from ..core.journal import Journal, process_identity
-from ..replica import replica
+from ..replica import replica, replica_images
+from .block_writer import RECEIVE_BLOCK, BlockWriter
 
 RECEIVE_PHASES = ("receiving", "received", "restore_failed")
 TRANSFER_MARK = "transfer.json"  # outside a migration: which image this dir is receiving
@@ -64,11 +63,6 @@ TRANSFER_MARK = "transfer.json"  # outside a migration: which image this dir is 
 PROBE_PREFIX = ".gpuckpt-probe-"
 # The exit status of a receiver that refused: the sender does not try again what would be refused again.
 REFUSED = 2
-# A data operation's bytes are read from the stream into blocks of a small pool, which a writer thread writes
-# and hashes while the next blocks are read: reading, writing and hashing one after another in one thread left
-# each stream at a fraction of what its ssh carries (bench/push_bench.py).
-RECEIVE_BLOCK = 2**20
-RECEIVE_BLOCKS = 8
 # The stream's pipe from sshd (and the sender's into ssh), widened from 64 KiB: fewer wake-ups per byte.
 PIPE_SIZE = 2**20
 F_SETPIPE_SZ = 1031  # fcntl.F_SETPIPE_SZ, Linux (the fcntl module names it only from Python 3.10)
@@ -80,74 +74,6 @@ class Refused(Exception):
 
 class StreamCut(Exception):
     """The stream ended before what it announced: a broken connection, which another attempt may get past."""
-
-
-class BlockWriter(object):
-    """Writes (pwrite) and hashes the blocks of data operations in a thread of its own, in the order given,
-    and appends each operation's receipt once all its bytes are written. The first failure (a full disk) is
-    kept and raised in the reading thread by check(); the blocks after it are dropped."""
-
-    def __init__(self, receipt_fd):
-        self.receipt_fd = receipt_fd
-        self.free, self.work = queue.Queue(), queue.Queue()
-        for _unused in range(RECEIVE_BLOCKS):
-            self.free.put(memoryview(bytearray(RECEIVE_BLOCK)))
-        self.error = None
-        self.thread = threading.Thread(target=self._run, name="gpuckpt-receive-writer")
-        self.thread.daemon = True
-        self.thread.start()
-
-    def _run(self):
-        while True:
-            item = self.work.get()
-            if item is None:
-                return
-            kind = item[0]
-            try:
-                if self.error is None and kind == "block":
-                    _kind, fd, block, n, off, digest = item
-                    view = block[:n]
-                    digest.update(view)
-                    while view:
-                        written = os.pwrite(fd, view, off)
-                        view, off = view[written:], off + written
-                elif self.error is None and kind == "receipt":
-                    _kind, path, start, total, digest = item
-                    line = json.dumps({"path": path, "off": start, "len": total, "sha256": digest.hexdigest()}) + "\n"
-                    os.write(self.receipt_fd, line.encode())
-            except BaseException as exc:  # noqa: BLE001 - raised again in the reading thread by check()
-                self.error = exc
-            finally:
-                if kind == "block":
-                    self.free.put(item[2])
-                elif kind == "sync":
-                    item[1].set()
-
-    def block(self):
-        """A free block to read into (waits while all are being written)."""
-        self.check()
-        return self.free.get()
-
-    def write(self, fd, block, n, off, digest):
-        self.work.put(("block", fd, block, n, off, digest))
-
-    def receipt(self, path, start, total, digest):
-        self.work.put(("receipt", path, start, total, digest))
-
-    def check(self):
-        if self.error is not None:
-            raise self.error
-
-    def sync(self):
-        """Wait until everything given so far is written; raise its failure."""
-        done = threading.Event()
-        self.work.put(("sync", done))
-        done.wait()
-        self.check()
-
-    def stop(self):
-        self.work.put(None)
-        self.thread.join()
 
 
 class Receiver(object):
@@ -221,13 +147,13 @@ class Receiver(object):
         if not self.config.get("replica") or self.state_fd is None:
             return
         try:
-            os.stat(replica.REPLICA_MARK, dir_fd=self.state_fd, follow_symlinks=False)
+            os.stat(replica_images.REPLICA_MARK, dir_fd=self.state_fd, follow_symlinks=False)
         except FileNotFoundError:
             return
         raise Refused("image %s of job %s was committed on this replica (it has its %s): a push never changes a "
                       "committed image; push a new image id" % (self.config.get("image_id"),
                                                                 self.config["replica"].get("job"),
-                                                                replica.REPLICA_MARK))
+                                                                replica_images.REPLICA_MARK))
 
     def _open_for_image(self):
         want, probe = self.config.get("image_id"), bool(self.config.get("probe"))
@@ -369,7 +295,7 @@ class Receiver(object):
     def replica_op(self):
         """Run the replica store's operation of the config, reply, and wait for the end mark."""
         try:
-            reply = dict(replica.run_op(self.config), ready=True)
+            reply = dict(replica_images.run_op(self.config), ready=True)
         except (GpuCkptError, UnsafePath, OSError, KeyError, TypeError, ValueError) as exc:
             self._reply(_refusal(exc))
             return REFUSED

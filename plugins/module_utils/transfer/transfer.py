@@ -3,8 +3,8 @@
 # GNU General Public License v3.0+ (see https://www.gnu.org/licenses/gpl-3.0.txt)
 """Moving an image from this host to another: one path, over the hosts' own ssh.
 
-A Sender opens ``streams`` ssh connections to the target, each ending in the receiver program
-(receiver.py, sent as the stream's first bytes: the target needs Python 3 and nothing of ours
+A Sender opens ``streams`` ssh connections to the target (targets.Target; streams.Stream), each ending in the
+receiver program (receiver.py, sent as the stream's first bytes: the target needs Python 3 and nothing of ours
 installed). It sends the image's files as 64 MiB pieces, each one chunk of the manifest's checksums,
 spread over the streams: one ssh stream is bound by one core's cipher (0.45 GB/s with chacha20 on the
 GPU machine, about 1 GB/s with AES-GCM), so several add up. Then, on the first stream alone, once every
@@ -25,96 +25,28 @@ The manifest's checksums, verified on the target before any restore, prove the c
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import queue
-import re
 import select
-import shlex
-import subprocess
-import tempfile
 import threading
 import time
 from concurrent.futures import Future
 
-from ..core import bundle
 from ..core import image
 from ..core import procfs
-from ..core.errors import GpuCkptError, InvalidTarget, TransactionError
+from ..core.errors import GpuCkptError
 from ..core.progress import BytesProgress
-from . import receiver
+from .streams import Stream, TransferError, receiver_program
 
 CHUNK = image.CHUNK
-HASHED_BLOCK = 2**20   # a piece hashed on its way goes in blocks read, hashed and written while in the core's cache
-FENCE_EVERY = 8 * 2**20
-FAST_CIPHERS = "aes128-gcm@openssh.com,aes256-gcm@openssh.com,chacha20-poly1305@openssh.com"
 GROWING = image.GROWING
-HOST_RE = re.compile(r"^[A-Za-z0-9_.:%\[\]-]+\Z")
-USER_RE = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]*\Z")
-PYTHON_RE = re.compile(r"^[A-Za-z0-9_./+-]+\Z")
 
 
 def auto_streams(cpus=None):
     """A quarter of the cores this process may use (procfs.usable_cpus), 1 to 8. Each stream costs a
     core for its cipher on each end: on the 2-core CI kind of machine 4 streams were slower than 1."""
     return min(8, max(1, (cpus or procfs.usable_cpus()) // 4))
-
-
-class Target(object):
-    """Where an image goes: a host reached with ssh as ``user`` on ``port``, and the receiver's Python.
-    Every value is checked here, since it becomes part of an ssh command line."""
-
-    def __init__(self, host, user="root", port=22, ssh_args=(), python="python3", io_timeout=120, become=False):
-        host = str(host or "")
-        if host.startswith("[") and host.endswith("]"):
-            host = host[1:-1]  # an IPv6 address as an inventory may write it; ssh wants it bare
-        if not HOST_RE.match(host) or host.startswith("-"):
-            raise InvalidTarget("transfer host %r is not a host name or address" % host, stage="preflight")
-        if not USER_RE.match(str(user or "")):
-            raise InvalidTarget("transfer user %r is not a user name" % user, stage="preflight")
-        if not PYTHON_RE.match(str(python or "")) or str(python).startswith("-"):
-            raise InvalidTarget("transfer python %r must be a command name or an absolute path" % python,
-                                stage="preflight")
-        if not 0 < int(port) < 65536:
-            raise InvalidTarget("transfer port %r is out of range" % port, stage="preflight")
-        if int(io_timeout) < 1:
-            raise InvalidTarget("io_timeout must be at least 1 second, got %r" % io_timeout, stage="preflight")
-        self.host, self.user, self.port = host, str(user), int(port)
-        self.ssh_args, self.python, self.io_timeout = [str(a) for a in ssh_args or ()], str(python), int(io_timeout)
-        # A user other than root reaches the receiver through a passwordless sudo (the inventory's become):
-        # it writes into root's image and journal directories.
-        self.become = bool(become) and self.user != "root"
-
-    def remote_command(self, *words):
-        """The shell command that runs ``words`` on the target, through sudo when the target becomes root."""
-        return "exec " + " ".join((["sudo", "-n", "--"] if self.become else []) + [shlex.quote(w) for w in words])
-
-    def ssh(self):
-        # The user's ssh arguments first: for ssh, the first value given for an option wins. AES-GCM is
-        # preferred over OpenSSH's default chacha20-poly1305: on the CI kind of machine (AES-NI) one ssh
-        # stream moved 1.06 GB/s with aes128-gcm against 0.69 GB/s with chacha20 (docs/benchmarks).
-        # A target that stops answering is given up after about io_timeout seconds (the source may be
-        # frozen meanwhile); one that does not answer at all, after the connect timeout.
-        interval = max(1, min(15, self.io_timeout // 3))
-        return ["ssh"] + self.ssh_args + [
-            "-p", str(self.port), "-l", self.user, "-o", "BatchMode=yes", "-o", "Compression=no",
-            "-o", "Ciphers=" + FAST_CIPHERS, "-o", "ServerAliveInterval=%d" % interval,
-            "-o", "ServerAliveCountMax=%d" % max(1, self.io_timeout // interval),
-            "-o", "ConnectTimeout=%d" % min(30, max(5, self.io_timeout)), "--", self.host]
-
-    def __str__(self):
-        return self.host
-
-
-def receiver_program():
-    """The receiver as one Python program (core/bundle.py): receiver.py and the modules of this package it imports,
-    ending in receiver.main()."""
-    main = "import sys\nfrom %s import main\nsys.exit(main())\n" % receiver.__name__
-    return bundle.program(main, header="# gpuckpt receiver, bundled by gpuckpt.fleet (transfer/transfer.py)\n").encode("utf-8")
-
-
-_BOOTSTRAP = "import sys; exec(compile(sys.stdin.buffer.read(%d), 'gpuckpt-receiver', 'exec'))"
 
 
 class TokenBucket(object):
@@ -134,155 +66,6 @@ class TokenBucket(object):
             wait = self._next - n / self.rate - now
         if wait > 0:
             time.sleep(wait)
-
-
-class TransferError(TransactionError):
-    """A transfer failed: which stream, the ssh command, and the receiver's own words. ``retryable``:
-    whether another attempt may get through (a broken connection, a timeout); not when the target's
-    disk is full or its receiver refused (another migration's nonce, a settled migration, an unsafe
-    path), which the next attempt would meet again."""
-
-    def __init__(self, msg, retryable=True, **kwargs):
-        super(TransferError, self).__init__(msg, **kwargs)
-        self.retryable = retryable
-
-
-class Stream(object):
-    """One ssh connection to the target, ending in a receiver."""
-
-    def __init__(self, target, config, program, index):
-        self.target, self.index = target, index
-        self.err = tempfile.TemporaryFile()
-        remote = target.remote_command(target.python, "-c", _BOOTSTRAP % len(program), json.dumps(config, sort_keys=True))
-        self.cmd = target.ssh() + [remote]
-        self.proc = subprocess.Popen(self.cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.err,
-                                     start_new_session=True)
-        receiver.widen_pipe(self.proc.stdin)  # fewer wake-ups of this sender and of ssh per byte sent
-        self._write(program)
-        self.ready = None
-        self._block = None
-
-    def _write(self, data):
-        fd = self.proc.stdin.fileno()
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
-
-    def reply(self, what):
-        """The receiver's next reply line (JSON); its stderr in the error when the stream ends instead."""
-        line = self.proc.stdout.readline()
-        if not line:
-            raise self.failure("the receiver ended while %s" % what)
-        try:
-            doc = json.loads(line)
-        except ValueError:
-            raise self.failure("the receiver answered %r while %s" % (line[:200], what))
-        if doc.get("error"):
-            raise self.failure("the receiver refused (%s)" % doc["error"], retryable=False, fenced=doc.get("fenced"),
-                               answered=True)
-        return doc
-
-    def wait_ready(self):
-        self.ready = self.reply("starting")
-        return self.ready
-
-    def send(self, header, path=None, off=0, length=0, bucket=None, fence=None, progress=None, hashing=False):
-        """Send ``header``, then ``length`` bytes of ``path`` from ``off``: by the kernel (sendfile), or,
-        ``hashing``, read and hashed on their way; then returns ((st_dev, st_ino), sha256 hex digest) of
-        what went."""
-        self._write((json.dumps(header) + "\n").encode())
-        if path is None:
-            return None
-        with open(path, "rb") as fh:
-            if hashing:
-                return self._send_hashed(fh, path, off, length, bucket, fence, progress)
-            done = 0
-            while done < length:
-                n = min(8 * 2**20 if bucket is None else 2**20, length - done)
-                if fence is not None:
-                    fence()
-                sent = os.sendfile(self.proc.stdin.fileno(), fh.fileno(), off + done, n)
-                if sent <= 0:
-                    raise OSError("%s is shorter than expected at byte %d" % (path, off + done))
-                if bucket is not None:
-                    bucket.take(sent)  # what was sent, which a pipe may cut short of n
-                done += sent
-                if progress is not None:
-                    progress.add(sent)
-
-    def _send_hashed(self, fh, path, off, length, bucket, fence, progress):
-        # One reading of the piece for both the stream and the manifest's checksum (ChunkHasher's pushed).
-        st = os.fstat(fh.fileno())
-        digest = hashlib.sha256()
-        if self._block is None:
-            self._block = memoryview(bytearray(HASHED_BLOCK))
-        out, done = self.proc.stdin.fileno(), 0
-        while done < length:
-            if fence is not None and done % FENCE_EVERY == 0:
-                fence()
-            got = os.preadv(fh.fileno(), [self._block[:min(HASHED_BLOCK, length - done)]], off + done)
-            if got <= 0:
-                raise OSError("%s is shorter than expected at byte %d" % (path, off + done))
-            view = self._block[:got]
-            digest.update(view)
-            while view:
-                view = view[os.write(out, view):]
-            if bucket is not None:
-                bucket.take(got)
-            done += got
-            if progress is not None:
-                progress.add(got)
-        return (st.st_dev, st.st_ino), digest.hexdigest()
-
-    def stderr(self):
-        self.err.seek(0)
-        return self.err.read().decode("utf-8", "replace").strip()[-3000:]
-
-    def failure(self, msg, retryable=True, fenced=False, answered=False):
-        """The TransferError of this stream, with the receiver's own words; not retryable when the target's disk
-        is full (said in its stderr or its refusal) or the receiver exited refusing (receiver.REFUSED);
-        details.fenced: a replica store's StaleEpoch. ``answered``: ssh and its Python ran, so the hint is not them."""
-        try:
-            self.proc.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            pass
-        err = self.stderr()
-        disk_full = any("No space left on device" in text or "Errno 28]" in text for text in (err, msg))
-        retryable = retryable and not disk_full and self.proc.returncode != receiver.REFUSED
-        said = [ln for ln in err.splitlines() if ln.startswith("gpuckpt receiver: ")]
-        if said:  # the receiver's own words say more than the broken stream
-            msg += " (%s)" % said[-1][len("gpuckpt receiver: "):]
-        hint = ("free space on the target" if disk_full else "the receiver on %s ran and stopped for the reason above"
-                % self.target if answered or said else "check that this host reaches %s over ssh and that its Python 3 "
-                "runs" % self.target)
-        return TransferError("transfer to %s, stream %d: %s%s" % (self.target, self.index, msg,
-                                                                  ": the target's disk is full" if disk_full else ""),
-                             retryable=retryable, stage="transfer", cmd=self.cmd[:-1] + ["<receiver>"],
-                             rc=self.proc.returncode, details={"fenced": True} if fenced else None,
-                             stderr=err, hint=hint)
-
-    def close(self, timeout):
-        """Send the end mark and wait for the receiver to exit; raises its failure."""
-        try:
-            self._write(b'{"op": "end"}\n')
-            self.proc.stdin.close()
-        except OSError as exc:
-            raise self.failure("the stream broke (%s)" % exc)
-        try:
-            rc = self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise self.failure("the receiver did not end within %s s" % timeout)
-        if rc != 0:
-            raise self.failure("the receiver exited with rc=%s" % rc)
-
-    def kill(self):
-        if self.proc.poll() is None:
-            try:
-                os.killpg(self.proc.pid, 9)
-            except OSError:
-                pass
-        self.proc.wait()
 
 
 class Sender(object):
@@ -550,7 +333,7 @@ def send_image(image_dir, target, dest, receiver=None, streams=0, bwlimit_kbps=0
 
 
 def replica_call(target, config, timeout=60):
-    """A replica store's operation ({"replica_op": "check"|"commit"|"list", ...}: replica.run_op) run by a receiver on
+    """A replica store's operation ({"replica_op": "check"|"commit"|"list", ...}: replica_images.run_op) run by a receiver on
     ``target``: its reply. A fence comes back as {"ready": False, "fenced": True, "error"}; a failure raises."""
     try:
         stream = Stream(target, config, receiver_program(), 0)

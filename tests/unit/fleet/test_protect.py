@@ -13,7 +13,7 @@ import time
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import streams, transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget, TransactionError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import checkpoint as engine_checkpoint
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.fleet import protect, protect_cli, protect_fence
@@ -33,8 +33,8 @@ class Replicas(object):
     def __call__(self, target, config, timeout=60):
         self.calls.append((target.host, dict(config)))
         if target.host in self.down:
-            raise transfer.TransferError("ssh: connect to host %s port 22: No route to host" % target.host,
-                                         stage="transfer")
+            raise streams.TransferError("ssh: connect to host %s port 22: No route to host" % target.host,
+                                        stage="transfer")
         if target.host in self.fenced:
             return {"ready": False, "fenced": True, "epoch": config["epoch"] + 1, "owner": "node-b",
                     "error": "job %s was failed over to node-b at epoch %d; the copy on %s (epoch %d) is fenced"

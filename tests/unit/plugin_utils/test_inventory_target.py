@@ -11,7 +11,7 @@ from ansible.template import Templar
 from ansible.vars.hostvars import HostVars
 from ansible.vars.manager import VariableManager
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import targets
 from ansible_collections.gpuckpt.fleet.plugins.plugin_utils.inventory_target import (
     connection_of, inventory_connection, merge_connection)
 
@@ -55,7 +55,7 @@ def test_an_ipv6_target_reaches_ssh_with_its_port_user_key_python_and_sudo(task_
     c = inventory_connection(variables, templar, "v6")
     assert c == {"host": "fd00:10::12", "port": 2222, "user": "ckpt", "ssh_args": ["-i", "/etc/gpuckpt/migrate_key"],
                  "python": "/usr/bin/python3.11", "become": True}
-    target = transfer.Target(c["host"], c["user"], c["port"], c["ssh_args"], c["python"], become=c["become"])
+    target = targets.Target(c["host"], c["user"], c["port"], c["ssh_args"], c["python"], become=c["become"])
     argv = target.ssh()
     # ssh takes the address alone after "--" and the port in -p: no brackets, no user@host:path form
     assert argv[-2:] == ["--", "fd00:10::12"]
@@ -68,7 +68,7 @@ def test_a_bracketed_address_is_unwrapped_and_defaults_are_ssh_s(task_vars):
     variables, templar = task_vars
     c = inventory_connection(variables, templar, "bracketed")
     assert c["host"] == "[fd00::13]" and c["port"] == 22 and c["user"] == "root" and c["become"] is False
-    assert transfer.Target(c["host"]).ssh()[-1] == "fd00::13"
+    assert targets.Target(c["host"]).ssh()[-1] == "fd00::13"
     assert inventory_connection(variables, templar, "plain")["host"] == "plain"  # no ansible_host: its name
 
 

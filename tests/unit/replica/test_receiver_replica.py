@@ -16,8 +16,8 @@ import sys
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica, replica_owner
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import receiver, transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica, replica_images, replica_owner
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import receiver, streams, targets, transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
 
 JOB = "train-1"
@@ -74,7 +74,7 @@ def test_a_push_lands_whole_in_the_store_and_its_commit_counts_it(tmp_path):
     assert stat.S_IMODE(os.stat(dest).st_mode) == 0o700 and (dest / image.MANIFEST).exists()
     assert json.loads((dest / ".gpuckpt" / "transfer.json").read_text()) == {
         "image_id": "img-1", "replica": {"epoch": 1, "node": "node-a"}}
-    assert replica.list_images(str(root), JOB)["record"]["owner"] == "node-a"
+    assert replica_images.list_images(str(root), JOB)["record"]["owner"] == "node-a"
     rc, replies = _receive({"replica_op": "commit", "root": str(root), "job": JOB, "image_id": "img-1", "epoch": 1,
                             "node": "node-a", "keep": 2, "meta": {"progress": {"step": 5}, "stall_s": 0.2}})
     assert rc == 0 and replies == [{"ready": True, "verified": True, "image_id": "img-1", "kept": ["img-1"], "removed": []}]
@@ -114,7 +114,7 @@ def test_a_failover_during_the_push_keeps_its_manifest_out(tmp_path):
     recv.close()
     assert json.loads(out.getvalue())["fenced"] is True
     assert not (root / JOB / "img-1" / image.MANIFEST).exists()
-    assert [i["complete"] for i in replica.list_images(str(root), JOB)["images"]] == [False]
+    assert [i["complete"] for i in replica_images.list_images(str(root), JOB)["images"]] == [False]
 
 
 def test_a_push_goes_only_to_its_place_in_the_store(tmp_path):
@@ -167,7 +167,7 @@ def local_ssh(tmp_path, monkeypatch):
 
 
 def _target():
-    return transfer.Target("replica-1", io_timeout=30, python=sys.executable)
+    return targets.Target("replica-1", io_timeout=30, python=sys.executable)
 
 
 def _ref(root, epoch=1, node="node-a"):
@@ -193,7 +193,7 @@ def test_a_node_pushes_commits_and_is_fenced_through_the_receiver_program(tmp_pa
     said = transfer.replica_call(_target(), dict(_ref(root), replica_op="check", create=False))
     assert said["ready"] and said["fenced"] and said["owner"] == "node-b" and said["epoch"] == 2
     src = _source(tmp_path, "img-3", 4000.0)
-    with pytest.raises(transfer.TransferError) as err:
+    with pytest.raises(streams.TransferError) as err:
         transfer.send_image(str(src), _target(), str(root / JOB / "img-3"),
                             receiver={"image_id": "img-3", "replica": _ref(root)}, retries=3, retry_delay=0)
     assert err.value.details.get("fenced") is True and not err.value.retryable and "1 attempt" in err.value.msg
@@ -201,13 +201,13 @@ def test_a_node_pushes_commits_and_is_fenced_through_the_receiver_program(tmp_pa
     said = transfer.replica_call(_target(), dict(_ref(root), replica_op="commit", image_id="img-2", keep=2))
     assert said["fenced"] and said["ready"] is False and "fenced" in said["error"]
     # A store that refuses for another reason, and a link that breaks, are errors.
-    with pytest.raises(transfer.TransferError, match="not on this replica"):
+    with pytest.raises(streams.TransferError, match="not on this replica"):
         transfer.replica_call(_target(), dict(_ref(root, 2, "node-b"), replica_op="commit", image_id="img-9", keep=2))
     with pytest.raises(GpuCkptError, match="replica store"):
-        transfer.replica_call(transfer.Target("replica-1", io_timeout=30, python="/nonexistent/python3"),
+        transfer.replica_call(targets.Target("replica-1", io_timeout=30, python="/nonexistent/python3"),
                               {"replica_op": "list", "root": str(root), "job": JOB})
 
 
 def test_the_receiver_program_carries_the_replica_store():
-    program = transfer.receiver_program().decode()
-    assert "_SOURCES[%r] = " % replica.__name__ in program  # core/bundle.py: receiver.py imports it
+    program = streams.receiver_program().decode()
+    assert all("_SOURCES[%r] = " % mod.__name__ in program for mod in (replica, replica_images))  # core/bundle.py: receiver.py imports them

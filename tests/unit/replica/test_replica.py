@@ -13,7 +13,7 @@ import pytest
 from ansible.module_utils.testing import patch_module_args
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica, replica_owner
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica, replica_images, replica_owner
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, ImageError, InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.modules import gpu_replica
 
@@ -56,7 +56,7 @@ def _flip_first_byte(path):
 
 def committed(root, image_id, at, keep=3, epoch=1, node="node-a", **meta):
     push(root, image_id, at)
-    return replica.commit(str(root), JOB, image_id, epoch, node, keep, meta)
+    return replica_images.commit(str(root), JOB, image_id, epoch, node, keep, meta)
 
 
 def _mark(path):
@@ -86,7 +86,7 @@ def test_the_first_push_makes_its_node_the_owner_and_a_fenced_copy_is_refused(tm
     # re-protect does, and records it.
     with pytest.raises(replica.EpochAhead, match="ahead of this replica's record"):
         replica.check_push(str(root), JOB, 3, "node-a")
-    assert replica.list_images(str(root), JOB)["record"]["epoch"] == 1
+    assert replica_images.list_images(str(root), JOB)["record"]["epoch"] == 1
     record = replica_owner.reprotect(str(root), JOB, 3, "node-a")["record"]
     assert record["epoch"] == 3 and record["history"][-1]["event"] == "reprotected"
     assert replica.check_push(str(root), JOB, 3, "node-a")["epoch"] == 3
@@ -124,7 +124,7 @@ def test_a_commit_verifies_records_and_keeps_the_newest_n(tmp_path):
     assert mark["verified"] and mark["epoch"] == 1 and mark["node"] == "node-a" and mark["bytes"] == 3004
     assert mark["progress"] == {"step": 40} and mark["stall_s"] == 0.5 and mark["corrupt"] is None
     assert mark["checkpoint_at"] == "1970-01-01T00:16:44+00:00"
-    listed = replica.list_images(str(root), JOB)
+    listed = replica_images.list_images(str(root), JOB)
     assert [i["id"] for i in listed["images"]] == ["img-4", "img-3", "img-2"] and listed["record"]["owner"] == "node-a"
     first = listed["images"][0]
     assert first["verified"] and first["complete"] and first["committed"] and first["progress"] == {"step": 40}
@@ -157,10 +157,10 @@ def test_retention_never_removes_the_only_verified_image_nor_the_one_just_commit
     assert res["kept"] == ["img-new", "img-late"] and res["removed"] == []
     # The newest verified one turns out corrupt: the one verified image left is kept whatever keep says.
     _flip_first_byte(root / JOB / "img-new" / "pages-1.img")
-    assert replica.verify_image(str(root), JOB, "img-new") is False
+    assert replica_images.verify_image(str(root), JOB, "img-new") is False
     res = committed(root, "img-3", 3000, keep=1)
     assert res["kept"] == ["img-3"] and sorted(res["removed"]) == ["img-late", "img-new"]
-    assert [i["id"] for i in replica.list_images(str(root), JOB)["images"]] == ["img-3"]
+    assert [i["id"] for i in replica_images.list_images(str(root), JOB)["images"]] == ["img-3"]
 
 
 def test_an_image_that_does_not_verify_is_refused_marked_and_nothing_is_removed(tmp_path):
@@ -169,29 +169,29 @@ def test_an_image_that_does_not_verify_is_refused_marked_and_nothing_is_removed(
     bad = push(root, "img-2", 2000)
     _flip_first_byte(bad / "pages-1.img")
     with pytest.raises(ImageError, match="checksum mismatch"):
-        replica.commit(str(root), JOB, "img-2", 1, "node-a", 1, {})
+        replica_images.commit(str(root), JOB, "img-2", 1, "node-a", 1, {})
     assert (root / JOB / "img-1").exists() and not _mark(bad)["verified"] and "checksum" in _mark(bad)["corrupt"]
-    listed = {i["id"]: i for i in replica.list_images(str(root), JOB)["images"]}
+    listed = {i["id"]: i for i in replica_images.list_images(str(root), JOB)["images"]}
     assert listed["img-1"]["verified"] and not listed["img-2"]["verified"] and listed["img-2"]["corrupt"]
     incomplete = push(root, "img-3", 3000, manifest=False)
     with pytest.raises(ImageError, match="incomplete"):
-        replica.commit(str(root), JOB, "img-3", 1, "node-a", 1, {})
+        replica_images.commit(str(root), JOB, "img-3", 1, "node-a", 1, {})
     assert incomplete.exists()
     with pytest.raises(ImageError, match="not on this replica"):
-        replica.commit(str(root), JOB, "img-9", 1, "node-a", 1, {})
+        replica_images.commit(str(root), JOB, "img-9", 1, "node-a", 1, {})
     with pytest.raises(InvalidTarget):
-        replica.commit(str(root), JOB, "../img-1", 1, "node-a", 1, {})
+        replica_images.commit(str(root), JOB, "../img-1", 1, "node-a", 1, {})
 
 
 def test_an_image_without_replica_json_is_unverified_and_never_failed_over_to(tmp_path):
     root = _root(tmp_path)
     committed(root, "img-1", 1000)
     push(root, "img-2", 2000)  # its push ended, the commit never came (the node died in between)
-    listed = replica.list_images(str(root), JOB)["images"]
+    listed = replica_images.list_images(str(root), JOB)["images"]
     assert [(i["id"], i["verified"], i["committed"], i["complete"]) for i in listed] == [
         ("img-2", False, False, True), ("img-1", True, True, True)]
     assert listed[0]["epoch"] == 1 and listed[0]["node"] == "node-a"  # from the receiver's mark
-    ok, why, unused = replica.reverify(str(root), JOB, "img-2")
+    ok, why, unused = replica_images.reverify(str(root), JOB, "img-2")
     assert not ok and "never committed" in why
     res = replica_owner.failover_verified(str(root), JOB, "node-a", "node-b", ["img-2", "img-1"])
     assert res["image_id"] == "img-1" and res["skipped"][0]["id"] == "img-2"
@@ -215,9 +215,9 @@ def test_failover_raises_the_epoch_once_and_refuses_what_would_leave_two_copies(
     # The lost node's copy, back: its pushes and commits are refused; the new owner's are taken.
     push(root, "img-2", 2000)
     with pytest.raises(replica.StaleEpoch, match="failed over to node-b at epoch 2"):
-        replica.commit(str(root), JOB, "img-2", 1, "node-a", 3, {})
+        replica_images.commit(str(root), JOB, "img-2", 1, "node-a", 3, {})
     assert not (root / JOB / "img-2" / ".gpuckpt" / "replica.json").exists()
-    assert replica.commit(str(root), JOB, "img-2", 2, "node-b", 3, {})["verified"]
+    assert replica_images.commit(str(root), JOB, "img-2", 2, "node-b", 3, {})["verified"]
     with pytest.raises(replica.FailoverRefused, match="no record"):
         replica_owner.failover(str(root), "other-job", "node-a", "node-b", "img-1")
 
@@ -230,7 +230,7 @@ def test_failover_skips_a_corrupt_image_for_the_previous_verified_one(tmp_path):
     # Check mode: what it would do, nothing marked, no epoch raised.
     res = replica_owner.failover_verified(str(root), JOB, "node-a", "node-b", write=False)
     assert res["image_id"] == "img-1" and res["epoch"] is None and res["skipped"][0]["id"] == "img-2"
-    assert _mark(root / JOB / "img-2")["verified"] and replica.list_images(str(root), JOB)["record"]["epoch"] == 1
+    assert _mark(root / JOB / "img-2")["verified"] and replica_images.list_images(str(root), JOB)["record"]["epoch"] == 1
     res = replica_owner.failover_verified(str(root), JOB, "node-a", "node-b", reason="Xid 79")
     assert res["image_id"] == "img-1" and res["epoch"] == 2 and res["image_path"] == str(root / JOB / "img-1")
     assert res["skipped"] == [{"id": "img-2", "reason": res["skipped"][0]["reason"]}]
@@ -249,7 +249,7 @@ def test_a_refused_failover_reads_no_image_and_one_without_a_good_image_raises_n
     with pytest.raises(ImageError, match="the epoch was not raised") as err:
         replica_owner.failover_verified(str(root), JOB, "node-a", "node-b")
     assert err.value.details["skipped"][0]["id"] == "img-1"
-    assert replica.list_images(str(root), JOB)["record"]["epoch"] == 1
+    assert replica_images.list_images(str(root), JOB)["record"]["epoch"] == 1
 
 
 def test_a_job_directory_that_is_a_symlink_is_refused_and_never_written_through(tmp_path):
@@ -258,8 +258,8 @@ def test_a_job_directory_that_is_a_symlink_is_refused_and_never_written_through(
     elsewhere.mkdir(mode=0o700)
     (root / JOB).symlink_to(elsewhere)
     for call in (lambda: replica.check_push(str(root), JOB, 1, "node-a"),
-                 lambda: replica.list_images(str(root), JOB),
-                 lambda: replica.commit(str(root), JOB, "img-1", 1, "node-a", 1, {}),
+                 lambda: replica_images.list_images(str(root), JOB),
+                 lambda: replica_images.commit(str(root), JOB, "img-1", 1, "node-a", 1, {}),
                  lambda: replica_owner.failover(str(root), JOB, "node-a", "node-b", "img-1")):
         with pytest.raises(InvalidTarget, match="symlink"):
             call()
@@ -286,7 +286,7 @@ def test_commits_of_one_job_wait_for_each_other(tmp_path):
     fd = os.open(str(root / JOB / ".lock"), os.O_RDWR)
     fcntl.flock(fd, fcntl.LOCK_EX)  # another commit (or a failover) holds the job
     results = []
-    worker = threading.Thread(target=lambda: results.append(replica.commit(str(root), JOB, "img-2", 1, "node-a", 1, {})))
+    worker = threading.Thread(target=lambda: results.append(replica_images.commit(str(root), JOB, "img-2", 1, "node-a", 1, {})))
     worker.start()
     time.sleep(0.5)
     assert worker.is_alive() and not (root / JOB / "img-2" / ".gpuckpt" / "replica.json").exists()
@@ -303,7 +303,7 @@ def test_concurrent_commits_of_two_images_leave_a_consistent_store(tmp_path):
     for i in range(4):
         def run(i=i):
             try:
-                replica.commit(str(root), JOB, "img-%d" % i, 1, "node-a", 2, {})
+                replica_images.commit(str(root), JOB, "img-%d" % i, 1, "node-a", 2, {})
             except Exception as exc:  # noqa: BLE001 - reported below
                 errors.append(exc)
         threads.append(threading.Thread(target=run))
@@ -312,7 +312,7 @@ def test_concurrent_commits_of_two_images_leave_a_consistent_store(tmp_path):
     for t in threads:
         t.join(30)
     assert not errors
-    listed = replica.list_images(str(root), JOB)["images"]
+    listed = replica_images.list_images(str(root), JOB)["images"]
     assert all(i["verified"] for i in listed) and "img-3" in [i["id"] for i in listed] and len(listed) >= 2
 
 
@@ -321,7 +321,7 @@ def test_a_push_delivered_a_moment_ago_is_not_taken_for_a_failed_one(tmp_path):
     waiting = push(root, "img-1", 1000, just_now=True)  # delivered, its commit not yet run
     res = committed(root, "img-2", 2000, keep=1)
     assert res["removed"] == [] and waiting.exists()
-    os.utime(waiting, (time.time() - replica.RETAIN_GRACE - 1,) * 2)
+    os.utime(waiting, (time.time() - replica_images.RETAIN_GRACE - 1,) * 2)
     assert committed(root, "img-3", 3000, keep=1)["removed"] == ["img-2", "img-1"]
 
 

@@ -24,8 +24,8 @@ import pytest
 from ansible.module_utils.testing import patch_module_args
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica, replica_owner
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import receiver, transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.replica import replica, replica_images, replica_owner
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import receiver, streams
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.fsutil import UnsafePath
 from ansible_collections.gpuckpt.fleet.plugins.modules import gpu_replica
@@ -134,10 +134,10 @@ def test_the_push_of_the_issue_is_refused_before_a_byte_and_the_owner_is_not_fen
     rc, replies = _receive({"replica_op": "commit", "root": str(root), "job": JOB, "image_id": "img-1", "epoch": 7,
                             "node": "node-a", "keep": 2})
     assert rc == receiver.REFUSED and "ahead" in replies[0]["error"] and "fenced" not in replies[0]
-    assert not (root / JOB / "img-1" / image.STATE_DIR / replica.REPLICA_MARK).exists()
+    assert not (root / JOB / "img-1" / image.STATE_DIR / replica_images.REPLICA_MARK).exists()
     assert _record_bytes(root) == before
     # The owner's own commit at its epoch still counts the image.
-    assert replica.commit(str(root), JOB, "img-1", 1, "node-a", 2)["verified"]
+    assert replica_images.commit(str(root), JOB, "img-1", 1, "node-a", 2)["verified"]
     assert _record_bytes(root) == before
 
 
@@ -148,9 +148,9 @@ def test_a_commit_at_a_higher_epoch_is_refused_even_while_the_push_was_taken(tmp
     assert rc == 0
     before = _record_bytes(root)
     with pytest.raises(GpuCkptError, match="ahead"):
-        replica.commit(str(root), JOB, "img-1", 2, "node-a", 2)
+        replica_images.commit(str(root), JOB, "img-1", 2, "node-a", 2)
     assert _record_bytes(root) == before
-    assert not (root / JOB / "img-1" / image.STATE_DIR / replica.REPLICA_MARK).exists()
+    assert not (root / JOB / "img-1" / image.STATE_DIR / replica_images.REPLICA_MARK).exists()
 
 
 def test_only_an_explicit_reprotect_raises_the_owners_epoch(tmp_path):
@@ -181,7 +181,7 @@ def test_only_an_explicit_reprotect_raises_the_owners_epoch(tmp_path):
     other = tmp_path / "replica-2"
     other.mkdir(mode=0o700)
     res = replica_owner.reprotect(str(other), JOB, 3, "node-a")
-    assert res["changed"] and replica.list_images(str(other), JOB)["record"]["epoch"] == 3
+    assert res["changed"] and replica_images.list_images(str(other), JOB)["record"]["epoch"] == 3
     # A node's request to the receiver cannot do it: that is no replica_op.
     rc, replies = _receive({"replica_op": "reprotect", "root": str(root), "job": JOB, "epoch": 9, "node": "node-a"})
     assert rc == receiver.REFUSED and "unknown replica operation" in replies[0]["error"]
@@ -233,10 +233,10 @@ def test_no_path_a_sender_names_reaches_the_state_dir_the_manifest_or_outside(tm
         rc, replies = _receive(_config(root), _ops(src, end=False) + sent + b'{"op": "end"}\n')
         assert rc == receiver.REFUSED, (op, rel, replies)
         dest = root / JOB / "img-1"
-        assert not (dest / image.STATE_DIR / replica.REPLICA_MARK).exists(), (op, rel)
+        assert not (dest / image.STATE_DIR / replica_images.REPLICA_MARK).exists(), (op, rel)
         assert (dest / image.MANIFEST).read_bytes() == (src / image.MANIFEST).read_bytes(), (op, rel)
         assert sorted(os.listdir(str(root / JOB))) == [".lock", "img-1", "job.json"], (op, rel)
-        listed = replica.list_images(str(root), JOB)["images"]
+        listed = replica_images.list_images(str(root), JOB)["images"]
         assert [(i["committed"], i["verified"]) for i in listed] == [(False, False)], (op, rel)
 
 
@@ -262,9 +262,9 @@ def test_the_issues_forged_verified_mark_is_refused(tmp_path):
     rc, replies = _receive(_config(root), _data("./.gpuckpt/replica.json", json.dumps(mark).encode())
                            + b'{"op": "end"}\n')
     assert rc == receiver.REFUSED and replies[0]["ready"]
-    listed = replica.list_images(str(root), JOB)["images"]
+    listed = replica_images.list_images(str(root), JOB)["images"]
     assert [(i["id"], i["committed"], i["verified"]) for i in listed] == [("img-1", False, False)]
-    ok, why, unused = replica.reverify(str(root), JOB, "img-1")
+    ok, why, unused = replica_images.reverify(str(root), JOB, "img-1")
     assert not ok and "never committed" in why
 
 
@@ -272,7 +272,7 @@ def test_a_second_push_of_a_committed_image_changes_none_of_its_files(tmp_path):
     root = _root(tmp_path)
     src = _source(tmp_path)
     rc, unused = _receive(_config(root), _ops(src))
-    assert rc == 0 and replica.commit(str(root), JOB, "img-1", 1, "node-a", 2)["verified"]
+    assert rc == 0 and replica_images.commit(str(root), JOB, "img-1", 1, "node-a", 2)["verified"]
     dest = root / JOB / "img-1"
     before = _tree(dest)
     other = _source(tmp_path, "img-1-again")
@@ -282,7 +282,7 @@ def test_a_second_push_of_a_committed_image_changes_none_of_its_files(tmp_path):
         rc, replies = _receive(_config(root), sent + b'{"op": "end"}\n')
         assert rc == receiver.REFUSED and replies[0]["ready"] is False and "committed" in replies[0]["error"]
         assert _tree(dest) == before
-    assert replica.reverify(str(root), JOB, "img-1")[0]
+    assert replica_images.reverify(str(root), JOB, "img-1")[0]
 
 
 def test_a_push_that_was_open_when_its_image_was_committed_writes_nothing_more(tmp_path):
@@ -295,7 +295,7 @@ def test_a_push_that_was_open_when_its_image_was_committed_writes_nothing_more(t
     recv = receiver.Receiver(_config(root), io.BytesIO(later), io.BytesIO())
     recv.open()
     try:
-        assert replica.commit(str(root), JOB, "img-1", 1, "node-a", 2)["verified"]
+        assert replica_images.commit(str(root), JOB, "img-1", 1, "node-a", 2)["verified"]
         dest = root / JOB / "img-1"
         before = _tree(dest)
         header = json.loads(recv.inp.readline())
@@ -305,15 +305,15 @@ def test_a_push_that_was_open_when_its_image_was_committed_writes_nothing_more(t
         assert _tree(dest) == before
     finally:
         recv.close()
-    assert replica.reverify(str(root), JOB, "img-1")[0]
+    assert replica_images.reverify(str(root), JOB, "img-1")[0]
 
 
 def test_the_receiver_program_refuses_them_too(tmp_path):
     """The assembled receiver program (what ssh runs on a replica), not this process's modules."""
-    program = transfer.receiver_program()
+    program = streams.receiver_program()
 
     def run(config, ops):
-        proc = subprocess.run([sys.executable, "-c", transfer._BOOTSTRAP % len(program), json.dumps(config)],
+        proc = subprocess.run([sys.executable, "-c", streams._BOOTSTRAP % len(program), json.dumps(config)],
                               input=program + ops, stdout=subprocess.PIPE, stderr=subprocess.PIPE, timeout=60,
                               check=False)
         return proc.returncode, [json.loads(line) for line in proc.stdout.splitlines()]
@@ -324,10 +324,10 @@ def test_the_receiver_program_refuses_them_too(tmp_path):
     assert rc == 0 and replies[-1] == {"delivered": True}
     rc, replies = run(_config(root), _data("./.gpuckpt/replica.json", b'{"verified": true}') + b'{"op": "end"}\n')
     assert rc == receiver.REFUSED and [(i["committed"], i["verified"]) for i in
-                                       replica.list_images(str(root), JOB)["images"]] == [(False, False)]
+                                       replica_images.list_images(str(root), JOB)["images"]] == [(False, False)]
     rc, replies = run(_config(root, "img-2", epoch=7), _ops(_source(tmp_path, "img-2")))
     assert rc == receiver.REFUSED and "ahead" in replies[0]["error"] and not (root / JOB / "img-2").exists()
-    assert replica.commit(str(root), JOB, "img-1", 1, "node-a", 2)["verified"]
+    assert replica_images.commit(str(root), JOB, "img-1", 1, "node-a", 2)["verified"]
     before = _tree(root / JOB / "img-1")
     rc, replies = run(_config(root), _data("pages-1.img", b"x" * 100) + b'{"op": "end"}\n')
     assert rc == receiver.REFUSED and "committed" in replies[0]["error"] and _tree(root / JOB / "img-1") == before

@@ -16,9 +16,7 @@ import zlib
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import link_probe
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import receiver
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import link_probe, receiver, streams, targets
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError, InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.modules import gpu_image_sync
 
@@ -46,7 +44,7 @@ sys.exit(subprocess.call(["sh", "-c", cmd]))
 
 
 def _target():
-    return transfer.Target("hostb", io_timeout=30, python=sys.executable)
+    return targets.Target("hostb", io_timeout=30, python=sys.executable)
 
 
 def _roots(tmp_path):
@@ -68,7 +66,7 @@ def test_a_probe_measures_the_transfer_and_leaves_nothing_on_either_host(tmp_pat
 
 def test_a_failed_transfer_still_leaves_nothing_and_says_why(tmp_path, fake_ssh, monkeypatch):
     node, target = _roots(tmp_path)
-    monkeypatch.setenv("FAKE_SSH_CUT", str(len(transfer.receiver_program()) + 2 * 2**20))
+    monkeypatch.setenv("FAKE_SSH_CUT", str(len(streams.receiver_program()) + 2 * 2**20))
     with pytest.raises(GpuCkptError) as err:
         link_probe.probe(str(node / ".gpuckpt-probe-1"), _target(), str(target / ".gpuckpt-probe-1"), 8, streams=1,
                          retries=0)

@@ -1,4 +1,4 @@
-"""The receiver's data path (receiver.BlockWriter): the blocks read from the stream are written and hashed by a
+"""The receiver's data path (block_writer.BlockWriter): the blocks read from the stream are written and hashed by a
 thread of their own while the next ones are read. What must hold whatever the pieces' sizes: every byte lands
 where its operation says, a block is read into again only once it is written (a pool smaller than one piece),
 each range's receipt is the hash of the bytes written and comes only after them, a cut stream leaves no receipt
@@ -17,7 +17,7 @@ import sys
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import receiver, transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import block_writer, receiver, streams
 
 
 def _data(rel, off, payload):
@@ -44,7 +44,7 @@ def test_pieces_of_any_size_land_whole_with_their_receipts(tmp_path):
     """Pieces larger than the whole pool, smaller than a block and not on block boundaries, two files
     interleaved: the files are the bytes sent and each receipt hashes its range."""
     dest = str(tmp_path / "img")
-    block, pool = receiver.RECEIVE_BLOCK, receiver.RECEIVE_BLOCKS
+    block, pool = block_writer.RECEIVE_BLOCK, block_writer.RECEIVE_BLOCKS
     big = os.urandom(block * (pool + 3) + 12345)   # more than the pool holds: its blocks are reused
     small = os.urandom(1000)
     tail = os.urandom(block + 1)
@@ -64,9 +64,9 @@ def test_pieces_of_any_size_land_whole_with_their_receipts(tmp_path):
 
 def test_a_cut_stream_leaves_no_receipt_of_its_range(tmp_path):
     dest = str(tmp_path / "img")
-    whole = os.urandom(3 * receiver.RECEIVE_BLOCK)
+    whole = os.urandom(3 * block_writer.RECEIVE_BLOCK)
     first = os.urandom(5000)
-    stream = _data("pages-1.img", 0, first) + _data("pages-1.img", len(first), whole)[:-(receiver.RECEIVE_BLOCK + 7)]
+    stream = _data("pages-1.img", 0, first) + _data("pages-1.img", len(first), whole)[:-(block_writer.RECEIVE_BLOCK + 7)]
     with pytest.raises(receiver.StreamCut) as err:
         _run(dest, stream)
     assert "at byte" in str(err.value)
@@ -79,7 +79,7 @@ def test_a_cut_stream_leaves_no_receipt_of_its_range(tmp_path):
 def test_a_manifest_is_delivered_only_after_every_byte_before_it_is_written(tmp_path):
     """deliver (and fix, sums) wait for the writer: the image is complete on disk when its manifest appears."""
     dest = str(tmp_path / "img")
-    payload = os.urandom(receiver.RECEIVE_BLOCK * (receiver.RECEIVE_BLOCKS + 1))
+    payload = os.urandom(block_writer.RECEIVE_BLOCK * (block_writer.RECEIVE_BLOCKS + 1))
     manifest = json.dumps({"id": "img-b", "files": {}}).encode()
     stream = (_data("pages-1.img", 0, payload) + b'{"op": "fix", "files": [["pages-1.img", %d]]}\n' % len(payload)
               + json.dumps({"op": "deliver", "len": len(manifest)}).encode() + b"\n" + manifest + b'{"op": "end"}\n')
@@ -100,8 +100,8 @@ def test_a_full_disk_is_the_receivers_failure_in_its_words(tmp_path):
     try:
         dest = str(root / "img")
         stream = _data("pages-1.img", 0, os.urandom(6 * 2**20)) + b'{"op": "end"}\n'
-        program = transfer.receiver_program()  # the receiver as a stream starts it (no package on the target)
-        proc = subprocess.run([sys.executable, "-c", transfer._BOOTSTRAP % len(program),
+        program = streams.receiver_program()  # the receiver as a stream starts it (no package on the target)
+        proc = subprocess.run([sys.executable, "-c", streams._BOOTSTRAP % len(program),
                                json.dumps({"dest": dest, "image_id": "img-b"})],
                               input=program + stream, stdout=subprocess.PIPE, stderr=subprocess.PIPE, check=False)
         assert proc.returncode == 1, proc.stderr

@@ -19,7 +19,7 @@ import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import transaction as migration
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import receiver, streams, targets, transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import GpuCkptError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import Journal
 
@@ -71,7 +71,7 @@ def _digest(path):
 
 
 def _target(io_timeout=30):
-    return transfer.Target("hostb", io_timeout=io_timeout, python=sys.executable)
+    return targets.Target("hostb", io_timeout=io_timeout, python=sys.executable)
 
 
 def test_an_image_arrives_whole_over_several_streams_private_and_verified(tmp_path, fake_ssh, small_chunks):
@@ -217,23 +217,25 @@ def test_a_settlement_stops_a_transfer_that_is_still_running(tmp_path, fake_ssh,
 def test_bad_target_values_are_refused_before_anything_runs():
     for bad in ("-oProxyCommand=x", "host;rm", "a b", ""):
         with pytest.raises(GpuCkptError, match="host"):
-            transfer.Target(bad)
+            targets.Target(bad)
     with pytest.raises(GpuCkptError, match="user"):
-        transfer.Target("hostb", user="-l")
+        targets.Target("hostb", user="-l")
     with pytest.raises(GpuCkptError, match="python"):
-        transfer.Target("hostb", python="python3; id")
-    t = transfer.Target("[fd00::2]")
+        targets.Target("hostb", python="python3; id")
+    t = targets.Target("[fd00::2]")
     assert t.host == "fd00::2" and t.ssh()[-1] == "fd00::2" and t.ssh()[-2] == "--"
 
 
 def test_the_receiver_program_carries_the_receiver_and_the_store_not_the_sender():
     """The modules receiver.py imports (core/bundle.py follows them), none of the sender's side."""
     from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import bundle
-    carried = set(bundle.bundled_sources("from %s import main\n" % transfer.receiver.__name__))
+    carried = set(bundle.bundled_sources("from %s import main\n" % receiver.__name__))
     mu = bundle.PACKAGE + "."
-    assert {mu + "transfer.receiver", mu + "replica.replica", mu + "core.journal", mu + "core.image"} <= carried
-    assert not {m for m in carried if m.startswith((mu + "transfer.transfer", mu + "runtimes", mu + "engine", mu + "cuda"))}
-    assert transfer.receiver_program().decode().rstrip().endswith("sys.exit(main())")
+    assert {mu + "transfer.receiver", mu + "transfer.block_writer", mu + "replica.replica", mu + "replica.replica_images",
+            mu + "core.journal", mu + "core.image"} <= carried
+    sender_side = ("transfer.transfer", "transfer.streams", "transfer.targets", "runtimes", "engine", "cuda")
+    assert not {m for m in carried if m.startswith(tuple(mu + s for s in sender_side))}
+    assert streams.receiver_program().decode().rstrip().endswith("sys.exit(main())")
 
 
 def test_automatic_streams_are_a_quarter_of_the_cores():

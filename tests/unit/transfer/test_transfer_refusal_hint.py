@@ -17,8 +17,8 @@ import sys
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer.transfer import TransferError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import targets, transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer.streams import TransferError
 
 FAKE_SSH = r'''#!%(py)s
 import json, os, re, sys
@@ -43,7 +43,7 @@ def _send(tmp_path, retries=0):
     image.prepare_dir(str(src))
     (src / "pages-1.img").write_bytes(os.urandom(4096))
     image.write_manifest(str(src), {"id": "img-1", "files": image.checksum_files(str(src))})
-    target = transfer.Target("hostb", io_timeout=30, python=sys.executable)
+    target = targets.Target("hostb", io_timeout=30, python=sys.executable)
     with pytest.raises(TransferError) as exc:
         transfer.send_image(str(src), target, str(tmp_path / "dest"), receiver={"image_id": "img-1"}, streams=1,
                             retries=retries, retry_delay=0.01)

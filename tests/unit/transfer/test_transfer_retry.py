@@ -13,9 +13,10 @@ import sys
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import transfer
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer import streams, targets, transfer
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import Journal
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer.transfer import TransferError
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer.receiver import REFUSED
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.transfer.streams import TransferError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import transaction as migration
 
 FAKE_SSH = r'''#!%(py)s
@@ -47,7 +48,7 @@ def _image(tmp_path, nonce="n0nce0001"):
 
 
 def _send(src, dest, receiver=None, retries=3, streams=1):
-    target = transfer.Target("hostb", io_timeout=30, python=sys.executable)
+    target = targets.Target("hostb", io_timeout=30, python=sys.executable)
     return transfer.send_image(src, target, dest, receiver=receiver or {"image_id": "img-1"}, streams=streams,
                                retries=retries, retry_delay=0.01)
 
@@ -99,7 +100,7 @@ def test_a_manifest_of_another_checkpoint_is_refused_once_not_tried_again(tmp_pa
     with pytest.raises(TransferError, match="nonce differs") as exc:
         _send(_image(tmp_path, nonce="an0therone"), dest, receiver=receiver)
     assert not exc.value.retryable and _attempts(exc.value) == 1
-    assert exc.value.rc == transfer.receiver.REFUSED
+    assert exc.value.rc == REFUSED
     assert not image.has_manifest(dest) and j.phase == "receiving"
 
 
@@ -107,7 +108,7 @@ def test_a_cut_stream_is_tried_again_and_resumed(tmp_path, fake_ssh, monkeypatch
     """A receiver whose stream ends before its end mark failed on the way, not by refusing. (Of two
     streams the second is closed before the manifest goes: the first attempt delivers nothing.)"""
     src = _image(tmp_path)
-    real = transfer.Stream.close
+    real = streams.Stream.close
     cut = []
 
     def close_once_cut(stream, timeout):
@@ -118,7 +119,7 @@ def test_a_cut_stream_is_tried_again_and_resumed(tmp_path, fake_ssh, monkeypatch
                 os.dup2(devnull.fileno(), stream.proc.stdin.fileno())  # the receiver's end sees EOF
         return real(stream, timeout)
 
-    monkeypatch.setattr(transfer.Stream, "close", close_once_cut)
+    monkeypatch.setattr(streams.Stream, "close", close_once_cut)
     res = _send(src, str(tmp_path / "dest"), streams=2)
     assert cut[0].index == 1 and res["attempts"] == 2 and cut[0].proc.returncode == 1  # not receiver.REFUSED
     image.verify(str(tmp_path / "dest"))
