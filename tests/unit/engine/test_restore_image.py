@@ -15,7 +15,6 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore impor
 pytestmark = pytest.mark.usefixtures("no_host_facts")  # (tests/unit/engine/conftest.py)
 
 
-
 @pytest.fixture
 def counted(monkeypatch):
     """How many times the restore opens an image, and reads a manifest."""
@@ -35,7 +34,8 @@ def counted(monkeypatch):
     return counts
 
 
-def test_a_restore_opens_its_image_once_and_reads_its_manifest_once(workload, tmp_path, counted, doubles, recording_backend, gpu_given_back, checkpointed_image):
+def test_a_restore_opens_its_image_once_and_reads_its_manifest_once(workload, tmp_path, counted, doubles, recording_backend,
+                                                                     gpu_given_back, checkpointed_image):
     root, b, c = workload
     image_dir, drv = checkpointed_image()
     log = []

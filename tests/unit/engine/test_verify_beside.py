@@ -21,7 +21,6 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.steps import 
 pytestmark = pytest.mark.usefixtures("no_host_facts")  # (tests/unit/engine/conftest.py)
 
 
-
 @pytest.fixture
 def gated_backend(recording_backend):
     """The class of a runtime TEST DOUBLE whose restore takes a gate."""
