@@ -35,7 +35,7 @@ def counted(monkeypatch):
 
 
 def test_a_restore_opens_its_image_once_and_reads_its_manifest_once(workload, tmp_path, counted, doubles, recording_backend,
-                                                                   gpu_given_back, checkpointed_image):
+                                                                    gpu_given_back, checkpointed_image):
     root, b, c = workload
     image_dir, drv = checkpointed_image()
     log = []
