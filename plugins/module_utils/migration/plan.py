@@ -32,7 +32,7 @@ from __future__ import annotations
 import random
 import string
 
-from ..core import procfs
+from ..core import procfs, sockets
 from .planner import id_reuse, option_errors
 from .report import as_bool
 
@@ -447,4 +447,4 @@ class HostProbe(object):
             pids = procfs.process_tree(root)
         if not pids:
             return root, {"bound_sockets": []}
-        return root, {"bound_sockets": procfs.bound_sockets(pids), "net_namespace": procfs.net_namespace(int(root))}
+        return root, {"bound_sockets": sockets.bound_sockets(pids), "net_namespace": procfs.net_namespace(int(root))}
