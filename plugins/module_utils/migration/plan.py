@@ -33,7 +33,8 @@ import random
 import string
 
 from ..core import procfs, sockets
-from .planner import id_reuse, option_errors
+from .id_reuse import id_reuse
+from .planner import option_errors
 from .report import as_bool
 
 DEFAULT_CONTAINER_RUNTIME = "runc"
