@@ -203,6 +203,7 @@ def make(params, journal, probe):
         plan.update(_new_part(params, pod, probe))
     return plan
 
+
 class Options(object):
     """The play's options as given (``gpuckpt_*``, and the plain probe_command and quiesce_* of migrate.yml), read
     with the defaults the playbooks document. A number that is not one reads as 0, as Jinja's ``float`` reads it:

@@ -22,7 +22,6 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore impor
 pytestmark = pytest.mark.usefixtures("no_host_facts")  # (tests/unit/engine/conftest.py)
 
 
-
 def _listener(reuse):
     srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if reuse:
