@@ -9,7 +9,7 @@ name: migration_id_reuse
 short_description: Why a migration id used before may not be used for the workload named now
 version_added: "0.4.0"
 description:
-  - A thin wrapper over the migration planner's C(id_reuse). A re-run with the same id and the same workload
+  - A thin wrapper over the migration room's C(id_reuse). A re-run with the same id and the same workload
     finishes or reports that migration; naming another workload (another pid, container or pod, or a pid that
     another process holds now) is refused, naming both, instead of being answered with the old result.
   - Returns the reason, or an empty string when the id may be used.
@@ -54,7 +54,7 @@ _value:
   type: str
 """
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration.planner import id_reuse
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration.id_reuse import id_reuse
 
 
 def migration_id_reuse(journal, migration_id, pid=None, container=None, pod=None, pid_starttime=None, target_journal=None):

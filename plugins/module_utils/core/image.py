@@ -26,7 +26,6 @@ Plain Python with the standard library only: the receiving end of a transfer car
 from __future__ import annotations
 
 import hashlib
-import hmac
 import json
 import os
 import re
@@ -36,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from .errors import ImageError, InvalidTarget
 from .fsutil import (UnsafePath, atomic_write, create_private_dir, identity, open_beneath, open_dir, read_json, remove_tree, same_dir)
+from .image_signature import check_signature, signature_of
 from .procfs import usable_cpus
 
 SCHEMA_VERSION = 1
@@ -216,43 +216,12 @@ def _checksums(dir_fd, where, files=None, known=None):
     return out
 
 
-def _signature(manifest, key):
-    body = json.dumps({k: v for k, v in manifest.items() if k != "signature"}, sort_keys=True).encode()
-    return hmac.new(key.encode() if isinstance(key, str) else key, body, hashlib.sha256).hexdigest()
-
-
-def check_signature(manifest, sign_key=None, allow_unverified_signature=False, where="the image"):
-    """The manifest's signature against the configured key, read before anything else of the image.
-    Returns "verified" (it matches the key), "unsigned" (neither key nor signature) or "not_checked"
-    (signed, no key, and the user allowed that by name). Raises ImageError otherwise: a signed image is
-    never taken without its key (a forgotten key must not silently turn the check off), and with a key an
-    image without a signature is refused like one with a wrong one (stripping it must not get past)."""
-    if not sign_key:
-        if "signature" not in manifest or allow_unverified_signature:
-            return "not_checked" if "signature" in manifest else "unsigned"
-        raise ImageError("the manifest of %s carries a signature, and no sign_key was given to check it; refusing the "
-                         "image unchecked (it is kept as it is)" % where, stage="preflight", details={"signature": "no_key"},
-                         hint="give the key it was signed with (sign_key), or set allow_unverified_signature=true "
-                         "to take it without checking its signature")
-    sig = manifest.get("signature")
-    value = sig.get("value") if isinstance(sig, dict) and sig.get("alg") == "hmac-sha256" else None
-    if sig is None or not isinstance(value, str) or not hmac.compare_digest(
-            value.encode("utf-8", "surrogatepass"), _signature(manifest, sign_key).encode()):
-        missing = sig is None
-        raise ImageError("the manifest of %s %s; refusing it (it is kept as it is)" % (where, "carries no signature, and a sign_key "
-                         "is configured" if missing else "has a signature that does not match the configured key"),
-                         stage="verify", details={"signature": "missing" if missing else "mismatch"},
-                         hint="the image was altered or signed with another key (or none): restore only an image "
-                         "checkpointed with this sign_key, or give the key it was signed with")
-    return "verified"
-
-
 def write_manifest(image_dir, manifest, sign_key=None):
     manifest = dict(manifest)
     manifest["schema_version"] = SCHEMA_VERSION
     manifest["chunk_size"] = CHUNK
     if sign_key:
-        manifest["signature"] = {"alg": "hmac-sha256", "value": _signature(manifest, sign_key)}
+        manifest["signature"] = {"alg": "hmac-sha256", "value": signature_of(manifest, sign_key)}
     atomic_write(os.path.join(image_dir, MANIFEST), manifest)
     return manifest
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import socket
 
-from ..core import procfs
+from ..core import procfs, sockets
 from ..cuda import usage as gpu_usage
 from ..cuda import processes as gpu_procs
 from ..cuda import driver as cuda
@@ -145,22 +145,10 @@ def used_memory_bound(apps, tpids, unread, source):
     gpus, gpu_source = gpu_usage.gpus()
     if not gpus:
         return None, "no reading of the GPUs' used memory bounds it (none answered)"
-    listed = {a["pid"] for a in apps}
-    where = {a["gpu_uuid"] for a in apps if a["pid"] in tpids}
-    for p in unread:
-        if p not in listed:
-            where |= _gpus_opened(p, gpus) or {g["uuid"] for g in gpus}
-    others = sorted({(a["gpu_uuid"], a["pid"]) for a in apps if a["gpu_uuid"] in where and a["pid"] not in tpids},
-                    key=str)
-    if others:
-        return None, ("the GPU's used memory bounds the tree's only where every process the driver lists there is the "
-                      "tree's, and GPU %s also runs pid %s" % others[0])
-    seen_there = {a["gpu_uuid"] for a in apps if a["pid"] in tpids}
-    unseen = sorted(where - seen_there)
-    if unseen:  # (a list that shows none of the tree's processes there may not show every process there either)
-        return None, ("the GPU's used memory bounds the tree's only where the driver's list shows the tree's processes "
-                      "and no other, and it shows none of them on GPU %s, which pid(s) %s may use"
-                      % (unseen[0], ",".join(map(str, unread))))
+    where = _gpus_the_tree_may_use(apps, tpids, unread, gpus)
+    why_not = _shared_or_unseen_gpu(apps, tpids, unread, where)
+    if why_not:
+        return None, why_not
     used = {g["uuid"]: g.get("memory_used_mib") for g in gpus if g["uuid"] in where}
     unmeasured = sorted(u for u in where if used.get(u) is None)
     if unmeasured:
@@ -171,6 +159,33 @@ def used_memory_bound(apps, tpids, unread, source):
             "gpu_memory_bound": "an upper bound from the GPU's used memory (%s memory.used of GPU %s): every process "
                                 "the driver lists there belongs to the tree, and %s reports no memory for pid(s) %s"
                                 % (gpu_source, ", ".join(sorted(where)), source, ",".join(map(str, unread)))}, None
+
+
+def _gpus_the_tree_may_use(apps, tpids, unread, gpus):
+    """The uuids of the GPUs the tree may hold memory on (see used_memory_bound)."""
+    listed = {a["pid"] for a in apps}
+    where = {a["gpu_uuid"] for a in apps if a["pid"] in tpids}
+    for p in unread:
+        if p not in listed:
+            where |= _gpus_opened(p, gpus) or {g["uuid"] for g in gpus}
+    return where
+
+
+def _shared_or_unseen_gpu(apps, tpids, unread, where):
+    """Why the used memory of the GPUs ``where`` does not bound the tree's (a process not the tree's listed on one,
+    or a GPU where the list shows none of the tree's), or None when it does."""
+    others = sorted({(a["gpu_uuid"], a["pid"]) for a in apps if a["gpu_uuid"] in where and a["pid"] not in tpids},
+                    key=str)
+    if others:
+        return ("the GPU's used memory bounds the tree's only where every process the driver lists there is the "
+                "tree's, and GPU %s also runs pid %s" % others[0])
+    seen_there = {a["gpu_uuid"] for a in apps if a["pid"] in tpids}
+    unseen = sorted(where - seen_there)
+    if unseen:  # (a list that shows none of the tree's processes there may not show every process there either)
+        return ("the GPU's used memory bounds the tree's only where the driver's list shows the tree's processes "
+                "and no other, and it shows none of them on GPU %s, which pid(s) %s may use"
+                % (unseen[0], ",".join(map(str, unread))))
+    return None
 
 
 def _tree(drv, tree_of, tree_pids):
@@ -184,7 +199,7 @@ def _tree(drv, tree_of, tree_pids):
            "cuda_states": {str(p): state for p, state in cuda_states.items()},
            "rss_bytes": sum(procfs.rss_bytes(p) for p in tpids),
            "net_namespace": procfs.net_namespace(int(tree_of)),
-           "bound_sockets": procfs.bound_sockets(tpids)}
+           "bound_sockets": sockets.bound_sockets(tpids)}
     out.update(tree_gpu_memory(tpids, cuda_states))
     return out
 

@@ -15,7 +15,7 @@ import re
 import socket
 
 from ..core import image
-from ..core import procfs
+from ..core import procfs, sockets
 from ..core.errors import DriverUnavailable, InvalidTarget
 from ..core.journal import identities
 from ..cuda import devices as gpu_devices
@@ -206,7 +206,7 @@ def _distributed(backend, pids, coop=False):
         raise InvalidTarget(verdict["refusal"] + "; nothing was frozen", stage="preflight", pid=first,
                             hint="restart the job with that environment, or let it release its communicators itself "
                                  "(quiesce_mode: cooperative, tools/gpuckpt_quiesce.py; docs/multi_gpu.md)")
-    outside = procfs.tcp_outside(pids) if verdict["restorable"] or coop else []
+    outside = sockets.tcp_outside(pids) if verdict["restorable"] or coop else []
     if outside:
         raise InvalidTarget("NCCL job of pid %d holds TCP connections whose other end is not in the checkpointed tree "
                             "(%s): a rank or its rendezvous is on another host (a multi-node job) or in another "

@@ -10,7 +10,7 @@ on another "host" of the same kernel, or the rollback onto the source), CRIU can
 again ("Address already in use") and the restore fails. CRIU binds with SO_REUSEADDR, which the
 kernel lets pass a TIME_WAIT socket only when the socket it came from had SO_REUSEADDR too (PyTorch's TCPStore
 sets it; a listener that did not, as tests/workloads/nccl_ranks.py's, blocks the bind). So the checkpoint records
-the ports the tree listens on (``procfs.criu_needs``' ``tcp_listen``, kept in the manifest's
+the ports the tree listens on (``tree_plan.criu_needs``' ``tcp_listen``, kept in the manifest's
 ``target.tcp_listen_ports`` where the tree shares the checkpointer's network namespace), and the restore first
 waits, bounded by that length plus a margin, while a TIME_WAIT socket of the restoring namespace holds one of them
 against a bind as CRIU's (SO_REUSEADDR, on that socket's address); the result says so.
@@ -21,7 +21,7 @@ import errno
 import socket
 import time
 
-from ..core import procfs
+from ..core import sockets
 
 TIME_WAIT_S = 60.0  # the kernel's TCP_TIMEWAIT_LEN
 MARGIN_S = 5.0
@@ -57,13 +57,13 @@ def bind_refused(family, address, port):
 def wait_time_wait_gone(ports, timeout=TIME_WAIT_S + MARGIN_S, read=None, refused=None, poll=0.2,
                         clock=time.monotonic, sleep=time.sleep):
     """Wait (at most ``timeout`` s) while a TIME_WAIT socket that ``read()`` lists ([(family, address, port)]; by
-    default this process's network namespace, procfs.tcp_time_wait) has one of ``ports`` as its local port and
+    default this process's network namespace, sockets.tcp_time_wait) has one of ``ports`` as its local port and
     keeps a bind there ``refused`` (by default bind_refused). Returns None when nothing held them, else a report: the ports held, those
     still held when it gave up, the seconds waited, whether they cleared, and a sentence for the log."""
     wanted = set(int(p) for p in ports or [])
     if not wanted:
         return None
-    read, refused = read or procfs.tcp_time_wait, refused or bind_refused
+    read, refused = read or sockets.tcp_time_wait, refused or bind_refused
 
     def held():
         return sorted({port for family, address, port in read() or [] if port in wanted

@@ -24,7 +24,7 @@ from collections import namedtuple
 from concurrent.futures import ThreadPoolExecutor
 
 from ..core import hugepages
-from ..core import image
+from ..core import image, image_signature
 from ..core import procfs
 from ..core.errors import DriverUnavailable, GpuCkptError, ImageError, InvalidTarget, TransactionError
 from ..core.journal import identities, process_identity, same_process
@@ -247,7 +247,7 @@ def _signature_checked(img, opts):
     """The manifest's signature, checked first of all (it needs the manifest alone): a signed image is not
     restored, nor reported as already restored, without its key unless the user allowed it by name; with a
     key, an image without a signature or with another one is refused. Returns check_signature's verdict."""
-    return image.check_signature(img.manifest, opts.sign_key, opts.allow_unverified_signature, img.path)
+    return image_signature.check_signature(img.manifest, opts.sign_key, opts.allow_unverified_signature, img.path)
 
 
 def _signature_result(result, signature):

@@ -32,8 +32,9 @@ from __future__ import annotations
 import random
 import string
 
-from ..core import procfs
-from .planner import id_reuse, option_errors
+from ..core import procfs, sockets
+from .id_reuse import id_reuse
+from .planner import option_errors
 from .report import as_bool
 
 DEFAULT_CONTAINER_RUNTIME = "runc"
@@ -448,4 +449,4 @@ class HostProbe(object):
             pids = procfs.process_tree(root)
         if not pids:
             return root, {"bound_sockets": []}
-        return root, {"bound_sockets": procfs.bound_sockets(pids), "net_namespace": procfs.net_namespace(int(root))}
+        return root, {"bound_sockets": sockets.bound_sockets(pids), "net_namespace": procfs.net_namespace(int(root))}

@@ -21,6 +21,7 @@ from ..core.procfs import ns_pid
 from ..cuda import driver as cuda
 from ..cuda import devices as gpu_devices
 from .criu import Criu
+from . import tree_plan
 from ..core.errors import GpuCkptError, InvalidTarget
 from ..core.run import find_binary, run
 
@@ -117,44 +118,12 @@ class Backend(metaclass=abc.ABCMeta):
         - one end of a unix stream connection to a process outside the tree: refused (CRIU cannot);
         - established TCP connections: --tcp-established when ``tcp_established``, or when
           ``internal_tcp`` (the engine found that both ends of each are the tree's: a distributed job's
-          rendezvous and ranks, nccl.py), else refused."""
-        needs = procfs.criu_needs(pids)
-        tcp_ok = self.tcp_established or internal_tcp
-        flags = []
-        if needs["ext_unix_stream"]:
-            raise InvalidTarget("the workload holds %s; CRIU cannot checkpoint one end of a unix stream connection; "
-                                "nothing was frozen" % needs["ext_unix_stream"][0], stage="preflight",
-                                hint="checkpoint a tree that holds both ends (their common parent), or close that "
-                                     "connection first")
-        if needs["io_uring"]:
-            p = needs["io_uring"][0]
-            raise InvalidTarget("pid %d (%s) holds an io_uring, which CRIU cannot checkpoint; nothing was frozen"
-                                % (p, (procfs.read_stat(p) or {}).get("comm")), stage="preflight", pid=p,
-                                hint="libuv makes one by itself: PyTorch's TCPStore server (torchrun's agent holds "
-                                     "one in PyTorch 2.11 whatever its options) and node; start the ranks with a "
-                                     "launcher of the job's own and USE_LIBUV=0 (docs/multi_gpu.md)")
-        if needs["tcp"] and not tcp_ok:
-            raise InvalidTarget("the workload holds established TCP connections (%s); nothing was frozen"
-                                % ", ".join(needs["tcp"][:3]), stage="preflight",
-                                hint="set tcp_established: true to checkpoint them (CRIU --tcp-established: the "
-                                     "connections are restored where the workload is restored, with the same addresses)")
-        if needs["file_locks"]:
-            flags.append("--file-locks")
-        if needs["ext_unix_dgram"]:
-            flags.append("--ext-unix-sk")
-        if needs["ghost_bytes"] > procfs.GHOST_LIMIT:  # a deleted file it maps or holds, larger than CRIU takes
-            flags.append("--ghost-limit=%d" % (needs["ghost_bytes"] + procfs.GHOST_LIMIT))
-        if self.tcp_established or (internal_tcp and needs["tcp"]):
-            flags.append("--tcp-established")
-            if needs["tcp"]:
-                flags += self._tcp_lock_flags()
-        flags = [f for f in flags if f not in (self.extra or ()) and f.split("=", maxsplit=1)[0] not in (self.extra or ())]
-        if self.passes_criu_flags is not None:
-            blocked = [f for f in flags if f not in self.passes_criu_flags]
-            if blocked:
-                raise InvalidTarget("the workload needs CRIU's %s (%s), which the %s runtime cannot pass to CRIU; "
-                                    "nothing was frozen" % (" ".join(blocked), _why(needs), self.name),
-                                    stage="preflight")
+          rendezvous and ranks, nccl.py), else refused. The steps are tree_plan's."""
+        needs = tree_plan.criu_needs(pids)
+        tree_plan.refuse_undumpable(needs, tcp_ok=self.tcp_established or internal_tcp)
+        flags = tree_plan.needed_flags(needs, self.tcp_established, internal_tcp, self._tcp_lock_flags)
+        flags = tree_plan.without_user_given(flags, self.extra)
+        tree_plan.refuse_unpassable(flags, self.passes_criu_flags, needs, self.name)
         self.auto_flags = flags
         self.criu_needs = needs
         self.criu_flags()  # the user's own options too: refused here, before anything is frozen
@@ -326,19 +295,6 @@ def mount_hint(log_text, default=None):
         if words in (log_text or ""):
             return hint
     return default
-
-
-def _why(needs):
-    out = []
-    if needs["file_locks"]:
-        out.append("file locks")
-    if needs["ext_unix_dgram"]:
-        out.append(needs["ext_unix_dgram"][0])
-    if needs["tcp"]:
-        out.append("TCP connections")
-    if needs.get("ghost_bytes", 0) > procfs.GHOST_LIMIT:
-        out.append("a deleted file of %d bytes that it maps or holds open" % needs["ghost_bytes"])
-    return ", ".join(out)
 
 
 def criu_preflight(criu, full=True):

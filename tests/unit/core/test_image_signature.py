@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, image_signature
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import ImageError
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
 
@@ -71,21 +71,21 @@ def _restore(image_dir, backend, **options):
 
 def test_check_signature_verdicts():
     signed = {"id": "x"}
-    signed["signature"] = {"alg": "hmac-sha256", "value": image._signature(signed, KEY)}
-    assert image.check_signature(signed, KEY) == "verified"
-    assert image.check_signature({"id": "x"}) == "unsigned"
-    assert image.check_signature(signed, None, allow_unverified_signature=True) == "not_checked"
-    assert image.check_signature(signed, KEY, allow_unverified_signature=True) == "verified", \
+    signed["signature"] = {"alg": "hmac-sha256", "value": image_signature.signature_of(signed, KEY)}
+    assert image_signature.check_signature(signed, KEY) == "verified"
+    assert image_signature.check_signature({"id": "x"}) == "unsigned"
+    assert image_signature.check_signature(signed, None, allow_unverified_signature=True) == "not_checked"
+    assert image_signature.check_signature(signed, KEY, allow_unverified_signature=True) == "verified", \
         "the option never turns off the check of a key that is given"
     with pytest.raises(ImageError, match="no sign_key was given") as exc:
-        image.check_signature(signed)
+        image_signature.check_signature(signed)
     assert exc.value.stage == "preflight" and exc.value.details == {"signature": "no_key"}
     assert "sign_key" in exc.value.hint and "allow_unverified_signature" in exc.value.hint
     with pytest.raises(ImageError, match="carries no signature") as exc:
-        image.check_signature({"id": "x"}, KEY)
+        image_signature.check_signature({"id": "x"}, KEY)
     assert exc.value.details == {"signature": "missing"}
     with pytest.raises(ImageError, match="does not match") as exc:
-        image.check_signature(signed, "other")
+        image_signature.check_signature(signed, "other")
     assert exc.value.details == {"signature": "mismatch"}
 
 
@@ -94,9 +94,9 @@ def test_check_signature_verdicts():
 def test_a_malformed_signature_is_refused_with_a_key_and_without_one(signature):
     manifest = {"id": "x", "signature": signature}
     with pytest.raises(ImageError, match="does not match|carries no signature"):
-        image.check_signature(manifest, KEY)
+        image_signature.check_signature(manifest, KEY)
     with pytest.raises(ImageError, match="no sign_key was given"):
-        image.check_signature(manifest)
+        image_signature.check_signature(manifest)
 
 
 def test_image_verify_applies_the_same_rules(tmp_path):

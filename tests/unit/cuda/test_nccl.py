@@ -1,4 +1,4 @@
-"""cuda/nccl.py and core/procfs.tcp_outside: which distributed (NCCL) jobs the driver can restore, decided before
+"""cuda/nccl.py and core/sockets.tcp_outside: which distributed (NCCL) jobs the driver can restore, decided before
 anything is frozen from what /proc shows of real processes (issue 45): each "rank" here is a process that maps a
 /dev/shm/nccl-* segment, as NCCL's shared memory shows, started with the environment under test; no GPU."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import uuid
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import sockets
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import nccl
 
 RESTORABLE = {"NCCL_P2P_DISABLE": "1", "NCCL_CUMEM_ENABLE": "0", "NCCL_CUMEM_HOST_ENABLE": "0", "NCCL_NVLS_ENABLE": "0"}
@@ -118,9 +118,9 @@ def test_connections_between_two_sockets_of_the_tree_are_inside_it_and_one_to_a_
     try:
         for p in (inside, outside):
             assert p.stdout.readline().strip() == b"up"
-        assert len(procfs.tcp_endpoints([inside.pid])) == 2
-        assert procfs.tcp_outside([inside.pid]) == []
-        out = procfs.tcp_outside([outside.pid])
+        assert len(sockets.tcp_endpoints([inside.pid])) == 2
+        assert sockets.tcp_outside([inside.pid]) == []
+        out = sockets.tcp_outside([outside.pid])
         assert out == ["tcp port %d -> 127.0.0.1:%d" % (out and int(out[0].split()[2]), port)], out
     finally:
         for p in (inside, outside):

@@ -1,4 +1,4 @@
-"""engine/ports.py and core/procfs' TCP tables: the ports a restore binds again, and the wait for TIME_WAIT sockets
+"""engine/ports.py and core/sockets' TCP tables: the ports a restore binds again, and the wait for TIME_WAIT sockets
 that hold them (the configuration mode's migration on one kernel failed with "Address already in use", issue 45).
 The TIME_WAIT sockets here are real: a loopback connection closed from its listening side first leaves one on the
 listening port for the kernel's 60 s; it refuses CRIU's bind (SO_REUSEADDR) only when the listener lacked
@@ -13,7 +13,8 @@ import time
 import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import TransactionError
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, procfs
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import image, sockets
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes import tree_plan
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import ports
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.checkpoint import checkpoint
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore
@@ -46,7 +47,7 @@ def _time_wait_on(srv):
 
 
 def _tw_ports():
-    return {port for unused, unused2, port in procfs.tcp_time_wait()}
+    return {port for unused, unused2, port in sockets.tcp_time_wait()}
 
 
 def test_a_real_time_wait_of_a_listener_without_reuseaddr_refuses_the_bind_until_it_clears():
@@ -54,12 +55,12 @@ def test_a_real_time_wait_of_a_listener_without_reuseaddr_refuses_the_bind_until
     and CRIU's bind (SO_REUSEADDR) refused: the wait is bounded, and its report says the restore may fail."""
     srv = _listener(reuse=False)
     port = srv.getsockname()[1]
-    assert port in procfs.tcp_listen_ports([os.getpid()])
-    assert port in procfs.criu_needs([os.getpid()])["tcp_listen"], "this process shares its own network namespace"
+    assert port in sockets.tcp_listen_ports([os.getpid()])
+    assert port in tree_plan.criu_needs([os.getpid()])["tcp_listen"], "this process shares its own network namespace"
     assert port not in _tw_ports()
     _time_wait_on(srv)
     srv.close()  # (the dumped tree's listener is gone)
-    assert (socket.AF_INET, "127.0.0.1", port) in procfs.tcp_time_wait()
+    assert (socket.AF_INET, "127.0.0.1", port) in sockets.tcp_time_wait()
     assert ports.bind_refused(socket.AF_INET, "127.0.0.1", port)
     started = time.monotonic()
     report = ports.wait_time_wait_gone([port, 1], timeout=0.3, poll=0.05)
@@ -127,7 +128,7 @@ def test_the_checkpoint_records_the_listening_ports_and_the_restore_waits_for_th
         seen.append(list(log))
         return tables.pop(0) if len(tables) > 1 else tables[0]
 
-    monkeypatch.setattr(procfs, "tcp_time_wait", read)
+    monkeypatch.setattr(sockets, "tcp_time_wait", read)
     monkeypatch.setattr(ports, "bind_refused", lambda *a: True)
     monkeypatch.setattr(ports.time, "sleep", lambda s: None)
     log[:] = []
@@ -154,7 +155,7 @@ def test_the_undo_of_a_failed_checkpoint_whose_tree_exited_waits_for_its_ports_b
     def no_room(*args, **kwargs):
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr(procfs, "tcp_time_wait", read)
+    monkeypatch.setattr(sockets, "tcp_time_wait", read)
     monkeypatch.setattr(ports, "bind_refused", lambda *a: True)
     monkeypatch.setattr(ports.time, "sleep", lambda s: None)
     monkeypatch.setattr(image, "write_manifest", no_room)

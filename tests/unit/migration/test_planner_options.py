@@ -1,10 +1,10 @@
-"""migration/planner.py: option_errors (the numbers a playbook takes, checked before anything is frozen) and
-id_reuse (a migration id that has a journal, named again for another workload)."""
+"""migration/planner.py: option_errors (the numbers a playbook takes, checked before anything is frozen); and
+migration/id_reuse.py: id_reuse (a migration id that has a journal, named again for another workload)."""
 from __future__ import annotations
 
 import pytest
 
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import planner
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration import id_reuse, planner
 
 ABOVE_0 = "must be a number above 0"
 NOT_NEGATIVE = "must be a number of 0 or more (0: no limit)"
@@ -69,7 +69,7 @@ POD_JOURNAL = {"exists": True, "phase": "restoring", "pod": {"namespace": "ml", 
     ("nothing named", PID_JOURNAL, dict()),
 ])
 def test_the_same_workload_may_use_its_id_again(case, journal, named):
-    assert planner.id_reuse("m-42", journal, **named) is None, case
+    assert id_reuse.id_reuse("m-42", journal, **named) is None, case
 
 
 @pytest.mark.parametrize("case,journal,named,recorded,asked", [
@@ -84,7 +84,7 @@ def test_the_same_workload_may_use_its_id_again(case, journal, named):
     ("a pid for a journal without pids", {"exists": True, "phase": "begun"}, dict(pid=1), "an unknown workload", "pid 1"),
 ])
 def test_another_workload_is_refused_naming_both(case, journal, named, recorded, asked):
-    why = planner.id_reuse("m-42", journal, **named)
+    why = id_reuse.id_reuse("m-42", journal, **named)
     assert why is not None, case
     assert why.startswith("migration id m-42 was used before for %s (phase %s); this run names %s"
                           % (recorded, journal.get("phase"), asked)), why
@@ -92,7 +92,7 @@ def test_another_workload_is_refused_naming_both(case, journal, named, recorded,
 
 
 def test_a_pid_another_process_holds_now_says_so():
-    why = planner.id_reuse("m-42", PID_JOURNAL, pid=4242, pid_now={"starttime": 999})
+    why = id_reuse.id_reuse("m-42", PID_JOURNAL, pid=4242, pid_now={"starttime": 999})
     assert "another process holds it now" in why and "999" in why and "777" in why
 
 
@@ -100,7 +100,7 @@ def test_the_same_workload_under_a_new_start_time_is_still_the_same():
     """One machine seen as two hosts: a rollback restores the source from its image (the same pid, a new start time),
     a commit leaves its copy under the same pid; a re-run with the id and the pid finishes or reports it."""
     rolled_back = dict(PID_JOURNAL, phase="resumed", resumed_identities={"4242": {"pid": 4242, "starttime": 777}})
-    assert planner.id_reuse("m-42", rolled_back, pid=4242, pid_now={"starttime": 777}) is None
+    assert id_reuse.id_reuse("m-42", rolled_back, pid=4242, pid_now={"starttime": 777}) is None
     target = {"exists": True, "phase": "committed", "identities": {"4242": {"pid": 4242, "starttime": 888}}}
-    assert planner.id_reuse("m-42", PID_JOURNAL, pid=4242, pid_now={"starttime": 888}, target_journal=target) is None
-    assert planner.id_reuse("m-42", PID_JOURNAL, pid=4242, pid_now={"starttime": 999}, target_journal=target)
+    assert id_reuse.id_reuse("m-42", PID_JOURNAL, pid=4242, pid_now={"starttime": 888}, target_journal=target) is None
+    assert id_reuse.id_reuse("m-42", PID_JOURNAL, pid=4242, pid_now={"starttime": 999}, target_journal=target)

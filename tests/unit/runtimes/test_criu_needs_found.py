@@ -1,4 +1,4 @@
-"""core/procfs.criu_needs on real processes: what CRIU must be told, or cannot dump, found before anything is frozen
+"""runtimes/tree_plan.criu_needs on real processes: what CRIU must be told, or cannot dump, found before anything is frozen
 (issue 45, seen on the GPU machine with a 2-rank NCCL job): a deleted file larger than CRIU's ghost limit that the
 tree maps (NCCL's /dev/shm/nccl-* segments), and an io_uring (libuv's, in torchrun's agent)."""
 from __future__ import annotations
