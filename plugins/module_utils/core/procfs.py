@@ -333,29 +333,52 @@ def io_uring_users(pids):
 GHOST_LIMIT = 1 << 20  # CRIU's default --ghost-limit: the largest deleted file it dumps
 
 
-def largest_deleted_file(pids):
-    """The size of the largest deleted (unlinked) regular file that ``pids`` map or hold open, 0 when none: CRIU
-    dumps each into the image as a "ghost file", and refuses one over its --ghost-limit (NCCL's shared-memory
-    transport maps unlinked /dev/shm/nccl-* segments of 34 MB, measured on 2 x H100)."""
-    largest = 0
+# What /proc shows "(deleted)" that CRIU does not dump as a ghost file: shared anonymous memory ("/dev/zero"), memfds
+# and System V segments, which CRIU dumps as shared memory or memfds whatever their size. Counting them would refuse a
+# runtime that cannot raise CRIU's ghost limit (runc) for nothing. (A PyTorch process in a runc container on an H100
+# was refused for a "deleted file" of 8.25 MiB; which file is not known yet: the refusal now names it.)
+SHARED_ANONYMOUS = "/dev/zero"
+NOT_GHOST_PREFIXES = ("/memfd:", "/SYSV")
+
+
+def _is_ghost(name):
+    """Whether a "(deleted)" name of /proc (a mapping's path or an fd's link) is a file CRIU dumps as a ghost file."""
+    name = name[:-len(" (deleted)")] if name.endswith(" (deleted)") else name
+    return not (name == SHARED_ANONYMOUS or name.startswith(NOT_GHOST_PREFIXES))
+
+
+def deleted_files(pids):
+    """The deleted (unlinked) regular files that ``pids`` map or hold open and that CRIU dumps into the image as
+    "ghost files", refusing one over its --ghost-limit (NCCL's shared-memory transport maps unlinked
+    /dev/shm/nccl-* segments of 34 MB, measured on 2 x H100): [(size, name)], largest first."""
+    found = {}
     for pid in pids:
         try:
             with open("/proc/%d/maps" % pid) as fh:
-                ranges = [ln.split()[0] for ln in fh if ln.rstrip().endswith("(deleted)")]
-            paths = ["/proc/%d/map_files/%s" % (pid, r) for r in ranges]
+                places = [("/proc/%d/map_files/%s" % (pid, ln.split()[0]), ln.split(None, 5)[-1].strip())
+                          for ln in fh if ln.rstrip().endswith("(deleted)") and len(ln.split(None, 5)) == 6]
             for fd in os.listdir("/proc/%d/fd" % pid):
                 try:
-                    if os.readlink("/proc/%d/fd/%s" % (pid, fd)).endswith(" (deleted)"):
-                        paths.append("/proc/%d/fd/%s" % (pid, fd))
+                    link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
                 except OSError:
                     continue
+                if link.endswith(" (deleted)"):
+                    places.append(("/proc/%d/fd/%s" % (pid, fd), link))
         except OSError:
             continue
-        for path in paths:
+        for path, name in places:
+            if not _is_ghost(name):
+                continue
             try:
                 st = os.stat(path)
             except OSError:
                 continue
             if stat.S_ISREG(st.st_mode):
-                largest = max(largest, st.st_size)
-    return largest
+                found[(st.st_dev, st.st_ino)] = (st.st_size, name[:-len(" (deleted)")])
+    return sorted(found.values(), reverse=True)
+
+
+def largest_deleted_file(pids):
+    """The size of the largest file of ``deleted_files(pids)``, 0 when none."""
+    files = deleted_files(pids)
+    return files[0][0] if files else 0

@@ -18,8 +18,10 @@ def criu_needs(pids):
     named peer with --ext-unix-sk (and reconnects it on restore, e.g. /dev/log) and cannot dump one
     end of a stream connection at all. Peers are seen only in this host's network namespace."""
     pids = [int(p) for p in pids]
+    ghost = (procfs.deleted_files(pids) or [None])[0]  # (the largest: CRIU's --ghost-limit must take it)
     needs = {"file_locks": procfs.file_locks(pids), "ext_unix_dgram": [], "ext_unix_stream": [], "tcp": sockets.tcp_connections(pids),
-             "io_uring": procfs.io_uring_users(pids), "ghost_bytes": procfs.largest_deleted_file(pids), "tcp_listen": []}
+             "io_uring": procfs.io_uring_users(pids), "ghost_bytes": ghost[0] if ghost else 0,
+             "ghost_file": ghost[1] if ghost else None, "tcp_listen": []}
     ours = set(sockets.socket_inodes(pids))
     if any(procfs.net_namespace(p) == procfs.net_namespace() for p in pids[:1]):
         # (a tree in this namespace is restored into the restorer's own: it binds these ports there again)
@@ -108,5 +110,6 @@ def _why(needs):
     if needs["tcp"]:
         out.append("TCP connections")
     if needs.get("ghost_bytes", 0) > procfs.GHOST_LIMIT:
-        out.append("a deleted file of %d bytes that it maps or holds open" % needs["ghost_bytes"])
+        out.append("a deleted file of %d bytes that it maps or holds open%s" % (
+            needs["ghost_bytes"], ": %s" % needs["ghost_file"] if needs.get("ghost_file") else ""))
     return ", ".join(out)

@@ -47,6 +47,46 @@ def test_a_deleted_file_larger_than_crius_ghost_limit_raises_it(tmp_path):
         p.wait()
 
 
+SHARED = """
+import mmap, os, sys, time
+anon = mmap.mmap(-1, 8 << 20, mmap.MAP_SHARED)  # shared anonymous memory: /proc says "/dev/zero (deleted)"
+anon.write(b"x" * (8 << 20))
+fd = os.memfd_create("cuda-like")  # a memfd: "/memfd:cuda-like (deleted)"
+os.ftruncate(fd, 8 << 20)
+m = mmap.mmap(fd, 8 << 20)
+print("up", flush=True)
+time.sleep(60)
+"""
+
+
+def test_shared_anonymous_memory_and_memfds_are_no_ghost_files():
+    """CRIU dumps shared anonymous memory and memfds as shared memory, whatever their size: /proc's "(deleted)" on
+    them is no ghost file, and a runtime that cannot raise the ghost limit (runc) must not be refused for them."""
+    p, said = start(SHARED)
+    try:
+        assert said == "up"
+        with open("/proc/%d/maps" % p.pid) as fh:
+            maps = fh.read()
+        assert "/dev/zero (deleted)" in maps and "/memfd:cuda-like (deleted)" in maps
+        # (pytest's own captured stderr, an unlinked temporary file the child inherits, may be listed: it is empty)
+        assert [f for f in procfs.deleted_files([p.pid]) if f[0]] == [] and procfs.largest_deleted_file([p.pid]) == 0
+        assert not [f for f in ProcessBackend().plan_tree([p.pid]) if f.startswith("--ghost-limit")]
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_the_refusal_names_the_deleted_file(tmp_path):
+    p, said = start(DELETED, tmp_path, 3 << 20)
+    try:
+        assert said == "up"
+        size, name = procfs.deleted_files([p.pid])[0]
+        assert size == 3 << 20 and name.startswith(str(tmp_path)), name
+    finally:
+        p.kill()
+        p.wait()
+
+
 def test_a_small_deleted_file_needs_no_flag(tmp_path):
     p, said = start(DELETED, tmp_path, 4096)
     try:
