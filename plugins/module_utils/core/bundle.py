@@ -62,12 +62,13 @@ sys.meta_path.insert(0, _BundledModules(_SOURCES))
 
 
 def module_source(mod):
-    """The source of one of our modules, also from inside an AnsiballZ zip."""
+    """The source of one of our modules, also from inside an AnsiballZ zip or through Ansible's collection loader
+    on the controller (whose ``get_source`` returns bytes)."""
     loader = getattr(mod, "__loader__", None)
     if loader is not None and hasattr(loader, "get_source"):
         src = loader.get_source(mod.__name__)
         if src:
-            return src
+            return src.decode("utf-8") if isinstance(src, bytes) else src
     with open(mod.__file__) as fh:
         return fh.read()
 

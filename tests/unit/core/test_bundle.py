@@ -59,3 +59,17 @@ def test_each_source_is_carried_exactly(text):
 def test_future_imports_of_the_main_leave_the_program_valid(tmp_path):
     proc = _run(bundle.program("from __future__ import annotations\nprint('ok')\n"), tmp_path)
     assert proc.returncode == 0 and proc.stdout == "ok\n", proc.stderr
+
+
+def test_a_loader_that_gives_bytes_is_read_as_text():
+    """Ansible's collection loader, which loads this package for a filter on the controller (the role's
+    k8s_restore_handler filter), gives a module's source as bytes: the bundle reads it as text."""
+    class BytesLoader(object):
+        def get_source(self, name):
+            return ("# the source of %s\n" % name).encode("utf-8")
+
+    class Module(object):
+        __name__ = CORE + ".something"
+        __loader__ = BytesLoader()
+
+    assert bundle.module_source(Module()) == "# the source of %s.something\n" % CORE
