@@ -30,7 +30,7 @@ MARGIN_S = 5.0
 def recorded(backend):
     """The listening ports the runtime's plan of the tree found (``plan_tree``), for the manifest; [] where the
     tree has its own network namespace or the runtime plans none."""
-    return list((getattr(backend, "criu_needs", None) or {}).get("tcp_listen") or [])
+    return list((backend.criu_needs or {}).get("tcp_listen") or [])
 
 
 def listen_ports(manifest):

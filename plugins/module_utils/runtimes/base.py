@@ -94,6 +94,7 @@ class Backend(metaclass=abc.ABCMeta):
                                 restores_host_pids=False, gates_restore=False, keeps_criu_plugins_off=True)
     extra = ()           # the user's CRIU options
     auto_flags = ()      # CRIU options the tree needs, found by plan_tree
+    criu_needs = None    # what plan_tree found of the tree (tree_plan.criu_needs), None before it ran
     tcp_established = False
     # CRIU options this runtime can pass on (None: any); the others make plan_tree refuse the tree
     passes_criu_flags = None
