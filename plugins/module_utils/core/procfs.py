@@ -195,7 +195,9 @@ def validate_target(pid):
     if st is None:
         raise InvalidTarget("no process with pid %d on this host" % pid, stage="preflight", pid=pid,
                             hint="check the pid (cuda_process_facts lists CUDA processes)")
-    if st["flags"] & PF_KTHREAD or st["ppid"] == 2 or pid == 2:
+    # The flag alone: in a container's pid namespace pid 2 and its children are user processes (kthreadd is
+    # pid 2 of the host's namespace only, and kernel threads carry PF_KTHREAD wherever they are seen).
+    if st["flags"] & PF_KTHREAD:
         raise InvalidTarget("pid %d (%s) is a kernel thread; only user processes can be checkpointed"
                             % (pid, st["comm"]), stage="preflight", pid=pid)
     if st["state"] in ("Z", "X"):

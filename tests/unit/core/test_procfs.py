@@ -3,8 +3,12 @@ test's own process (and on a pid that does not exist)."""
 from __future__ import annotations
 
 import os
+import subprocess
+
+import pytest
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import journal, procfs
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
 
 NO_PID = 4194303  # above the kernel's pid_max limit: never a process
 
@@ -56,3 +60,29 @@ def test_usable_cpus_are_the_affinity_cut_to_the_cgroup_quotas_rounded_up(tmp_pa
     (tmp_path / "pod" / "cpu.max").write_text("garbage\n")
     (tmp_path / "pod" / "ctr" / "cpu.max").write_text("%d 100000\n" % (100000 * allowed - 1))
     assert procfs.usable_cpus(str(tmp_path)) == allowed, "a part of a core counts as one"
+
+
+def _user_process_seen_as(monkeypatch, pid, ppid):
+    """A real sleeper whose stat reads as ``pid`` with parent ``ppid``: how a container's own pid namespace shows
+    its first processes (pid 2 there is a user process, and so are its children)."""
+    sleeper = subprocess.Popen(["sleep", "60"], stdin=subprocess.DEVNULL, start_new_session=True)
+    read_stat = procfs.read_stat
+    monkeypatch.setattr(procfs, "read_stat", lambda p: dict(read_stat(sleeper.pid), pid=pid, ppid=ppid)
+                        if p == pid else read_stat(p))
+    return sleeper
+
+
+def test_only_the_kernel_thread_flag_makes_a_kernel_thread(monkeypatch):
+    for pid, ppid in ((2, 1), (7, 2)):
+        sleeper = _user_process_seen_as(monkeypatch, pid, ppid)
+        try:
+            assert procfs.validate_target(pid)["comm"] == "sleep", "a container's pid %d is a user process" % pid
+        finally:
+            sleeper.kill()
+            sleeper.wait()
+            monkeypatch.undo()
+    kernel_threads = [int(p) for p in os.listdir("/proc") if p.isdigit()
+                      and (procfs.read_stat(int(p)) or {"flags": 0})["flags"] & procfs.PF_KTHREAD]
+    if kernel_threads:  # none are seen from inside a pid namespace of its own
+        with pytest.raises(InvalidTarget, match="kernel thread"):
+            procfs.validate_target(kernel_threads[0])

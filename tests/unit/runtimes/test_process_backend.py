@@ -70,13 +70,29 @@ def test_a_tree_in_its_own_session_is_no_shell_job_and_its_dump_says_so(fake_cri
                                                      "timeout": 30})]
 
 
-def test_a_tree_whose_session_leader_is_outside_it_is_a_shell_job(fake_criu, sleepers):
-    """Started without setsid, the sleeper's session and process group are this test's: CRIU must take them as
-    external (--shell-job)."""
-    child = sleepers()
+@pytest.fixture
+def sleeper_led_from_outside():
+    """A sleeper whose session and process group are led by its parent shell, which this test starts in a new
+    session: the leader lives in this pid namespace but outside the sleeper's tree. (This test's own session
+    cannot serve: under a CI runner its leader may sit outside the pid namespace, where it reads 0.)"""
+    leader = subprocess.Popen(["sh", "-c", "sleep 60 & echo $!; wait"], stdin=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, start_new_session=True)
+    try:
+        yield int(leader.stdout.readline())
+    finally:
+        os.killpg(leader.pid, signal.SIGKILL)
+        leader.wait()
+        leader.stdout.close()
+
+
+def test_a_tree_whose_session_leader_is_outside_it_is_a_shell_job(fake_criu, sleeper_led_from_outside):
+    """The sleeper's session and process group are its parent's: CRIU must take them as external (--shell-job)."""
+    pid = sleeper_led_from_outside
+    stat = procfs.read_stat(pid)
+    assert stat["session"] not in (0, pid) and stat["pgrp"] not in (0, pid)
     backend = process.ProcessBackend()
-    backend.resolve(child.pid)
-    assert backend.dump(child.pid, "/img", "/work", "running")["shell_job"] is True
+    assert backend.resolve(pid) == (pid, [pid])
+    assert backend.dump(pid, "/img", "/work", "running")["shell_job"] is True
     assert backend.criu.calls[0][2]["shell_job"] is True
 
 
