@@ -15,7 +15,7 @@ from __future__ import annotations
 from .core import hugepages, image
 from .transfer import targets, transfer
 from .core.errors import GpuCkptError, InvalidTarget, TransactionError
-from .runtimes.registry import DEFAULT as DEFAULT_RUNTIME
+from .runtimes.registry import PROCESS_RUNTIME as DEFAULT_RUNTIME
 from .module_common import (MIGRATION_ARGS, PROGRESS_ARGS, RUNTIME_ARGS, SPEED_ARGS, TOOL_ARGS, backend_of_image,
                             check_path_arg, journal_for, make_backend)
 

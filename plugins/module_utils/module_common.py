@@ -47,9 +47,9 @@ def backend_of_image(image_dir):
     """The backend an image was taken with (its manifest's runtime.backend); process by default."""
     from .core import image
     try:
-        return (image.load_manifest(image_dir).get("runtime") or {}).get("backend") or registry.DEFAULT
+        return (image.load_manifest(image_dir).get("runtime") or {}).get("backend") or registry.PROCESS_RUNTIME
     except Exception:  # noqa: BLE001 - the engine reports a bad image itself, with its reason
-        return registry.DEFAULT
+        return registry.PROCESS_RUNTIME
 
 
 PROGRESS_ARGS = dict(
@@ -60,6 +60,15 @@ SPEED_ARGS = dict(
     host_huge_pages=dict(type="bool", default=False),
 )
 
+
+# The workload a module acts on: exactly one of pid, container, pod; the runtime is inferred where not named
+# (runtimes.registry.runtime_of).
+WORKLOAD_ARGS = dict(
+    pid=dict(type="int"),
+    container=dict(type="str"),
+    pod=dict(type="str"),
+    runtime=dict(type="str", choices=RUNTIMES),
+)
 
 MIGRATION_ARGS = dict(
     migration_id=dict(type="str"),

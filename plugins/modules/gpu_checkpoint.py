@@ -53,9 +53,10 @@ options:
         paused, before the first container is dumped; each container goes to C(containers/<name>/) in O(image_dir).
         It needs O(leave_stopped=true) or O(leave_running=true), because the kubelet would start exited containers
         again from their entrypoint. Such an image is restored by the pod migration, not by M(gpuckpt.fleet.gpu_restore).
+      - Left out, the workload named decides it - V(process) for O(pid), V(runc) for O(container), V(k8s_pod)
+        for O(pod).
     type: str
     choices: [process, runc, podman, docker, containerd, runsc, k8s_pod]
-    default: process
   container:
     description: The container's id or name. Required with a container O(runtime).
     type: str
@@ -63,6 +64,7 @@ options:
     description:
       - The pod to checkpoint with O(runtime=k8s_pod), as C(<namespace>/<name>) (a bare name is in namespace
         C(default)). Its containers are found by the labels the kubelet gives them.
+      - Exactly one of O(pid), O(container) and O(pod) names the workload.
     type: str
   pod_uid:
     description:
@@ -427,8 +429,9 @@ from ansible.module_utils.basic import AnsibleModule
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import checkpoint as engine_checkpoint
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine import give_back as engine_give_back
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.registry import runtime_of
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
-    RUNTIMES, check_path_arg, command_argv, journal_for, make_backend, run_engine)
+    WORKLOAD_ARGS, check_path_arg, command_argv, journal_for, make_backend, run_engine)
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import (
     operation_spec, or_fail, push_sender, transfer_target_spec)
 
@@ -437,10 +440,6 @@ NONCE_RE = re.compile(r"^[A-Za-z0-9]{8,64}\Z")
 
 def main():
     spec = operation_spec(
-        pid=dict(type="int"),
-        runtime=dict(type="str", choices=RUNTIMES, default="process"),
-        container=dict(type="str"),
-        pod=dict(type="str"),
         pod_uid=dict(type="str"),
         pod_containers=dict(type="list", elements="str"),
         image_dir=dict(type="path", required=True),
@@ -460,14 +459,17 @@ def main():
             to=dict(type="str"),
             journal_dir=dict(type="path", default=DEFAULT_JOURNAL_DIR),
             **transfer_target_spec(""))),
+        **WORKLOAD_ARGS
     )
     module = AnsibleModule(argument_spec=spec, supports_check_mode=True,
+                           required_one_of=[("pid", "container", "pod")],
                            mutually_exclusive=[("leave_running", "leave_stopped"), ("pid", "container", "pod"),
                                                ("quiesce_signal", "quiesce_command")],
                            required_if=[("runtime", "process", ["pid"]), ("runtime", "runc", ["container"]),
                                         ("runtime", "podman", ["container"]), ("runtime", "docker", ["container"]),
                                         ("runtime", "runsc", ["container"]), ("runtime", "k8s_pod", ["pod"])])
     p = module.params
+    p["runtime"] = runtime_of(p["container"], p["pod"], p["runtime"])
     check_path_arg(module, "image_dir", p["image_dir"])
     if p["nonce"] is not None and not NONCE_RE.match(p["nonce"]):
         module.fail_json(msg="nonce must be 8-64 letters or digits, got %r; nothing was frozen" % p["nonce"])

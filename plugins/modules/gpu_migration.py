@@ -236,7 +236,8 @@ from ansible.module_utils.basic import AnsibleModule
 
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.journal import DEFAULT_JOURNAL_DIR
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.migration.transaction import RESTORE_WAIT
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import RUNTIME_ARGS, RUNTIMES, check_path_arg
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.module_common import (
+    RUNTIME_ARGS, WORKLOAD_ARGS, check_path_arg)
 from ansible_collections.gpuckpt.fleet.plugins.module_utils._module_helpers import migration_step, run_module
 
 
@@ -258,17 +259,13 @@ def main():
         abandon_pod_restore=dict(type="bool", default=False),
         libcuda_path=dict(type="path"),
         runtime_timeout=dict(type="float", default=0),
-        pid=dict(type="int"),
-        container=dict(type="str"),
-        runtime=dict(type="str", choices=RUNTIMES),
-        pod=dict(type="str"),
         move_pod=dict(type="dict"),
         target_journal=dict(type="dict"),
         target_host=dict(type="dict"),
         target_name=dict(type="str"),
         target_pod_name=dict(type="str"),
         settle_only=dict(type="bool", default=False),
-        **RUNTIME_ARGS
+        **dict(WORKLOAD_ARGS, **RUNTIME_ARGS)
     ), supports_check_mode=True)
     check_path_arg(module, "image_dir", module.params["image_dir"])
     # The size given, else the preflight's estimate (a size of 0 is none: begin refuses it, nothing made)

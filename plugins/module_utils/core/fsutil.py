@@ -89,6 +89,18 @@ def open_beneath(dir_fd, rel, flags=os.O_RDONLY, mode=FILE_MODE, make_dirs=False
         os.close(fd)
 
 
+def remove_regular_file(dir_fd, name):
+    """Remove ``name`` in the directory open as ``dir_fd`` when it is a regular file there (a symlink or anything
+    else planted under that name stays). True when one was removed; ``dir_fd`` stays open."""
+    try:
+        if not stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode):
+            return False
+        os.unlink(name, dir_fd=dir_fd)
+        return True
+    except OSError:
+        return False
+
+
 def _random_name(name):
     return ".%s.%s.tmp" % (name, os.urandom(6).hex())
 

@@ -309,6 +309,24 @@ def file_locks(pids):
     return out
 
 
+def fd_links(pid):
+    """[(fd path, link)] of the files ``pid`` holds open, from /proc/<pid>/fd (an fd closed meanwhile is left out;
+    none for a process gone or not ours to read)."""
+    base = "/proc/%d/fd" % int(pid)
+    try:
+        fds = os.listdir(base)
+    except OSError:
+        return []
+    out = []
+    for fd in fds:
+        path = "%s/%s" % (base, fd)
+        try:
+            out.append((path, os.readlink(path)))
+        except OSError:
+            continue
+    return out
+
+
 def io_uring_users(pids):
     """The pids among ``pids`` that hold an io_uring (its ring mapped, or its fd open): CRIU cannot dump one
     ("Unknown ... anon_inode:[io_uring]"). libuv (1.45+) makes one by itself: PyTorch's TCPStore, torchrun's
@@ -320,15 +338,10 @@ def io_uring_users(pids):
                 if any("anon_inode:[io_uring]" in ln for ln in fh):
                     out.append(pid)
                     continue
-            for fd in os.listdir("/proc/%d/fd" % pid):
-                try:
-                    if os.readlink("/proc/%d/fd/%s" % (pid, fd)) == "anon_inode:[io_uring]":
-                        out.append(pid)
-                        break
-                except OSError:
-                    continue
         except OSError:
             continue
+        if any(link == "anon_inode:[io_uring]" for _path, link in fd_links(pid)):
+            out.append(pid)
     return out
 
 
@@ -359,15 +372,9 @@ def deleted_files(pids):
             with open("/proc/%d/maps" % pid) as fh:
                 places = [("/proc/%d/map_files/%s" % (pid, ln.split()[0]), ln.split(None, 5)[-1].strip())
                           for ln in fh if ln.rstrip().endswith("(deleted)") and len(ln.split(None, 5)) == 6]
-            for fd in os.listdir("/proc/%d/fd" % pid):
-                try:
-                    link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
-                except OSError:
-                    continue
-                if link.endswith(" (deleted)"):
-                    places.append(("/proc/%d/fd/%s" % (pid, fd), link))
         except OSError:
             continue
+        places.extend((path, link) for path, link in fd_links(pid) if link.endswith(" (deleted)"))
         for path, name in places:
             if not _is_ghost(name):
                 continue

@@ -15,20 +15,8 @@ from . import procfs
 
 
 def socket_inodes(pids):
-    out = set()
-    for pid in pids:
-        try:
-            names = os.listdir("/proc/%d/fd" % pid)
-        except OSError:
-            continue
-        for fd in names:
-            try:
-                link = os.readlink("/proc/%d/fd/%s" % (pid, fd))
-            except OSError:
-                continue
-            if link.startswith("socket:["):
-                out.add(link[8:-1])
-    return out
+    """The inodes (as strings) of the sockets that ``pids`` hold open."""
+    return {link[8:-1] for pid in pids for _path, link in procfs.fd_links(pid) if link.startswith("socket:[")}
 
 
 def _hex_port(addr):

@@ -7,23 +7,13 @@ from __future__ import annotations
 
 import os
 
-from ..core.procfs import _mapped_files, _shm_maps, _thread_names, cmdline, container_id, environ, read_stat
+from ..core.procfs import (
+    _mapped_files, _shm_maps, _thread_names, cmdline, container_id, environ, fd_links, read_stat)
 
 
 def nvidia_fds(pid):
     """Device files under /dev/nvidia* that pid holds open."""
-    out = set()
-    try:
-        for fd in os.listdir("/proc/%d/fd" % pid):
-            try:
-                target = os.readlink("/proc/%d/fd/%s" % (pid, fd))
-            except OSError:
-                continue
-            if target.startswith("/dev/nvidia"):
-                out.add(target)
-    except OSError:
-        pass
-    return sorted(out)
+    return sorted({link for _path, link in fd_links(pid) if link.startswith("/dev/nvidia")})
 
 
 def shm_maps(pid):

@@ -31,7 +31,7 @@ import time
 
 from ..core import procfs
 from ..core.errors import GpuCkptError
-from ..core.fsutil import UnsafePath, open_beneath
+from ..core.fsutil import UnsafePath, open_beneath, remove_regular_file
 from ..core.journal import process_identity, same_process
 from ..core.wait import wait_for
 from . import quiesce
@@ -106,14 +106,8 @@ def remove_file(pid, pattern):
     tmp_fd = _tmp_dir(pid)
     if tmp_fd is None:
         return False
-    name = _name(pid, pattern)
     try:
-        if not stat.S_ISREG(os.stat(name, dir_fd=tmp_fd, follow_symlinks=False).st_mode):
-            return False
-        os.unlink(name, dir_fd=tmp_fd)
-        return True
-    except OSError:
-        return False
+        return remove_regular_file(tmp_fd, _name(pid, pattern))
     finally:
         os.close(tmp_fd)
 

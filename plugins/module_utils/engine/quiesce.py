@@ -32,7 +32,7 @@ import stat
 import time
 
 from ..core.errors import GpuCkptError, InvalidTarget
-from ..core.fsutil import UnsafePath, open_beneath
+from ..core.fsutil import UnsafePath, open_beneath, remove_regular_file
 from ..core.wait import wait_for
 from ..runtimes.base import ns_pid
 
@@ -121,14 +121,8 @@ def remove_ack(pid):
         return False
     finally:
         os.close(root)
-    name = os.path.basename(rel)
     try:
-        if not stat.S_ISREG(os.stat(name, dir_fd=parent, follow_symlinks=False).st_mode):
-            return False
-        os.unlink(name, dir_fd=parent)
-        return True
-    except OSError:
-        return False
+        return remove_regular_file(parent, os.path.basename(rel))
     finally:
         os.close(parent)
 

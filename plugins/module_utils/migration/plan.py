@@ -36,10 +36,8 @@ from ..core import procfs, sockets
 from .id_reuse import id_reuse
 from .planner import option_errors
 from .report import as_bool
+from ..runtimes.registry import POD_RUNTIME, PROCESS_RUNTIME, runtime_of
 
-DEFAULT_CONTAINER_RUNTIME = "runc"
-POD_RUNTIME = "k8s_pod"
-PROCESS_RUNTIME = "process"
 TOKEN_CHARS = string.ascii_letters + string.digits
 DEFAULT_IMAGE_ROOT = "/var/lib/gpuckpt/images"
 DEFAULT_PROTECT_DIR = "/etc/gpuckpt/protect"
@@ -63,15 +61,6 @@ def named(pid=None, container=None, pod=None):
     if pod:
         out.append("pod")
     return out
-
-
-def runtime_of(container=None, pod=None, runtime=None):
-    """The runtime of the workload named: a pod's, a container's (``runtime``, runc by default), else a process."""
-    if pod:
-        return POD_RUNTIME
-    if not container:
-        return PROCESS_RUNTIME
-    return runtime or DEFAULT_CONTAINER_RUNTIME
 
 
 def workload_words(pid=None, container=None, pod=None):

@@ -7,6 +7,8 @@ the link's throughput). Pure: the results in, plain values out (the ``migration_
 filters)."""
 from __future__ import annotations
 
+import re
+
 
 def _f(value):
     try:
@@ -113,3 +115,63 @@ def after_failure(migration_id, source, target, error, committed=False, held=Fal
                                       "released (%s). Run recover.yml to release it." % (migration_id, target, source, error)}
     return {"fails": False, "msg": "Migration %s committed: the workload runs on %s. On the way: %s" % (
         migration_id, target, error)}
+
+
+def _done(result):
+    """A module result that ran and returned its journal (a skipped task, or a call that raised, has none)."""
+    return isinstance(result, dict) and not result.get("skipped") and isinstance(result.get("journal"), dict)
+
+
+def after_settlement(migration_id, source, target, committed=False, target_answered=False, target_says="",
+                     lost=None, resumed=None, source_after=None, target_lost=False):
+    """What the source does once a migration is settled (finish_or_roll_back.yml), from the results of its calls:
+    ``resumed`` (the source's rollback, maybe skipped), ``source_after`` (the source's journal read when it did not
+    resume), ``lost`` (the lost_copy filter's record of the target's copy). Returns ``held`` (the source stays
+    stopped: a resume could start a second copy or rewind the job), ``held_msg`` (why, and what to run), ``rewind``
+    (what an accepted resume undid) and ``msg`` (where the workload runs now)."""
+    lost = lost if isinstance(lost, dict) else {}
+    committed, target_answered = as_bool(committed), as_bool(target_answered)
+    did_resume = _done(resumed)
+    after_journal = (source_after or {}).get("journal") if isinstance(source_after, dict) else None
+    after_journal = after_journal if isinstance(after_journal, dict) else {}
+    held = (not committed and not did_resume and bool(after_journal.get("exists"))
+            and after_journal.get("phase", "") not in ("resumed", "rolled_back", "committed"))
+    command = "ansible-playbook gpuckpt.fleet.recover -e source=%s -e target=%s -e migration_id=%s" % (
+        source, target, migration_id)
+    rewind = ""
+    if did_resume and lost.get("lost"):
+        rewind = "the job was rolled back to its freeze on %s (gpuckpt_accept_rewind): %s%s; what it did there is done " \
+                 "again" % (source, re.sub(r": the only state left.*$", "", lost.get("note") or ""),
+                            ", for %s s at most" % lost["ran_s"] if lost.get("ran_s") is not None else "")
+    elif did_resume and not target_answered and as_bool(target_lost):
+        rewind = "%s was declared lost (gpuckpt_target_lost): if a copy of the job ran there before, what it did after " \
+                 "the freeze is done again" % target
+    held_msg = ""
+    if held and lost.get("lost"):
+        held_msg = "Migration %s: the workload is HELD on %s, not rewound: %s. To accept that, run %s " \
+                   "-e gpuckpt_accept_rewind=true (or drain.yml again with it)" % (migration_id, source, lost.get("note"),
+                                                                                   command)
+    elif held and not target_answered:
+        held_msg = "Migration %s: the workload is HELD on %s (stopped since its freeze): %s could not be asked (%s) " \
+                   "after the image may have reached it, and resuming %s could start a second copy. Run %s (or " \
+                   "drain.yml again) once %s answers; if it is gone for good, run it with -e gpuckpt_target_lost=true" \
+                   % (migration_id, source, target, target_says, source, command, target)
+    elif held:
+        said = resumed.get("msg", "it was not resumed") if isinstance(resumed, dict) else "it was not resumed"
+        held_msg = "Migration %s: the workload is HELD on %s: %s. Run %s" % (migration_id, source, said, command)
+    return {"held": held, "held_msg": held_msg, "rewind": rewind,
+            "msg": held_msg if held else _where(migration_id, source, target, committed, target_answered, target_says,
+                                                rewind, resumed if did_resume else {})}
+
+
+def _where(migration_id, source, target, committed, target_answered, target_says, rewind, resumed):
+    if committed:
+        return "Migration %s: committed: the workload runs on %s" % (migration_id, target)
+    journal = resumed.get("journal") or {}
+    return "Migration %s: rolled back: the workload runs on %s%s%s%s%s" % (
+        migration_id, source,
+        "" if target_answered else " (%s could not be asked: %s; run recover.yml once it answers, to clean it)" % (
+            target, target_says),
+        "; " + rewind if rewind else "",
+        "; its image %s was removed" % journal["image_removed"] if journal.get("image_removed") else "",
+        "; its image is kept in %s" % journal["image_kept"] if journal.get("image_kept") else "")

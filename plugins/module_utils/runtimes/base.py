@@ -397,8 +397,16 @@ class ContainerBackend(Backend):
         facts.update(self.runtime_facts())
         return facts
 
+    # The manifest's key of the runtime's state root, for a backend whose command line takes one (runc, runsc,
+    # podman: ``root`` and ``_make_cli``): a restore or rollback given no root uses the one the checkpoint used.
+    root_record = None
+
     def bind(self, manifest):
-        self.container = (manifest.get("runtime") or {}).get("container") or self.container
+        recorded = manifest.get("runtime") or {}
+        self.container = recorded.get("container") or self.container
+        if self.root_record and self.root is None and recorded.get(self.root_record):
+            self.root = recorded[self.root_record]
+            self.cli = self._make_cli()
 
     def restore_bundle(self, manifest):
         """For a runtime that restores into an OCI bundle (runc, runsc; ``state(id, required=False)``):

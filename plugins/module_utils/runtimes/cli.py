@@ -10,6 +10,9 @@ was this class: a runtime installed or removed meanwhile is seen, and a missing 
 """
 from __future__ import annotations
 
+import json
+
+from ..core.errors import InvalidTarget
 from ..core.run import find_binary, run, run_detaching
 
 
@@ -35,3 +38,24 @@ class RuntimeCli(object):
     def run_detaching(self, args, stdout, stderr, **options):
         """core.run.run_detaching of the command ``args``: one that leaves a daemon behind (a restore --detach)."""
         return run_detaching(self.argv(*args), stdout, stderr, **options)
+
+    def describe(self, args, what, hint, required=True, listed=False):
+        """The JSON the runtime prints for ``args`` (its ``state`` or ``inspect`` of one container), read before
+        anything is frozen: None where it knows no such container and it is not ``required``; else InvalidTarget
+        that says ``what`` was not found, the runtime's own words and ``hint``. ``listed``: the command prints a
+        list of one (inspect), whose item is returned."""
+        res = self.run(*args, stage="preflight", check=False)
+        if res.rc != 0 or (listed and not res.stdout.strip().startswith("[")):
+            if not required:
+                return None
+            raise InvalidTarget("no %s: %s" % (what, (res.stderr or res.stdout).strip()[:300]), stage="preflight",
+                                hint=hint)
+        found = json.loads(res.stdout)
+        return found[0] if listed else found
+
+    def running_containers(self, *list_args):
+        """[{id, pid, status}] of the containers that an OCI runtime (runc, runsc) lists with ``list_args`` (its
+        JSON listing) as running or paused."""
+        res = self.run(*list_args, stage="facts")
+        return [{"id": c["id"], "pid": c["pid"], "status": c["status"]} for c in json.loads(res.stdout or "null") or []
+                if c.get("pid") and c.get("status") in ("running", "paused")]

@@ -97,13 +97,8 @@ class DockerBackend(ContainerBackend):
         return host[len("unix://"):]
 
     def inspect(self, container, required=True):
-        res = self.cli.run("container", "inspect", container, stage="preflight", check=False)
-        if res.rc != 0 or not res.stdout.strip().startswith("["):
-            if not required:
-                return None
-            raise InvalidTarget("no docker container %r: %s" % (container, (res.stderr or res.stdout).strip()[:300]),
-                                stage="preflight", hint="check the name (docker ps) and docker_host")
-        return json.loads(res.stdout)[0]
+        return self.cli.describe(["container", "inspect", container], "docker container %r" % (container,),
+                                 "check the name (docker ps) and docker_host", required, listed=True)
 
     def present(self):
         try:

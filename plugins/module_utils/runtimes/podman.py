@@ -50,6 +50,7 @@ def _with_criu_log(stderr):
 class PodmanBackend(ContainerBackend):
     name = "podman"
     capabilities = ContainerBackend.capabilities._replace(keeps_criu_plugins_off=False)  # its own environment for CRIU
+    root_record = "podman_root"
 
     def __init__(self, podman_path=None, root=None, runroot=None, criu_path=None, criu_options=(), timeout=None,
                  tcp_established=False):
@@ -63,13 +64,9 @@ class PodmanBackend(ContainerBackend):
                           (["--root", self.root] if self.root else []) + (["--runroot", self.runroot] if self.runroot else []))
 
     def inspect(self, container, required=True):
-        res = self.cli.run("container", "inspect", "--format", "json", container, stage="preflight", check=False)
-        if res.rc != 0 or not res.stdout.strip().startswith("["):
-            if not required:
-                return None
-            raise InvalidTarget("no podman container %r: %s" % (container, (res.stderr or res.stdout).strip()[:300]),
-                                stage="preflight", hint="check the name (podman ps) and podman_root")
-        return json.loads(res.stdout)[0]
+        return self.cli.describe(["container", "inspect", "--format", "json", container],
+                                 "podman container %r" % (container,), "check the name (podman ps) and podman_root",
+                                 required, listed=True)
 
     passes_criu_flags = ("--tcp-established", "--file-locks")
 
@@ -155,11 +152,6 @@ class PodmanBackend(ContainerBackend):
         self.adopt_restored(manifest, pid, tree, read_oci_spec(info.get("OCIConfigPath") or ""))
         return tree
 
-    def bind(self, manifest):
-        super(PodmanBackend, self).bind(manifest)
-        if self.root is None:
-            self.root = (manifest.get("runtime") or {}).get("podman_root")
-            self.cli = self._make_cli()
 
     def remove(self):
         self.cli.run("container", "rm", "--force", self.container, stage="cleanup", check=False)

@@ -78,7 +78,19 @@ BUILDERS = {
     "k8s_pod": _k8s_pod,
 }
 RUNTIMES = list(BUILDERS)
-DEFAULT = "process"
+PROCESS_RUNTIME = "process"
+POD_RUNTIME = "k8s_pod"
+DEFAULT_CONTAINER_RUNTIME = "runc"
+
+
+def runtime_of(container=None, pod=None, runtime=None):
+    """The runtime of the workload named: a pod's, a container's (``runtime``, runc by default), else a process's
+    (``runtime`` is what the user named; a pod or a bare pid decides it alone)."""
+    if pod:
+        return POD_RUNTIME
+    if not container:
+        return PROCESS_RUNTIME
+    return runtime or DEFAULT_CONTAINER_RUNTIME
 
 
 def backend_class(name):
@@ -105,4 +117,4 @@ def make(name, params, bundle=None):
     """The backend of runtime ``name`` (a name it does not know: a bare process tree, as an image of an
     older collection that recorded none), made with everything it needs from a module's parameters.
     ``bundle``: an OCI bundle to restore into (runc, runsc)."""
-    return BUILDERS.get(name, BUILDERS[DEFAULT])(params, bundle)
+    return BUILDERS.get(name, BUILDERS[PROCESS_RUNTIME])(params, bundle)

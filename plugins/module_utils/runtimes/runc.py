@@ -38,6 +38,7 @@ from ..cuda import devices as gpu_devices
 from ..core.errors import CommandError, InvalidTarget
 from .cli import RuntimeCli
 from .base import ContainerBackend, mount_hint
+from .oci import OciCliBackend
 from .criu import no_plugins_dir, plugin_free_env
 
 CGROUP2_ROOT = "/sys/fs/cgroup"  # the unified hierarchy; tests point this elsewhere
@@ -70,9 +71,10 @@ def bundle_spec(bundle):
         return {}
 
 
-class RuncBackend(ContainerBackend):
+class RuncBackend(OciCliBackend):
     name = "runc"
     capabilities = ContainerBackend.capabilities._replace(can_hold_stopped=True)  # paused (cgroup freezer)
+    root_record = "runc_root"
 
     def __init__(self, runc_path=None, root=None, bundle=None, criu_path=None, criu_options=(), timeout=None,
                  tcp_established=False):
@@ -88,16 +90,6 @@ class RuncBackend(ContainerBackend):
         """runc with its state's root (made again when bind takes the image's root)."""
         return RuntimeCli("runc", self.runc_path, "install runc, or pass runc_path", ["--root", self.root] if self.root else [])
 
-    def state(self, container, required=True):
-        res = self.cli.run("state", container, stage="preflight", check=False)
-        if res.rc != 0:
-            if not required:
-                return None
-            where = " under root %s" % self.root if self.root else ""
-            raise InvalidTarget("no runc container %r%s: %s" % (container, where, (res.stderr or res.stdout).strip()[:300]),
-                                stage="preflight", hint="check the id (runc list) and runc_root")
-        return json.loads(res.stdout)
-
     # runc passes its own options to CRIU; ours go through a CRIU configuration file only, so only
     # the flags runc knows are offered here.
     passes_criu_flags = ("--tcp-established", "--ext-unix-sk", "--shell-job", "--file-locks")
@@ -105,25 +97,14 @@ class RuncBackend(ContainerBackend):
     def present(self):
         return self.cli.installed() and os.path.isdir(self.root or "/run/runc")
 
-    def running_containers(self):
-        res = self.cli.run("list", "--format", "json", stage="facts")
-        return [{"id": c["id"], "pid": c["pid"], "status": c["status"]} for c in json.loads(res.stdout or "null") or []
-                if c.get("pid") and c.get("status") in ("running", "paused")]
-
     # -- Backend ---------------------------------------------------------------------------------
     def runtime_facts(self):
         res = self.cli.run("--version", stage="preflight")
         return {"runc_version": res.stdout.splitlines()[0].split()[-1] if res.stdout else None}
 
     def resolve(self, target):
-        self.container = str(target)
-        st = self.state(self.container)
-        if st.get("status") != "running":
-            raise InvalidTarget("runc container %s is %s, not running; nothing was frozen"
-                                % (self.container, st.get("status")), stage="preflight",
-                                hint="resume or start it first")
+        st = self.running_state(target)
         pid = int(st["pid"])
-        self._bundle_seen = st.get("bundle")
         self._cgroup_seen = cgroup2_path(pid)
         tree = procfs.process_tree(pid)
         self._ns = {str(p): procfs.ns_pid(p) for p in tree}
@@ -243,11 +224,6 @@ class RuncBackend(ContainerBackend):
             raise
         return tree
 
-    def bind(self, manifest):
-        super(RuncBackend, self).bind(manifest)
-        if self.root is None:
-            self.root = (manifest.get("runtime") or {}).get("runc_root")
-            self.cli = self._make_cli()
 
     def is_held(self, pids):
         st = self.state(self.container, required=False) if self.container else None

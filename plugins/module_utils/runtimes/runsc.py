@@ -40,6 +40,7 @@ from ..cuda import driver as cuda
 from ..core.errors import CommandError, DriverError, DriverUnavailable, GpuCkptError, InvalidTarget
 from .cli import RuntimeCli
 from .base import ContainerBackend
+from .oci import OciCliBackend
 
 DEFAULT_TOOL = "/usr/local/bin/cuda-checkpoint"  # where the seeds' runsc integration mounts it
 TOOL_ERROR = re.compile(r"failed for pid (\d+): (\S+) \((\d+)\)")
@@ -136,9 +137,11 @@ class _CudaStageCapabilities(object):
         return self.RUNSC if backend is not None and backend.cuda_stage == "runsc" else self.ENGINE
 
 
-class RunscBackend(ContainerBackend):
+class RunscBackend(OciCliBackend):
     name = "runsc"
     capabilities = _CudaStageCapabilities()
+    root_record = "runsc_root"
+    list_format = "-format"
     cuda_stage = "engine"  # who runs the CUDA stage: the engine, or runsc's own checkpoint and restore
     passes_criu_flags = ()
 
@@ -165,17 +168,6 @@ class RunscBackend(ContainerBackend):
         """runsc with its state's root and the user's global flags (made again when bind takes the image's)."""
         return RuntimeCli("runsc", self.runsc_path, "install gVisor's runsc, or pass runsc_path",
                           (["--root", self.root] if self.root else []) + self.runsc_flags)
-
-    def state(self, container=None, required=True):
-        container = container or self.container
-        res = self.cli.run("state", container, stage="preflight", check=False)
-        if res.rc != 0:
-            if not required:
-                return None
-            where = " under root %s" % self.root if self.root else ""
-            raise InvalidTarget("no runsc container %r%s: %s" % (container, where, (res.stderr or res.stdout).strip()[:300]),
-                                stage="preflight", hint="check the id (runsc list) and runsc_root")
-        return json.loads(res.stdout)
 
     def exec_in(self, env, argv, timeout=None, stage=None):
         """Run ``argv`` inside the container (its namespaces, root and environment, plus ``env``)."""
@@ -233,11 +225,6 @@ class RunscBackend(ContainerBackend):
     def present(self):
         return self.cli.installed() and os.path.isdir(self.root or "/var/run/runsc")
 
-    def running_containers(self):
-        res = self.cli.run("list", "-format", "json", stage="facts")
-        return [{"id": c["id"], "pid": c["pid"], "status": c["status"]} for c in json.loads(res.stdout or "null") or []
-                if c.get("pid") and c.get("status") in ("running", "paused")]
-
     def preflight(self, full=True):
         res = self.cli.run("--version", stage="preflight")
         facts = {"runsc_version": res.stdout.splitlines()[0].split()[-1] if res.stdout else None,
@@ -255,13 +242,7 @@ class RunscBackend(ContainerBackend):
         return self.preflight(full=False)
 
     def resolve(self, target):
-        self.container = str(target)
-        st = self.state(self.container)
-        if st.get("status") != "running":
-            raise InvalidTarget("runsc container %s is %s, not running; nothing was frozen"
-                                % (self.container, st.get("status")), stage="preflight",
-                                hint="resume or start it first")
-        self._bundle_seen = st.get("bundle")
+        st = self.running_state(target)
         self.sandbox_host_pid = pid = int(st["pid"])
         return pid, [pid]
 
@@ -326,8 +307,6 @@ class RunscBackend(ContainerBackend):
     def bind(self, manifest):
         super(RunscBackend, self).bind(manifest)
         rt = manifest.get("runtime") or {}
-        if self.root is None:
-            self.root = rt.get("runsc_root")
         if not self.runsc_flags:
             self.runsc_flags = list(rt.get("runsc_flags") or [])
         self.cli = self._make_cli()

@@ -79,3 +79,56 @@ def test_the_ending_after_a_failure_on_the_way():
     on_the_way = report.after_failure("m-1", "hosta", "hostb", "summary failed", committed=True, released={})
     assert on_the_way == {"fails": False,
                           "msg": "Migration m-1 committed: the workload runs on hostb. On the way: summary failed"}
+
+
+SKIPPED = {"skipped": True, "changed": False}
+RESUMED = {"changed": True, "journal": {"phase": "rolled_back", "image_removed": "/img/m-1"}}
+LOST = {"lost": True, "known": True, "ran_s": 12.5,
+        "note": "its copy on b was brought up at X (how) and no longer runs: the only state left is the source's"}
+
+
+def settle(**given):
+    return report.after_settlement("m-1", "a", "b", **given)
+
+
+def test_after_the_settlement_a_commit_and_a_clean_rollback():
+    assert settle(committed=True, target_answered=True, resumed=SKIPPED, source_after=SKIPPED) == {
+        "held": False, "held_msg": "", "rewind": "", "msg": "Migration m-1: committed: the workload runs on b"}
+    out = settle(target_answered=True, resumed=RESUMED, source_after=SKIPPED, lost={"lost": False})
+    assert out["msg"] == "Migration m-1: rolled back: the workload runs on a; its image /img/m-1 was removed"
+    assert not out["held"] and out["rewind"] == ""
+
+
+def test_a_source_whose_copy_was_lost_is_held_until_a_rewind_is_accepted():
+    held = settle(target_answered=True, resumed=SKIPPED, lost=LOST,
+                  source_after={"journal": {"exists": True, "phase": "stopped"}})
+    assert held["held"] and held["msg"] == held["held_msg"]
+    assert "HELD on a, not rewound" in held["msg"] and "gpuckpt_accept_rewind=true" in held["msg"]
+    assert "ansible-playbook gpuckpt.fleet.recover -e source=a -e target=b -e migration_id=m-1" in held["msg"]
+    accepted = settle(target_answered=True, resumed=RESUMED, lost=LOST, source_after=SKIPPED)
+    assert not accepted["held"]
+    assert accepted["rewind"] == ("the job was rolled back to its freeze on a (gpuckpt_accept_rewind): its copy on b "
+                                  "was brought up at X (how) and no longer runs, for 12.5 s at most; what it did "
+                                  "there is done again")
+    assert accepted["msg"].endswith("; " + accepted["rewind"] + "; its image /img/m-1 was removed")
+
+
+def test_a_target_that_cannot_be_asked_holds_the_source_unless_declared_lost():
+    held = settle(target_says="unreachable", resumed=SKIPPED,
+                  source_after={"journal": {"exists": True, "phase": "stopped"}})
+    assert held["held"] and "b could not be asked (unreachable)" in held["msg"] and "gpuckpt_target_lost" in held["msg"]
+    declared = settle(target_says="unreachable", resumed=RESUMED, source_after=SKIPPED, target_lost="yes")
+    assert not declared["held"] and declared["rewind"].startswith("b was declared lost")
+    assert "(b could not be asked: unreachable; run recover.yml once it answers, to clean it)" in declared["msg"]
+
+
+def test_a_rollback_that_failed_holds_the_source_with_its_words_and_a_done_one_does_not():
+    failed = {"failed": True, "msg": "runc restore failed"}
+    held = settle(target_answered=True, resumed=failed, source_after={"journal": {"exists": True, "phase": "stopped"}})
+    assert held["held"] and held["msg"] == ("Migration m-1: the workload is HELD on a: runc restore failed. Run "
+                                            "ansible-playbook gpuckpt.fleet.recover -e source=a -e target=b "
+                                            "-e migration_id=m-1")
+    for phase in ("resumed", "rolled_back", "committed"):
+        assert not settle(target_answered=True, resumed=failed,
+                          source_after={"journal": {"exists": True, "phase": phase}})["held"]
+    assert not settle(target_answered=True, resumed=failed, source_after={"journal": {"exists": False}})["held"]

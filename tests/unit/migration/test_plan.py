@@ -43,16 +43,6 @@ def make(probe=None, journal=None, **params):
     return plan.make(params, journal or {"exists": False}, probe or Probe())
 
 
-@pytest.mark.parametrize("given, runtime", [
-    (dict(pid=42), "process"),
-    (dict(container="c1"), "runc"),
-    (dict(container="c1", runtime="podman"), "podman"),
-    (dict(pod="ns/p", runtime="runc"), "k8s_pod"),
-])
-def test_the_runtime_is_named_from_the_workload(given, runtime):
-    assert plan.runtime_of(given.get("container"), given.get("pod"), given.get("runtime")) == runtime
-
-
 def test_capabilities_are_the_backend_classes_own():
     for name in RUNTIMES:
         assert plan.HostProbe.capabilities(name) is backend_class(name).capabilities

@@ -52,3 +52,16 @@ def test_runsc_runs_the_cuda_stage_itself_only_when_told_or_when_its_image_says_
     plain.bind({"runtime": {"backend": "runsc", "cuda_stage": "runsc"}})
     assert plain.capabilities.owns_cuda_stage is True
     assert registry.make("runsc", {}).capabilities.owns_cuda_stage is False, "one backend's image changes no other"
+
+
+@pytest.mark.parametrize("given, runtime", [
+    (dict(pid=42), "process"),
+    (dict(pid=42, runtime="process"), "process"),
+    (dict(container="c1"), "runc"),
+    (dict(container="c1", runtime="podman"), "podman"),
+    (dict(pod="ns/p", runtime="runc"), "k8s_pod"),
+    (dict(pod="ns/p"), "k8s_pod"),
+])
+def test_the_runtime_is_named_from_the_workload(given, runtime):
+    """What gpu_checkpoint and the migration's plan both infer where the user names no runtime."""
+    assert registry.runtime_of(given.get("container"), given.get("pod"), given.get("runtime")) == runtime
