@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 
 from ansible.plugins.callback import CallbackBase
 
@@ -30,6 +31,7 @@ class CallbackModule(CallbackBase):
         data["_task"] = result._task.get_name()
         data["_host"] = result._host.get_name()
         data["_status"] = status
+        data["_t"] = time.time()  # when it ended: the gaps tell where a slow test's time goes
         with open(path, "a") as fh:
             fh.write(json.dumps(data, default=str) + "\n")
 
