@@ -122,6 +122,11 @@ def _done(result):
     return isinstance(result, dict) and not result.get("skipped") and isinstance(result.get("journal"), dict)
 
 
+def _journal_of(result):
+    journal = result.get("journal") if isinstance(result, dict) else None
+    return journal if isinstance(journal, dict) else {}
+
+
 def after_settlement(migration_id, source, target, committed=False, target_answered=False, target_says="",
                      lost=None, resumed=None, source_after=None, target_lost=False):
     """What the source does once a migration is settled (finish_or_roll_back.yml), from the results of its calls:
@@ -132,42 +137,52 @@ def after_settlement(migration_id, source, target, committed=False, target_answe
     lost = lost if isinstance(lost, dict) else {}
     committed, target_answered = as_bool(committed), as_bool(target_answered)
     did_resume = _done(resumed)
-    after_journal = (source_after or {}).get("journal") if isinstance(source_after, dict) else None
-    after_journal = after_journal if isinstance(after_journal, dict) else {}
+    after_journal = _journal_of(source_after)
     held = (not committed and not did_resume and bool(after_journal.get("exists"))
             and after_journal.get("phase", "") not in ("resumed", "rolled_back", "committed"))
+    rewind = _rewind(source, target, lost, target_answered, as_bool(target_lost)) if did_resume else ""
+    if held:
+        held_msg = _held_msg(migration_id, source, target, lost, target_answered, target_says, resumed)
+        return {"held": True, "held_msg": held_msg, "rewind": rewind, "msg": held_msg}
+    return {"held": False, "held_msg": "", "rewind": rewind,
+            "msg": _where(migration_id, source, target, committed, target_answered, target_says, rewind,
+                          _journal_of(resumed) if did_resume else {})}
+
+
+def _rewind(source, target, lost, target_answered, target_lost):
+    """What a resume of the source undid: a copy of the target that ran and is gone (the operator accepted it), or
+    a target declared lost that may have run one."""
+    if lost.get("lost"):
+        return "the job was rolled back to its freeze on %s (gpuckpt_accept_rewind): %s%s; what it did there is done " \
+               "again" % (source, re.sub(r": the only state left.*$", "", lost.get("note") or ""),
+                          ", for %s s at most" % lost["ran_s"] if lost.get("ran_s") is not None else "")
+    if not target_answered and target_lost:
+        return "%s was declared lost (gpuckpt_target_lost): if a copy of the job ran there before, what it did after " \
+               "the freeze is done again" % target
+    return ""
+
+
+def _held_msg(migration_id, source, target, lost, target_answered, target_says, resumed):
+    """Why the source stays held, and what to run."""
     command = "ansible-playbook gpuckpt.fleet.recover -e source=%s -e target=%s -e migration_id=%s" % (
         source, target, migration_id)
-    rewind = ""
-    if did_resume and lost.get("lost"):
-        rewind = "the job was rolled back to its freeze on %s (gpuckpt_accept_rewind): %s%s; what it did there is done " \
-                 "again" % (source, re.sub(r": the only state left.*$", "", lost.get("note") or ""),
-                            ", for %s s at most" % lost["ran_s"] if lost.get("ran_s") is not None else "")
-    elif did_resume and not target_answered and as_bool(target_lost):
-        rewind = "%s was declared lost (gpuckpt_target_lost): if a copy of the job ran there before, what it did after " \
-                 "the freeze is done again" % target
-    held_msg = ""
-    if held and lost.get("lost"):
-        held_msg = "Migration %s: the workload is HELD on %s, not rewound: %s. To accept that, run %s " \
-                   "-e gpuckpt_accept_rewind=true (or drain.yml again with it)" % (migration_id, source, lost.get("note"),
-                                                                                   command)
-    elif held and not target_answered:
-        held_msg = "Migration %s: the workload is HELD on %s (stopped since its freeze): %s could not be asked (%s) " \
-                   "after the image may have reached it, and resuming %s could start a second copy. Run %s (or " \
-                   "drain.yml again) once %s answers; if it is gone for good, run it with -e gpuckpt_target_lost=true" \
-                   % (migration_id, source, target, target_says, source, command, target)
-    elif held:
-        said = resumed.get("msg", "it was not resumed") if isinstance(resumed, dict) else "it was not resumed"
-        held_msg = "Migration %s: the workload is HELD on %s: %s. Run %s" % (migration_id, source, said, command)
-    return {"held": held, "held_msg": held_msg, "rewind": rewind,
-            "msg": held_msg if held else _where(migration_id, source, target, committed, target_answered, target_says,
-                                                rewind, resumed if did_resume else {})}
+    if lost.get("lost"):
+        return "Migration %s: the workload is HELD on %s, not rewound: %s. To accept that, run %s " \
+               "-e gpuckpt_accept_rewind=true (or drain.yml again with it)" % (migration_id, source, lost.get("note"),
+                                                                                command)
+    if not target_answered:
+        return "Migration %s: the workload is HELD on %s (stopped since its freeze): %s could not be asked (%s) " \
+               "after the image may have reached it, and resuming %s could start a second copy. Run %s (or " \
+               "drain.yml again) once %s answers; if it is gone for good, run it with -e gpuckpt_target_lost=true" \
+               % (migration_id, source, target, target_says, source, command, target)
+    said = resumed.get("msg", "it was not resumed") if isinstance(resumed, dict) else "it was not resumed"
+    return "Migration %s: the workload is HELD on %s: %s. Run %s" % (migration_id, source, said, command)
 
 
-def _where(migration_id, source, target, committed, target_answered, target_says, rewind, resumed):
+def _where(migration_id, source, target, committed, target_answered, target_says, rewind, journal):
+    """Where the workload runs once settled, and what happened to the source's image of a rollback."""
     if committed:
         return "Migration %s: committed: the workload runs on %s" % (migration_id, target)
-    journal = resumed.get("journal") or {}
     return "Migration %s: rolled back: the workload runs on %s%s%s%s%s" % (
         migration_id, source,
         "" if target_answered else " (%s could not be asked: %s; run recover.yml once it answers, to clean it)" % (
