@@ -160,23 +160,47 @@ def test_a_failed_container_dump_leaves_it_running_and_unlocked(tmp_path, playbo
         subprocess.run(["umount", str(small)], check=False)
 
 
-def test_a_container_network_that_criu_cannot_lock_is_refused_before_anything_is_frozen(
+NO_IPTABLES_PATH = "/usr/local/sbin:/usr/local/bin:/usr/bin:/bin"  # (bookworm installs iptables-restore in /usr/sbin)
+
+
+def test_a_container_network_without_iptables_is_locked_with_nftables_through_crius_configuration(
         tmp_path, playbook, runc_workload, fakecuda):
-    """The container has a network namespace of its own (runc's default spec), which CRIU locks with
-    iptables-restore during the dump. On a host without iptables-restore (here: a PATH without
-    /usr/sbin, where bookworm installs it) the dump would fail after the CUDA stage; the engine
-    refuses in preflight instead: nothing is locked, nothing is written, the container counts on."""
+    """The container has a network namespace of its own (runc's default spec), which CRIU locks during the dump,
+    by default with iptables-restore. On a host without it (the GPU machines; here a PATH without /usr/sbin) CRIU
+    locks with nftables: runc has no flag for that, so its CRIU reads it from the configuration file named by
+    CRIU_CONFIG_FILE. The container is checkpointed and restored and counts on."""
     w = runc_workload()
     image_dir = str(tmp_path / "img")
-    path = "/usr/local/sbin:/usr/local/bin:/usr/bin:/bin"
-    assert shutil.which("iptables-restore", path=path) is None
+    assert shutil.which("iptables-restore", path=NO_IPTABLES_PATH) is None
+    env = dict(fakecuda.env, PATH=NO_IPTABLES_PATH)
     run = playbook(CHECKPOINT, {"gpuckpt_container": w.id, "gpuckpt_runc_root": w.root, "gpuckpt_runc_path": RUNC,
-                                "gpuckpt_image_dir": image_dir}, env=dict(fakecuda.env, PATH=path))
+                                "gpuckpt_image_dir": image_dir}, env=env)
+    assert run.rc == 0, run.stdout
+    with open(os.path.join(image_dir, "manifest.json")) as fh:
+        recorded = json.load(fh)["runtime"]
+    assert "--network-lock=nftables" in recorded["auto_flags"], recorded
+    stopped_at = w.counts()
+    restored = playbook(RESTORE, {"gpuckpt_image_dir": image_dir, "gpuckpt_runc_root": w.root,
+                                  "gpuckpt_runc_path": RUNC}, env=env)
+    assert restored.rc == 0, restored.stdout
+    assert w.state()["status"] == "running"
+    w.went_on_intact(stopped_at)
+
+
+def test_a_container_network_that_criu_cannot_lock_is_refused_before_anything_is_frozen(
+        tmp_path, playbook, runc_workload, fakecuda):
+    """The same host, with the user's CRIU options asking for iptables: the dump would fail after the CUDA stage;
+    the engine refuses in preflight instead: nothing is locked, nothing is written, the container counts on."""
+    w = runc_workload()
+    image_dir = str(tmp_path / "img")
+    run = playbook(CHECKPOINT, {"gpuckpt_container": w.id, "gpuckpt_runc_root": w.root, "gpuckpt_runc_path": RUNC,
+                                "gpuckpt_image_dir": image_dir, "gpuckpt_criu_options": ["--network-lock=iptables"]},
+                   env=dict(fakecuda.env, PATH=NO_IPTABLES_PATH))
     assert run.rc != 0
     res = run.task("Checkpoint container")
     assert res["stage"] == "preflight", res
     assert "network namespace of its own" in res["msg"] and "iptables-restore" in res["msg"]
-    assert "nothing was frozen" in res["msg"] and "install iptables" in res["msg"]
+    assert "nothing was frozen" in res["msg"] and "install iptables" in res["hint"]
     assert not os.path.exists(image_dir)
     assert [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")] == []
     assert w.state()["status"] == "running" and w.is_counting()

@@ -23,7 +23,6 @@ from ..cuda import driver as cuda
 from ..cuda import nccl
 from ..cuda import processes as gpu_procs
 from ..cuda import usage as gpu_usage
-from ..runtimes.base import network_lock_problem
 from . import cooperative, quiesce
 
 IMAGE_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}\Z")
@@ -174,19 +173,13 @@ def find_cuda_pids(drv, pids, driver_problem, host_pids=True):
 
 
 def _refuse_what_the_runtime_cannot(backend, opts, root):
-    """The runtime's own refusals: how the workload is to be left, and CRIU's network lock."""
+    """The runtime's own refusals: how the workload is to be left (CRIU's network lock is plan_tree's)."""
     backend.check_after(opts.after)
     if opts.leave_stopped and not backend.capabilities.can_hold_stopped:
         raise InvalidTarget("the %s runtime cannot hold a workload stopped after its checkpoint; nothing was frozen"
                             % backend.name, stage="preflight",
                             hint="checkpoint it without leave_stopped; its image is the way back")
-    runtime_facts = backend.preflight()
-    net_problem = network_lock_problem(root, backend.extra) if backend.capabilities.uses_criu else None
-    if net_problem:
-        raise InvalidTarget(net_problem + "; nothing was frozen", stage="preflight", pid=root,
-                            hint="install iptables (the gpuckpt.fleet.criu role does), or run the workload "
-                                 "on the host's network")
-    return runtime_facts
+    return backend.preflight()
 
 
 def _distributed(backend, pids, coop=False):

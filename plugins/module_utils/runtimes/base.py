@@ -98,6 +98,9 @@ class Backend(metaclass=abc.ABCMeta):
     tcp_established = False
     # CRIU options this runtime can pass on (None: any); the others make plan_tree refuse the tree
     passes_criu_flags = None
+    # CRIU options, by name, that this runtime hands its CRIU through the configuration file CRIU reads from
+    # CRIU_CONFIG_FILE (given as --name=value; for those its own command line has no flag for)
+    criu_config_options = ()
     # What the journal records of the workload, when its runtime has it (set by resolve, bind or restore)
     container = None     # the container's name or id
     pod = None           # a Kubernetes pod's {namespace, name, uid}
@@ -122,28 +125,38 @@ class Backend(metaclass=abc.ABCMeta):
           rendezvous and ranks, nccl.py), else refused. The steps are tree_plan's."""
         needs = tree_plan.criu_needs(pids)
         tree_plan.refuse_undumpable(needs, tcp_ok=self.tcp_established or internal_tcp)
-        flags = tree_plan.needed_flags(needs, self.tcp_established, internal_tcp, self._tcp_lock_flags)
+        flags = tree_plan.needed_flags(needs, self.tcp_established, internal_tcp,
+                                       lambda: self._network_lock_flags("the workload's TCP connections are"))
+        if pids and self.capabilities.uses_criu and procfs.net_namespace(pids[0]) not in (None, procfs.net_namespace()):
+            flags += [f for f in self._network_lock_flags("pid %s has a network namespace of its own, whose "
+                                                          "network is" % pids[0]) if f not in flags]
         flags = tree_plan.without_user_given(flags, self.extra)
-        tree_plan.refuse_unpassable(flags, self.passes_criu_flags, needs, self.name)
+        tree_plan.refuse_unpassable(flags, self.passes_criu_option, needs, self.name)
         self.auto_flags = flags
         self.criu_needs = needs
         self.criu_flags()  # the user's own options too: refused here, before anything is frozen
         return flags
 
-    def _tcp_lock_flags(self):
-        """How CRIU is to lock the TCP connections it dumps: by default with iptables-restore, which this host may
-        lack (the GPU machines here do); then with nftables where this CRIU and kernel can (libnftables, no binary),
-        else refused before anything is frozen."""
-        extra = list(self.extra or ())
-        if any(o == "--network-lock" or o.startswith("--network-lock=") for o in extra) or \
-                shutil.which("iptables-restore") or not self.capabilities.uses_criu:
+    def _network_lock_flags(self, what):
+        """How CRIU is to lock ``what`` ("... are": a tree's TCP connections, or its network namespace's) during the
+        dump: by default with iptables-restore, which this host may lack (the GPU machines here do); then with
+        nftables (libnftables, no binary) where this CRIU and kernel can and the runtime can hand CRIU the option;
+        else refused before anything is frozen. The user's own --network-lock=METHOD stands (iptables needs its
+        tool all the same). CRIU finds iptables-restore on its PATH (execvp), as shutil.which does here."""
+        method = network_lock_method(self.extra)
+        if method not in (None, "iptables") or shutil.which("iptables-restore") or not self.capabilities.uses_criu:
             return []
-        if self.criu.has_feature("network_lock_nftables"):
-            return ["--network-lock=nftables"]
-        raise InvalidTarget("the workload's TCP connections are locked by CRIU during the dump with iptables-restore, "
-                            "which is not installed on this host, and this CRIU cannot lock them with nftables; "
-                            "nothing was frozen", stage="preflight",
-                            hint="install iptables (the gpuckpt.fleet.criu role does)")
+        can_hand = method is None and self.passes_criu_option(NFTABLES_LOCK)
+        if can_hand and self.criu.has_feature("network_lock_nftables"):
+            return [NFTABLES_LOCK]
+        raise InvalidTarget("%s locked by CRIU during the dump with iptables-restore, which is not installed on "
+                            "this host, and %s; nothing was frozen" % (
+                                what, "this CRIU cannot lock with nftables" if can_hand else
+                                "the %s runtime cannot hand CRIU %s" % (self.name, NFTABLES_LOCK)
+                                if method is None else "the criu options ask for iptables"),
+                            stage="preflight",
+                            hint="install iptables (the gpuckpt.fleet.criu role does), or run the workload on the "
+                                 "host's network")
 
     def criu_flags(self, manifest=None):
         """The CRIU options for a dump (``manifest`` None) or for the restore of ``manifest``; for a
@@ -151,11 +164,30 @@ class Backend(metaclass=abc.ABCMeta):
         auto = self.auto_flags if manifest is None else ((manifest.get("runtime") or {}).get("auto_flags") or [])
         out = list(self.extra or ()) + [f for f in auto if f not in (self.extra or ())]
         for opt in out:
-            if self.passes_criu_flags is not None and opt not in self.passes_criu_flags:
+            if not self.passes_criu_option(opt):
+                accepted = list(self.passes_criu_flags) + ["%s=VALUE" % o for o in self.criu_config_options]
                 raise InvalidTarget("criu option %s cannot be passed through %s (it accepts %s)"
-                                    % (opt, self.name, ", ".join(self.passes_criu_flags) or "none"),
-                                    stage="preflight")
+                                    % (opt, self.name, ", ".join(accepted) or "none"), stage="preflight")
         return out
+
+    def passes_criu_option(self, opt):
+        """Whether this runtime can hand CRIU the option ``opt``: on its command line, or (--name=value) through
+        CRIU's configuration file."""
+        if self.passes_criu_flags is None or opt in self.passes_criu_flags:
+            return True
+        name, has_value, _value = opt.partition("=")
+        return bool(has_value) and name in self.criu_config_options
+
+    def split_criu_flags(self, flags):
+        """``flags`` as (those for the runtime's command line, the lines of CRIU's configuration file)."""
+        on_cli, config_lines = [], []
+        for opt in flags:
+            if opt in (self.passes_criu_flags or ()) or self.passes_criu_flags is None:
+                on_cli.append(opt)
+            else:
+                name, _eq, value = opt.partition("=")
+                config_lines.append("%s %s" % (name[2:], value))
+        return on_cli, config_lines
 
     def check_after(self, after):
         """Before anything is frozen: refuse what the workload cannot be left as after its dump
@@ -325,27 +357,19 @@ def refuse_cuda_plugin(criu, runtime):
                                  "(a line 'libdir /var/lib/gpuckpt/criu-no-plugins')" % cuda)
 
 
-def network_lock_problem(root_pid, criu_options=()):
-    """Why CRIU could not lock the network of the workload, or None.
+NFTABLES_LOCK = "--network-lock=nftables"
 
-    A workload in a network namespace of its own (any container not on the host's network) has its
-    network locked by CRIU during the dump, by default with iptables-restore (CRIU's --network-lock).
-    Without that tool the dump fails only after the GPU stage has run; found here, nothing is frozen.
-    CRIU looks the tool up on its PATH (execvp), as shutil.which does here."""
-    own, theirs = procfs.net_namespace(), procfs.net_namespace(root_pid)
-    if own is None or theirs is None or own == theirs:
-        return None
+
+def network_lock_method(criu_options=()):
+    """The --network-lock METHOD among the user's CRIU options, or None (CRIU's default, iptables)."""
     opts = list(criu_options or ())
-    method = "iptables"
+    method = None
     for i, opt in enumerate(opts):
         if opt == "--network-lock" and i + 1 < len(opts):
             method = opts[i + 1]
         elif opt.startswith("--network-lock="):
             method = opt.split("=", 1)[1]
-    if method != "iptables" or shutil.which("iptables-restore"):
-        return None
-    return ("pid %s has a network namespace of its own, which CRIU locks during the dump with "
-            "iptables-restore, and iptables-restore is not installed on this host" % root_pid)
+    return method
 
 
 class ContainerBackend(Backend):

@@ -83,6 +83,7 @@ class RuncBackend(OciCliBackend):
         self.root = root
         self.bundle = bundle
         self._bundle_seen = self._cgroup_seen = None
+        self._ns = {}  # the tree's pids inside the container, by host pid (resolve)
         self.cli = self._make_cli()
 
     # -- helpers -------------------------------------------------------------------------------
@@ -93,6 +94,9 @@ class RuncBackend(OciCliBackend):
     # runc passes its own options to CRIU; ours go through a CRIU configuration file only, so only
     # the flags runc knows are offered here.
     passes_criu_flags = ("--tcp-established", "--ext-unix-sk", "--shell-job", "--file-locks")
+    # runc's CRIU inherits CRIU_CONFIG_FILE, and runc sets neither in its requests: how CRIU locks the TCP
+    # connections (nftables, where the host has no iptables-restore) and the largest deleted file it dumps
+    criu_config_options = ("--network-lock", "--ghost-limit")
 
     def present(self):
         return self.cli.installed() and os.path.isdir(self.root or "/run/runc")
@@ -111,18 +115,19 @@ class RuncBackend(OciCliBackend):
         return pid, tree
 
     def dump(self, target, image_dir, work_dir, after):
-        self.criu_flags()
+        on_cli, config_lines = self.split_criu_flags(self.criu_flags())
         if after == "stopped":
             self.cli.run("pause", self.container, stage="runtime-dump")
         args = ["checkpoint", "--image-path", image_dir, "--work-path", work_dir]
         if after in ("running", "stopped"):
             args.append("--leave-running")
-        args += self.criu_flags() + [self.container]
+        args += on_cli + [self.container]
         try:
-            # runc's CRIU inherits this environment: a configuration that names an empty plugin directory (criu.py)
+            # runc's CRIU inherits this environment: a configuration with the options runc has no flag for, and
+            # an empty plugin directory (criu.py)
             with no_plugins_dir(work_dir) as libdir:
                 res = self.cli.run(*args, stage="runtime-dump", timeout=self.timeout, new_session=True,
-                                   env=plugin_free_env(libdir, os.path.join(work_dir, "criu-dump.conf")),
+                                   env=plugin_free_env(libdir, os.path.join(work_dir, "criu-dump.conf"), config_lines),
                                    hint="see dump.log in the work dir")
         except CommandError as exc:
             log = os.path.join(work_dir, "dump.log")
@@ -195,11 +200,13 @@ class RuncBackend(OciCliBackend):
         relay = subprocess.Popen(["cat"], stdin=subprocess.PIPE, stdout=log, stderr=log, start_new_session=True)
         log.close()
         try:
+            on_cli, config_lines = self.split_criu_flags(self.criu_flags(manifest))
             args = ["restore", "--detach", "--image-path", image_dir, "--work-path", work_dir, "--bundle", bundle]
-            args += self.criu_flags(manifest) + [self.container]
+            args += on_cli + [self.container]
             with no_plugins_dir(work_dir) as libdir:  # (after cgroup_env's configuration, which it keeps)
                 rc = self.cli.run_detaching(args, relay.stdin, relay.stdin, timeout=self.timeout,
-                                            env=plugin_free_env(libdir, os.path.join(work_dir, "criu-restore.conf"), env=env))
+                                            env=plugin_free_env(libdir, os.path.join(work_dir, "criu-restore.conf"),
+                                                                config_lines, env=env))
         finally:
             relay.stdin.close()
         if rc != 0:

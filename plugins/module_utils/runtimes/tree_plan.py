@@ -89,12 +89,9 @@ def without_user_given(flags, extra):
     return [f for f in flags if f not in extra and f.split("=", maxsplit=1)[0] not in extra]
 
 
-def refuse_unpassable(flags, passes_criu_flags, needs, runtime):
-    """Refuse the tree when it needs a CRIU option that the runtime cannot pass on (``passes_criu_flags``, None:
-    any)."""
-    if passes_criu_flags is None:
-        return
-    blocked = [f for f in flags if f not in passes_criu_flags]
+def refuse_unpassable(flags, passes, needs, runtime):
+    """Refuse the tree when it needs a CRIU option that the runtime cannot pass on (``passes(option)``)."""
+    blocked = [f for f in flags if not passes(f)]
     if blocked:
         raise InvalidTarget("the workload needs CRIU's %s (%s), which the %s runtime cannot pass to CRIU; "
                             "nothing was frozen" % (" ".join(blocked), _why(needs), runtime),
