@@ -1,5 +1,5 @@
 """ansible-test sanity on the collection (all tests that run here: validate-modules, pylint, pep8,
-compile, import, ansible-doc, yamllint...). ansible-test wants the collection at
+compile, import, ansible-doc, yamllint...; pylint with the current ansible-core only). ansible-test wants the collection at
 ansible_collections/gpuckpt/fleet in a git tree, so the tracked files are copied into one."""
 from __future__ import annotations
 
@@ -31,7 +31,11 @@ def test_ansible_test_sanity(tmp_path, which):
     subprocess.run(git + ["init", "-q"], cwd=str(dest), check=True)
     subprocess.run(git + ["add", "-A"], cwd=str(dest), check=True)
     subprocess.run(git + ["commit", "-qm", "sanity"], cwd=str(dest), check=True)
-    res = subprocess.run([ansible_test, "sanity", "--python", "3.11"], cwd=str(dest), stdout=subprocess.PIPE,
+    # pylint runs once, with the current ansible-core's (70 s of the oldest run's 175 s on the CI kind of machine):
+    # the oldest run is there for what its ansible-core reads differently (validate-modules, ansible-doc, import,
+    # runtime-metadata), not for a second lint of the same code.
+    skip = ["--skip-test", "pylint"] if which == "oldest" else []
+    res = subprocess.run([ansible_test, "sanity", "--python", "3.11"] + skip, cwd=str(dest), stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, universal_newlines=True, timeout=1800, check=False)
     errors = [line for line in res.stdout.splitlines() if line.startswith(("ERROR", "FATAL"))]
     assert res.returncode == 0, "\n".join(errors) or res.stdout[-4000:]
