@@ -152,6 +152,5 @@ class PodmanBackend(ContainerBackend):
         self.adopt_restored(manifest, pid, tree, read_oci_spec(info.get("OCIConfigPath") or ""))
         return tree
 
-
     def remove(self):
         self.cli.run("container", "rm", "--force", self.container, stage="cleanup", check=False)

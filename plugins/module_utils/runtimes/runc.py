@@ -231,7 +231,6 @@ class RuncBackend(OciCliBackend):
             raise
         return tree
 
-
     def is_held(self, pids):
         st = self.state(self.container, required=False) if self.container else None
         return st is None or st.get("status") == "paused"
