@@ -168,8 +168,8 @@ def _held_msg(migration_id, source, target, lost, target_answered, target_says, 
         source, target, migration_id)
     if lost.get("lost"):
         return "Migration %s: the workload is HELD on %s, not rewound: %s. To accept that, run %s " \
-               "-e gpuckpt_accept_rewind=true (or drain.yml again with it)" % (migration_id, source, lost.get("note"),
-                                                                                command)
+               "-e gpuckpt_accept_rewind=true (or drain.yml again with it)" % (
+                   migration_id, source, lost.get("note"), command)
     if not target_answered:
         return "Migration %s: the workload is HELD on %s (stopped since its freeze): %s could not be asked (%s) " \
                "after the image may have reached it, and resuming %s could start a second copy. Run %s (or " \
