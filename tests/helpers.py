@@ -163,8 +163,21 @@ class CountingWorkload(object):
         after = self.wait_counting(beyond=before)
         for r in self.roles:
             assert after[r] > before[r], "%s did not count on from %s" % (r, before[r])
-            assert self.read(r)["digest"] == self.digest0(r), "the memory pattern of %s changed" % r
+        self.verified_since(before)
         return after
+
+    def verified_since(self, before, timeout=None):
+        """Every role's memory pattern checked whole at a count after ``before`` (a counts() dict: a workload hashes
+        its pattern every half second or so, and at the first count after a freeze), and found as it started."""
+        deadline = time.monotonic() + (timeout or self.count_timeout)
+        for r in self.roles:
+            state = self.read(r)
+            while state.get("digest_count", state["count"]) <= before[r] and time.monotonic() < deadline:
+                time.sleep(0.05)
+                state = self.read(r)
+            assert state.get("digest_count", state["count"]) > before[r], \
+                "%s's memory pattern was not checked after count %s" % (r, before[r])
+            assert state["digest"] == self.digest0(r), "the memory pattern of %s changed" % r
 
     def counted(self, role):
         """Every count ``role`` wrote, in order (its <role>.counts log)."""
