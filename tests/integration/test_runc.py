@@ -200,7 +200,7 @@ def test_a_container_network_that_criu_cannot_lock_is_refused_before_anything_is
     res = run.task("Checkpoint container")
     assert res["stage"] == "preflight", res
     assert "network namespace of its own" in res["msg"] and "iptables-restore" in res["msg"]
-    assert "nothing was frozen" in res["msg"] and "install iptables" in res["hint"]
+    assert "nothing was frozen" in res["msg"] and "install iptables" in res["msg"]
     assert not os.path.exists(image_dir)
     assert [c for c, unused in fakecuda.calls() if c in ("lock", "checkpoint")] == []
     assert w.state()["status"] == "running" and w.is_counting()
