@@ -255,6 +255,8 @@ def test_a_runc_rollback_leaves_nothing(playbook, hosts, tmp_path):
 # same key again; a rolled-back target's) leaves its directory until containerd's GC runs, which its scheduler puts
 # off by its pause threshold after the last collection (seconds on a loaded machine: seen in a full run)
 CONTAINERD_SETTLE = 10.0
+
+
 @pytest.mark.skipif(not containerd_available(), reason="containerd 2.x and python3-grpcio needed")
 def test_a_containerd_task_leaves_nothing(tmp_path, playbook, containerd_workload, fakecuda, containerd):  # noqa: F811 (the fixture imported above)
     w = containerd_workload()

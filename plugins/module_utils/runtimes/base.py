@@ -12,7 +12,6 @@ import abc
 import copy
 import json
 import os
-import shutil
 import signal
 from collections import namedtuple
 
@@ -138,25 +137,11 @@ class Backend(metaclass=abc.ABCMeta):
         return flags
 
     def _network_lock_flags(self, what):
-        """How CRIU is to lock ``what`` ("... are": a tree's TCP connections, or its network namespace's) during the
-        dump: by default with iptables-restore, which this host may lack (the GPU machines here do); then with
-        nftables (libnftables, no binary) where this CRIU and kernel can and the runtime can hand CRIU the option;
-        else refused before anything is frozen. The user's own --network-lock=METHOD stands (iptables needs its
-        tool all the same). CRIU finds iptables-restore on its PATH (execvp), as shutil.which does here."""
-        method = network_lock_method(self.extra)
-        if method not in (None, "iptables") or shutil.which("iptables-restore") or not self.capabilities.uses_criu:
+        """How CRIU is to lock ``what`` during the dump (tree_plan.network_lock_flags)."""
+        if not self.capabilities.uses_criu:
             return []
-        can_hand = method is None and self.passes_criu_option(NFTABLES_LOCK)
-        if can_hand and self.criu.has_feature("network_lock_nftables"):
-            return [NFTABLES_LOCK]
-        raise InvalidTarget("%s locked by CRIU during the dump with iptables-restore, which is not installed on "
-                            "this host, and %s; nothing was frozen" % (
-                                what, "this CRIU cannot lock with nftables" if can_hand else
-                                "the %s runtime cannot hand CRIU %s" % (self.name, NFTABLES_LOCK)
-                                if method is None else "the criu options ask for iptables"),
-                            stage="preflight",
-                            hint="install iptables (the gpuckpt.fleet.criu role does), or run the workload on the "
-                                 "host's network")
+        return tree_plan.network_lock_flags(what, self.extra, self.passes_criu_option(tree_plan.NFTABLES_LOCK),
+                                            lambda: self.criu.has_feature("network_lock_nftables"), self.name)
 
     def criu_flags(self, manifest=None):
         """The CRIU options for a dump (``manifest`` None) or for the restore of ``manifest``; for a
@@ -355,21 +340,6 @@ def refuse_cuda_plugin(criu, runtime):
                             % (runtime, cuda), stage="preflight",
                             hint="remove %s, or point CRIU at an empty plugin directory in /etc/criu/default.conf "
                                  "(a line 'libdir /var/lib/gpuckpt/criu-no-plugins')" % cuda)
-
-
-NFTABLES_LOCK = "--network-lock=nftables"
-
-
-def network_lock_method(criu_options=()):
-    """The --network-lock METHOD among the user's CRIU options, or None (CRIU's default, iptables)."""
-    opts = list(criu_options or ())
-    method = None
-    for i, opt in enumerate(opts):
-        if opt == "--network-lock" and i + 1 < len(opts):
-            method = opts[i + 1]
-        elif opt.startswith("--network-lock="):
-            method = opt.split("=", 1)[1]
-    return method
 
 
 class ContainerBackend(Backend):

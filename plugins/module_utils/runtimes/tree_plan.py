@@ -6,6 +6,8 @@ what CRIU must be told of the tree or cannot dump (``criu_needs``), the refusals
 options the tree needs, and the refusal of an option the runtime cannot pass on to CRIU."""
 from __future__ import annotations
 
+import shutil
+
 from ..core import procfs, sockets
 from ..core.errors import InvalidTarget
 
@@ -110,3 +112,40 @@ def _why(needs):
         out.append("a deleted file of %d bytes that it maps or holds open%s" % (
             needs["ghost_bytes"], ": %s" % needs["ghost_file"] if needs.get("ghost_file") else ""))
     return ", ".join(out)
+
+
+NFTABLES_LOCK = "--network-lock=nftables"
+
+
+def network_lock_method(criu_options=()):
+    """The --network-lock METHOD among the user's CRIU options, or None (CRIU's default, iptables)."""
+    opts = list(criu_options or ())
+    method = None
+    for i, opt in enumerate(opts):
+        if opt == "--network-lock" and i + 1 < len(opts):
+            method = opts[i + 1]
+        elif opt.startswith("--network-lock="):
+            method = opt.split("=", 1)[1]
+    return method
+
+
+def network_lock_flags(what, user_options, can_hand_nftables, has_nftables, runtime):
+    """How CRIU is to lock ``what`` ("... are": a tree's TCP connections, or its network namespace's) during the
+    dump: by default with iptables-restore, which this host may lack (the GPU machines here do); then with nftables
+    (libnftables, no binary) where this CRIU and kernel can (``has_nftables()``) and the runtime can hand CRIU the
+    option; else refused before anything is frozen. The user's own --network-lock=METHOD stands (iptables needs its
+    tool all the same). CRIU finds iptables-restore on its PATH (execvp), as shutil.which does here."""
+    method = network_lock_method(user_options)
+    if method not in (None, "iptables") or shutil.which("iptables-restore"):
+        return []
+    can_hand = method is None and can_hand_nftables
+    if can_hand and has_nftables():
+        return [NFTABLES_LOCK]
+    raise InvalidTarget("%s locked by CRIU during the dump with iptables-restore, which is not installed on this host, "
+                        "and %s; nothing was frozen" % (
+                            what, "this CRIU cannot lock with nftables" if can_hand else
+                            "the %s runtime cannot hand CRIU %s" % (runtime, NFTABLES_LOCK)
+                            if method is None else "the criu options ask for iptables"),
+                        stage="preflight",
+                        hint="install iptables (the gpuckpt.fleet.criu role does), or run the workload on the host's "
+                             "network")

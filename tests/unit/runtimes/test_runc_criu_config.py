@@ -14,7 +14,7 @@ import pytest
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core import procfs
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import InvalidTarget
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.wait import wait_for
-from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.base import NFTABLES_LOCK
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.tree_plan import NFTABLES_LOCK
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.containerd import ContainerdBackend
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.runc import RuncBackend
