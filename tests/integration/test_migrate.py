@@ -112,7 +112,6 @@ def test_progress_is_printed_while_the_stages_run(playbook, hosts, remote_worklo
     """A user watching a long migration in AWX sees it move: the action plugins poll the progress file
     each module writes on its host and print a line per change while the module still runs."""
     w = remote_workload(mb=24)
-    before = set(f for f in os.listdir("/tmp") if f.startswith(".gpuckpt-progress-"))
     run = migrate(playbook, hosts, w, "t-progress", gpuckpt_transfer_bwlimit=10000, gpuckpt_progress_interval=0.3)
     assert run.rc == 0, run.stdout
     lines = [line for line in run.stdout.splitlines() if line.startswith("  [hosta] Stage 2/3: sent ")]
@@ -121,7 +120,13 @@ def test_progress_is_printed_while_the_stages_run(playbook, hosts, remote_worklo
     done = [int(line.split("(")[1].split("%")[0]) for line in lines if "%)" in line]
     assert done == sorted(done) and done[-1] > done[0], lines  # it moves forward
     assert w.one_copy_runs_intact()
-    left = set(f for f in os.listdir("/tmp") if f.startswith(".gpuckpt-progress-")) - before
+    # This run's own progress files (the modules' and the target's restore job's), named in its results: another
+    # worker's migration may have its own in /tmp at this moment.
+    ours = {(r.get("invocation") or {}).get("module_args", {}).get("progress_file") for r in run.results}
+    ours |= {(r.get("ansible_facts") or {}).get("gpuckpt_restore_progress") for r in run.results}
+    ours.discard(None)
+    assert len(ours) >= 3, ours  # (the checkpoint's, the transfer's, the restore job's at least)
+    left = sorted(p for p in ours if os.path.lexists(p))
     assert not left, "progress files left behind: %s" % left
 
 
