@@ -279,7 +279,8 @@ def test_regression_with_nvidia_smi_the_24_gib_image_is_refused_for_20_gib_of_di
 
 def test_a_cuda_process_that_nvidia_smi_does_not_list_is_unknown(monkeypatch, tmp_path):
     spec = tmp_path / "nvidia-smi.json"
-    spec.write_text(json.dumps({"compute_apps": [{"pid": 1, "gpu_uuid": "GPU-a", "used_memory": 1024}]}))
+    # (another process's memory: a pid above the usual pid_max, never this test's, even as pid 1 of a namespace)
+    spec.write_text(json.dumps({"compute_apps": [{"pid": 4190099, "gpu_uuid": "GPU-a", "used_memory": 1024}]}))
     monkeypatch.setenv("GPUCKPT_NVIDIA_SMI", DOUBLE)
     monkeypatch.setenv("GPUCKPT_FAKE_NVIDIA_SMI", str(spec))
     tree = tree_of_a_cuda_process("GPU-a")["tree"]
