@@ -219,7 +219,9 @@ def _stall(job, step):
     for r in range(2):
         t = job.times(r)
         gaps = [t[s + 1] - t[s] for s in sorted(t) if s + 1 in t]
-        out["rank%d" % r] = round(t[step + 1] - t[step] - statistics.median(gaps), 3)
+        # (None where the times file lacks either step: a container's job may have lost its buffered lines)
+        out["rank%d" % r] = (round(t[step + 1] - t[step] - statistics.median(gaps), 3)
+                             if step in t and step + 1 in t and gaps else None)
     return out
 
 
