@@ -142,6 +142,7 @@ class _Steps(object):
             pushed = sender.take_checksums()  # hashes what it reads to send (one reading of the image, not two)
             sender.watch(c.image_dir)
         c.hasher = chunk_hasher.ChunkHasher(c.image_dir, pushed=pushed).follow()  # (else hashed here as it is written)
+        c.listen_ports = ports.at_dump(self.backend, c.pids)  # (after the quiesce: what CRIU will bind again)
         try:
             c.runtime_info = self.backend.dump(c.root, c.image_dir, c.work, c.after)
         except GpuCkptError as exc:
@@ -161,7 +162,7 @@ class _Steps(object):
         elif c.after == "exit":
             if backend.capabilities.restores_host_pids:
                 procfs.wait_gone(c.pids, 10)  # PID 1 may take a second to reap the dumped tree
-            ports.wait_time_wait_gone(ports.recorded(backend))  # (CRIU binds its listening ports again here)
+            ports.wait_time_wait_gone(c.listen_ports)  # (CRIU binds its listening ports again here)
             own_image = {"target": {"pids": c.pids, "cuda_pids": [], "states": c.states}, "runtime": c.runtime_info}
             unreported = Clock()  # (the rollback's stages are not the checkpoint's: timed apart, never reported)
             unreported.start()
@@ -183,7 +184,7 @@ class _Steps(object):
         clock = self.clock
         files = c.hasher.checksums() if c.hasher is not None else image.checksum_files(c.image_dir)
         clock.stop("checksum")
-        m = _manifest(c, files, clock, ports.recorded(self.backend))
+        m = _manifest(c, files, clock, c.listen_ports)
         c.manifest = image.write_manifest(c.image_dir, m, self.opts.sign_key)
         clock.stop("manifest")
         c.journal_data["checkpointed"] = {"manifest_id": m["id"], "image_bytes": m["sizes"]["image_bytes"],

@@ -124,6 +124,7 @@ class CheckpointContext(object):
     checkpointed: list = dataclasses.field(default_factory=list)  # CUDA pids checkpointed
     hasher: object = None         # the checksums taken while the image is written (chunk_hasher)
     runtime_info: dict = None     # what the runtime's dump returned
+    listen_ports: list = dataclasses.field(default_factory=list)  # TCP ports the tree listened on as it was dumped
     keep_image: bool = False      # the workload lives only in this image: its undo must not remove it
     pid_map: dict = dataclasses.field(default_factory=dict)       # dumped pid: its pid after a dump that runs on
     manifest: dict = None

@@ -10,8 +10,9 @@ on another "host" of the same kernel, or the rollback onto the source), CRIU can
 again ("Address already in use") and the restore fails. CRIU binds with SO_REUSEADDR, which the
 kernel lets pass a TIME_WAIT socket only when the socket it came from had SO_REUSEADDR too (PyTorch's TCPStore
 sets it; a listener that did not, as tests/workloads/nccl_ranks.py's, blocks the bind). So the checkpoint records
-the ports the tree listens on (``tree_plan.criu_needs``' ``tcp_listen``, kept in the manifest's
-``target.tcp_listen_ports`` where the tree shares the checkpointer's network namespace), and the restore first
+the ports the tree listens on as it is dumped (where the plan, ``tree_plan.criu_needs``' ``tcp_listen``, found the
+tree sharing the checkpointer's network namespace and listening; kept in the manifest's ``target.tcp_listen_ports``),
+and the restore first
 waits, bounded by that length plus a margin, while a TIME_WAIT socket of the restoring namespace holds one of them
 against a bind as CRIU's (SO_REUSEADDR, on that socket's address); the result says so.
 """
@@ -28,9 +29,21 @@ MARGIN_S = 5.0
 
 
 def recorded(backend):
-    """The listening ports the runtime's plan of the tree found (``plan_tree``), for the manifest; [] where the
-    tree has its own network namespace or the runtime plans none."""
+    """The listening ports the runtime's plan of the tree found (``plan_tree``, before anything was asked or
+    frozen); [] where the tree has its own network namespace or the runtime plans none."""
     return list((backend.criu_needs or {}).get("tcp_listen") or [])
+
+
+def at_dump(backend, pids):
+    """The ports the tree ``pids`` listens on as it is dumped, for the manifest and the rollback: read again after
+    the quiesce, just before the dump, where the plan read them (``recorded``). A cooperative job releases its
+    communicators in between: their listeners are gone, and CRIU will not bind their ports again, but the TIME_WAIT
+    sockets of their closed connections made every restore wait out the kernel's TIME_WAIT length for nothing
+    (57 s of a drain's 64 s downtime on 2 x H100, 2026-11-27). [] where the plan found none to bind again (a tree
+    in a network namespace of its own, a runtime whose restore binds nothing in the restorer's namespace)."""
+    if not recorded(backend):
+        return []
+    return sockets.tcp_listen_ports(pids)
 
 
 def listen_ports(manifest):

@@ -116,6 +116,7 @@ def test_the_checkpoint_records_the_listening_ports_and_the_restore_waits_for_th
     until no TIME_WAIT socket holds them, before the runtime's restore, saying so in its result."""
     log, drv, backend = doubles()
     backend.criu_needs = {"tcp_listen": [29500]}
+    monkeypatch.setattr(sockets, "tcp_listen_ports", lambda pids: [29500])  # (the tree still listens as it is dumped)
     image_dir = str(tmp_path / "img")
     checkpoint(workload[0], image_dir, backend=backend, parallel=False)
     with open(os.path.join(image_dir, "manifest.json")) as fh:
@@ -144,6 +145,7 @@ def test_the_undo_of_a_failed_checkpoint_whose_tree_exited_waits_for_its_ports_b
     image in place, once no TIME_WAIT socket holds a port the tree listened on."""
     log, drv, backend = doubles()
     backend.criu_needs = {"tcp_listen": [29500]}
+    monkeypatch.setattr(sockets, "tcp_listen_ports", lambda pids: [29500])
     held = [(socket.AF_INET, "127.0.0.1", 29500)]
     tables = [held, []]
     seen = []
@@ -162,3 +164,56 @@ def test_the_undo_of_a_failed_checkpoint_whose_tree_exited_waits_for_its_ports_b
     with pytest.raises(TransactionError, match="rolled back"):
         checkpoint(workload[0], str(tmp_path / "img"), backend=backend, parallel=False)
     assert len(seen) == 2 and all(("runtime_restore",) not in s for s in seen) and ("runtime_restore",) in log, seen
+
+
+def test_the_ports_are_those_the_tree_listens_on_as_it_is_dumped_not_at_the_plan():
+    """A cooperative job releases its communicators between the plan and the dump: their listeners (NCCL's, without
+    SO_REUSEADDR) are gone, CRIU will not bind their ports again, and their TIME_WAIT sockets must not hold the
+    restore (on 2 x H100 they made a drain's restore wait 57 s for nothing). Real sockets of this process."""
+    kept, released = _listener(reuse=True), _listener(reuse=False)
+    kept_port, released_port = kept.getsockname()[1], released.getsockname()[1]
+
+    class Planned(object):
+        criu_needs = tree_plan.criu_needs([os.getpid()])
+
+    assert {kept_port, released_port} <= set(ports.recorded(Planned)), "the plan saw both listening"
+    _time_wait_on(released)
+    released.close()  # (the release: the communicator's listener closed, its closed connection in TIME_WAIT)
+    try:
+        assert ports.bind_refused(socket.AF_INET, "127.0.0.1", released_port)
+        at_dump = ports.at_dump(Planned, [os.getpid()])
+        assert kept_port in at_dump and released_port not in at_dump, (at_dump, kept_port, released_port)
+        assert ports.wait_time_wait_gone(at_dump, timeout=5) is None, "nothing the restore binds is held"
+    finally:
+        kept.close()
+
+
+def test_a_tree_the_plan_found_not_listening_in_the_restorers_namespace_records_no_port(monkeypatch):
+    """Where the plan recorded none (a tree in a network namespace of its own, a runtime that plans none), nothing
+    is read at the dump either."""
+    monkeypatch.setattr(sockets, "tcp_listen_ports", lambda pids: pytest.fail("read for a tree the plan left out"))
+
+    class OwnNamespace(object):
+        criu_needs = {"tcp_listen": []}
+
+    class Unplanned(object):
+        criu_needs = None
+
+    assert ports.at_dump(OwnNamespace, [os.getpid()]) == [] and ports.at_dump(Unplanned, [os.getpid()]) == []
+
+
+def test_the_manifest_keeps_only_the_ports_still_listened_on_and_the_restore_waits_for_none(
+        workload, tmp_path, monkeypatch, doubles, recording_backend):
+    """The plan found port 29500 listening; by the dump the tree had closed it (and a TIME_WAIT socket holds it): the
+    manifest records no port, and the restore starts at once."""
+    log, drv, backend = doubles()
+    backend.criu_needs = {"tcp_listen": [29500]}
+    monkeypatch.setattr(sockets, "tcp_listen_ports", lambda pids: [])
+    monkeypatch.setattr(sockets, "tcp_time_wait", lambda: [(socket.AF_INET, "127.0.0.1", 29500)])
+    monkeypatch.setattr(ports, "bind_refused", lambda *a: True)
+    image_dir = str(tmp_path / "img")
+    checkpoint(workload[0], image_dir, backend=backend, parallel=False)
+    with open(os.path.join(image_dir, "manifest.json")) as fh:
+        assert json.load(fh)["target"]["tcp_listen_ports"] == []
+    res = restore(image_dir, backend=recording_backend(log, workload, drv), parallel=False, validate_wait=0, pid_wait=0)
+    assert "tcp_time_wait" not in res, res
