@@ -22,7 +22,7 @@ need_apt=()
 apt_pkgs=(build-essential pkgconf libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
   python3-protobuf iproute2 rsync openssh-server openssh-client xz-utils procps patch
-  runc iptables podman docker.io binutils python3-grpcio
+  runc iptables podman docker.io binutils python3-grpcio python3-venv
   systemd)  # runc 1.1.5, Podman 4.3.1, Docker 20.10 (bookworm); CRIU needs iptables for a netns; systemd 252 runs as
             # PID 1 of a test host's namespaces (tests/hosts/systemd_node.py), not as this machine's
 for p in "${apt_pkgs[@]}"; do
@@ -210,12 +210,19 @@ for ipt in iptables ip6tables; do
   done <<<"$rules"
 done
 
-# Controller-side Python: ansible-core 2.19 is the newest that runs on this machine's Python 3.11.
+# Controller-side Python: ansible-core 2.19 is the newest that runs on this machine's Python 3.11. The venv is made on
+# Debian's own python3 (3.11, built with PGO and LTO), not on the pyenv build first on PATH: ansible-playbook with 15
+# module calls took a fifth less CPU on it (4.3 s against 5.4 s user, measured here on 2026-11-27), and the test command
+# is CPU-bound on this 2-core kind.
+base_python=/usr/bin/python3
+"$base_python" -c 'import ensurepip, venv' 2>/dev/null || base_python=python3
+base_home=$(dirname "$("$base_python" -c 'import sys; print(sys.executable)')")
 venv="$repo/.venv"
 if [ ! -x "$venv/bin/ansible-playbook" ] || ! "$venv/bin/python" -m pip --disable-pip-version-check -q check >/dev/null 2>&1 \
-   || ! cmp -s "$repo/tests/requirements.txt" "$venv/.requirements.txt"; then
-  log "creating $venv"
-  python3 -m venv "$venv"
+   || ! cmp -s "$repo/tests/requirements.txt" "$venv/.requirements.txt" \
+   || ! grep -qx "home = $base_home" "$venv/pyvenv.cfg" 2>/dev/null; then
+  log "creating $venv on $base_python"
+  "$base_python" -m venv --clear "$venv"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$repo/tests/requirements.txt"
   cp "$repo/tests/requirements.txt" "$venv/.requirements.txt"
 fi
