@@ -2,7 +2,8 @@
 GPUCKPT_DDP_COOP=1, under the helper's torchrun), failed over (issue 45 part 3). The protect role on ``node`` with
 the job's checkpoints in the cooperative mode; the timer's command run once (a periodic checkpoint, the job left
 running, its image verified on ``replica``); then the node is lost (the job killed, its sshd gone) and failover.yml
-restores that image on ``target``. Both ranks go on from the checkpoint's step: every loss either copy logged,
+restores that image on ``target``. The same in the configuration mode (NCCL's P2P and cuMem off, no helper, the
+protect runner's default quiesce mode). Both ranks go on from the checkpoint's step: every loss either copy logged,
 the lost one's and the restored one's, is bit-identical to an uninterrupted run; the restored copy logs each step
 after the checkpoint exactly once, to the end; nothing is left frozen.
 
@@ -20,7 +21,7 @@ import pytest
 
 from gpu_helpers import REPO, WORKLOAD_PYTHON, gpu_count
 from test_gpu_cooperative import NO_MULTICAST, STEPS, Job
-from test_gpu_coop_migrate import RemoteJob, _states
+from test_gpu_coop_migrate import MODES, RemoteJob, _states
 from test_gpu_failover import HOSTS, PASS_ENV
 
 sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
@@ -102,7 +103,8 @@ def _rank_stall(cycle):
     return round(cycle["release_s"] + cycle["waited_s"] + cycle["rejoin_s"], 3)
 
 
-def test_protected_cooperative_ddp_job_fails_over_with_bit_identical_losses(playbook, tmp_path, record):
+@pytest.mark.parametrize("mode", ["cooperative", "config"])
+def test_protected_ddp_job_fails_over_with_bit_identical_losses(playbook, tmp_path, record, mode):
     base = str(tmp_path / "hosts")
     hv = {}
     for name, unused in HOSTS:
@@ -114,12 +116,16 @@ def test_protected_cooperative_ddp_job_fails_over_with_bit_identical_losses(play
                     "gpuckpt_protect_replica_root": os.path.join(base, name, "replicas")}
     hv["node"]["gpuckpt_protect_replicas"] = ["replica"]
     hosts = LoopbackHosts(base, pid_namespaces=False, python=WORKLOAD_PYTHON, hosts=HOSTS).start(hv)
-    reference = Job(str(tmp_path / "reference"), coop=False, pause=0)
+    extra, coop = MODES[mode]
+    env = dict(extra)
+    env.pop("GPUCKPT_DDP_COOP", None)
+    reference = Job(str(tmp_path / "reference"), coop=False, pause=0, env=env)
     job = None
     try:
-        job = ProtectedJob(hosts, "node", str(tmp_path / "job"), "cooperative", pause=0.3)
-        jobs = [{"name": "train", "pid_file": os.path.join(job.dir, "launcher.pid"), "interval": 900, "keep": 2,
-                 "checkpoint": {"quiesce_mode": "cooperative", "quiesce_timeout": 60}}]
+        job = ProtectedJob(hosts, "node", str(tmp_path / "job"), mode, pause=0.3)
+        jobs = [{"name": "train", "pid_file": os.path.join(job.dir, "launcher.pid"), "interval": 900, "keep": 2}]
+        if coop:
+            jobs[0]["checkpoint"] = {"quiesce_mode": "cooperative", "quiesce_timeout": 60}
         inv = hosts.path("inventory.yml")
         run = playbook("gpuckpt.fleet.protect", {"node": "node", "gpuckpt_protected_jobs": jobs}, inventory=inv)
         record("coop_protect_role", rc=run.rc, tail=run.stdout[-3000:] if run.rc else "")
@@ -129,16 +135,19 @@ def test_protected_cooperative_ddp_job_fails_over_with_bit_identical_losses(play
         timer = "%s run --protect-dir %s --job train" % (hv["node"]["gpuckpt_protect_bin"], hv["node"]["gpuckpt_protect_dir"])
         res = hosts.ssh("node", timer, timeout=600, check=False)
         docs = [json.loads(x) for x in res.stdout.splitlines() if x.startswith("{")]
-        record("coop_protect_checkpoint", rc=res.returncode, run=docs[-1] if docs else None,
+        record("coop_protect_checkpoint", mode=mode, rc=res.returncode, run=docs[-1] if docs else None,
                tail="" if docs else res.stdout[-3000:])
         assert docs and docs[-1]["result"] == "ok", res.stdout
-        deadline = time.monotonic() + 30  # (each rank records its cycle once it has rejoined)
-        while not all(job.cycles(r) for r in range(2)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        cycles = {r: job.cycles(r) for r in range(2)}
-        assert all(len(c) == 1 and c[0]["resumed_by"] == "resume" for c in cycles.values()), cycles
-        step = cycles[0][0]["step"]
-        assert cycles[1][0]["step"] == step, cycles
+        if coop:
+            deadline = time.monotonic() + 30  # (each rank records its cycle once it has rejoined)
+            while not all(job.cycles(r) for r in range(2)) and time.monotonic() < deadline:
+                time.sleep(0.1)
+            cycles = {r: job.cycles(r) for r in range(2)}
+            assert all(len(c) == 1 and c[0]["resumed_by"] == "resume" for c in cycles.values()), cycles
+            step = cycles[0][0]["step"]
+            assert cycles[1][0]["step"] == step, cycles
+        else:  # (no boundary to name: the restored copy's first step says where the image was taken, below)
+            step = job.steps_done()
         job.wait_steps(step + 5)  # the job runs on after its periodic checkpoint
         assert job.procs() == procs0 and job.ranks() == ranks0, (job.procs(), procs0)
         assert job.steps_done() < STEPS, "the job ended before its node was lost: slow it down (pause)"
@@ -161,15 +170,20 @@ def test_protected_cooperative_ddp_job_fails_over_with_bit_identical_losses(play
         assert run.rc == 0, run.stdout[-8000:]
         rs = run.task("Restore from")
         procs1, ranks1 = job.procs(), job.ranks()
-        assert sorted(rs.get("cooperative_resumed") or []) == sorted(ranks0.values()), (rs.get("cooperative_resumed"), ranks0)
+        if coop:
+            assert sorted(rs.get("cooperative_resumed") or []) == sorted(ranks0.values()), (rs.get("cooperative_resumed"), ranks0)
         assert all(s != "T" for s in _states(procs1).values()), _states(procs1)
         if job.steps_done() < STEPS:  # one copy: the checkpointed processes, with their pids (one pid space)
             assert procs1 == procs0 and ranks1 == ranks0, (procs1, procs0, ranks1, ranks0)
-        record("coop_failover_result", steps=STEPS, wall=wall, checkpoint_step=step, lost_at_step=lost_at,
+        record("coop_failover_result", mode=mode, steps=STEPS, wall=wall, checkpoint_step=step, lost_at_step=lost_at,
                restore=rs.get("timings"), driver=rs.get("driver_call_seconds"),
                driver_by_pid=rs.get("driver_call_seconds_by_pid"), cooperative_resumed=rs.get("cooperative_resumed"),
                report=[x for x in run.stdout.splitlines() if "rolled" in x.lower()][-3:])
         job.wait_done()
+        if not coop:  # the image's step: the one before the restored copy's first (the same on both ranks)
+            firsts = {r: _runs(job.lines("losses", r))[-1][0] for r in range(2)}
+            assert firsts[0] == firsts[1] and 0 < firsts[0] <= min(lost_at.values()) + 1, (firsts, lost_at)
+            step = firsts[0] - 1
         for r in range(2):
             mine, ref = job.lines("losses", r), reference.losses(r)
             assert len(ref) == STEPS, (r, len(ref))
@@ -179,10 +193,12 @@ def test_protected_cooperative_ddp_job_fails_over_with_bit_identical_losses(play
             differ = [s for s, v in mine if want[s] != v]
             assert not differ, "rank %d: losses differ from the uninterrupted run at steps %s" % (r, differ[:10])
         cycles = {"rank%d" % r: job.cycles(r) for r in range(2)}
-        assert all([c["resumed_by"] for c in rank] == ["resume", "resume"] for rank in cycles.values()), cycles
-        record("coop_failover", losses_identical=True, checkpoint_step=step, lost_at_step=lost_at,
+        if coop:
+            assert all([c["resumed_by"] for c in rank] == ["resume", "resume"] for rank in cycles.values()), cycles
+        record("coop_failover", mode=mode, losses_identical=True, checkpoint_step=step, lost_at_step=lost_at,
                steps_rerun={"rank%d" % r: lost_at[r] - step for r in range(2)},
-               stall_periodic_checkpoint={r: _rank_stall(c[0]) for r, c in cycles.items()}, cycles=cycles)
+               stall_periodic_checkpoint={r: _rank_stall(c[0]) for r, c in cycles.items() if c} or None,
+               cycles=cycles)
     finally:
         if job is not None:
             job.kill()
