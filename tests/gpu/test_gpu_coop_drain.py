@@ -41,7 +41,9 @@ def test_ddp_job_drained_off_its_node(playbook, gpu_hosts, tmp_path, record, mod
         procs0, ranks0 = job.procs(), job.ranks()
         smi = nvidia_smi_pids()
         assert set(smi) <= set(procs0), "GPU processes other than the job's: %s (the job: %s)" % (smi, procs0)
-        v = {"node": "hosta", "targets": "hostb", "gpuckpt_runtime_timeout": 120, "gpuckpt_quiesce_timeout": 60}
+        # (a deadline makes the drain probe the link first: its rate gives the transfer's floor)
+        v = {"node": "hosta", "targets": "hostb", "gpuckpt_runtime_timeout": 120, "gpuckpt_quiesce_timeout": 60,
+             "deadline": 1800}
         if coop:
             v["gpuckpt_quiesce_mode"] = "cooperative"
         t = time.monotonic()
@@ -72,11 +74,22 @@ def test_ddp_job_drained_off_its_node(playbook, gpu_hosts, tmp_path, record, mod
         if job.steps_done() < STEPS:  # one copy: the same processes (one pid space: CRIU gave them their pids back)
             assert procs1 == procs0 and ranks1 == ranks0, (procs1, procs0, ranks1, ranks0)
         downtime = round(rs["resumed_at"] - ck["frozen_at"], 3)
+        floors = _floors(ck, sy, rs, quiesce)
+        probes = [r["probe"] for r in run.results if "Probe the link" in r["_task"] and isinstance(r.get("probe"), dict)]
+        rate = probes[-1].get("bytes_s") if probes else None
+        if rate and ck.get("image_bytes") and floors["driver_checkpoint_max"] is not None \
+                and floors["driver_restore_max"] is not None:
+            # the image at the probe's rate: the transfer's floor where the push is not timed apart
+            floors["transfer_floor_s_by_probe"] = round(ck["image_bytes"] / rate, 3)
+            floors["floor_sum_by_probe"] = round(floors["driver_checkpoint_max"] + floors["transfer_floor_s_by_probe"]
+                                                 + floors["driver_restore_max"], 3)
+            floors["downtime_over_floor"] = round(downtime / floors["floor_sum_by_probe"], 2)
+        floors["link_bytes_s"] = rate
         record("coop_drain_result", mode=mode, steps=STEPS, wall=wall, migration_id=mid, quiesce=quiesce,
                checkpoint=ck.get("timings"), restore=rs.get("timings"), image_bytes=ck.get("image_bytes"),
                cuda_pids=ck.get("cuda_pids"), cooperative_resumed=rs.get("cooperative_resumed"), downtime=downtime,
                downtime_s_report=outcome.get("downtime_s"), took_s=outcome.get("took_s"),
-               plan_image_estimate_bytes=move["image_estimate_bytes"], floors=_floors(ck, sy, rs, quiesce),
+               plan_image_estimate_bytes=move["image_estimate_bytes"], floors=floors,
                processes=len(procs0), ranks_before=ranks0, ranks_after=ranks1, report=report,
                plan_lines=plan["lines"], plan_gpu=move["workload"]["tree"].get("gpu_memory_bound"),
                preflight=[x for x in run.stdout.splitlines() if "GPU memory is" in x][:4])
