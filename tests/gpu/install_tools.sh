@@ -37,6 +37,14 @@ for py in /usr/bin/python3 "${GPUCKPT_WORKLOAD_PYTHON:-python3}"; do
   fi
   env -u PYTHONPATH "$py" -c 'import grpc, sys, google.protobuf as pb; print(sys.executable, "grpc", grpc.__version__, "protobuf", pb.__version__)' || true
 done
+# iptables, only where asked (GPUCKPT_CARRIED_IPTABLES=1: prepare_carry.sh says why) and the machine has none.
+if [ "${GPUCKPT_CARRIED_IPTABLES:-0}" = 1 ] && [ -d "$carry/iptables" ] && ! command -v iptables-restore >/dev/null 2>&1; then
+  rm -rf /opt/gpuckpt-iptables && cp -a "$carry/iptables" /opt/gpuckpt-iptables
+  for b in iptables iptables-restore iptables-save ip6tables ip6tables-restore ip6tables-save; do
+    ln -sf /opt/gpuckpt-iptables/iptables-wrapper "/usr/local/sbin/$b"
+  done
+  iptables-restore --version || true
+fi
 # Docker 26 and Podman, where tests/gpu/prepare_docker_carry.sh carried them (a call of their own: see there).
 bash "$repo/tests/gpu/install_engines.sh"
 id sshd >/dev/null 2>&1 || useradd -r -M -d /run/sshd -s /usr/sbin/nologin sshd 2>/dev/null || \

@@ -73,8 +73,28 @@ python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implement
   --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
   -d .whl grpcio==1.76.0 protobuf==6.33.6 2>&1 | grep -v '^WARNING: Location' || true
 
+# iptables (bookworm's iptables-nft: the multi-call xtables-nft-multi, its libraries and its extensions), which the
+# GPU machines lack: CRIU locks a tree's TCP connections with iptables-restore by default, and a runtime that cannot
+# hand CRIU --network-lock=nftables (containerd's runc, a pod's) is refused without it (tree_plan.network_lock_flags),
+# as on a fleet node without iptables. install_tools.sh puts it in place only where GPUCKPT_CARRIED_IPTABLES=1, so that
+# the other GPU tests keep running as on a machine without it.
+rm -rf .carry/iptables && mkdir -p .carry/iptables/lib
+cp /usr/sbin/xtables-nft-multi .carry/iptables/xtables-nft-multi
+cp -a /usr/lib/x86_64-linux-gnu/xtables .carry/iptables/xtables
+ldd /usr/sbin/xtables-nft-multi | awk '$3 ~ /^\// {print $3}' \
+  | grep -Ev '/(libc|libm|libpthread|libdl|librt|libresolv|ld-linux[^/]*)\.so' \
+  | while read -r lib; do cp -L "$lib" .carry/iptables/lib/; done
+cat > .carry/iptables/iptables-wrapper <<'SH'
+#!/bin/bash
+# iptables carried from the CI-kind machine: the multi-call binary picks the tool by the name it was called by.
+d=$(dirname "$(readlink -f "$0")")
+LD_LIBRARY_PATH="$d/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" XTABLES_LIBDIR="$d/xtables" \
+  exec -a "$(basename "$0")" "$d/xtables-nft-multi" "$@"
+SH
+chmod +x .carry/iptables/iptables-wrapper
+
 # The device tool carries at most 64 MiB: everything but the wheels travels as one xz archive, which
 # install_tools.sh unpacks.
-tar -C .carry -cf - criu ssh runc containerd | xz -T0 -6 > .carry/tools.tar.xz
-rm -rf .carry/criu .carry/ssh .carry/runc .carry/containerd
+tar -C .carry -cf - criu ssh runc containerd iptables | xz -T0 -6 > .carry/tools.tar.xz
+rm -rf .carry/criu .carry/ssh .carry/runc .carry/containerd .carry/iptables
 du -sh .carry .whl

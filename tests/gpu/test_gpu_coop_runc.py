@@ -18,7 +18,8 @@ import pytest
 
 from gpu_helpers import WORKLOAD_PYTHON, gpu_count
 from helpers import write_runc_bundle
-from test_gpu_cooperative import DDP_JOB, LAUNCHER, NO_MULTICAST, STEPS, TIME_WAIT_S, Job, _per_rank, _same_losses, _stall
+from test_gpu_cooperative import (DDP_JOB, LAUNCHER, NO_MULTICAST, STEPS, TIME_WAIT_S, Job, _per_rank, _same_losses, _stall,
+                                  ddp_container_spec)
 from test_gpu_migrate import PASS_ENV
 from test_gpu_runc import gpu_spec
 
@@ -46,14 +47,8 @@ class ContainerJob(Job):
         with open(path) as fh:
             cfg = json.load(fh)
         gpu_spec(cfg, os.path.join(self.bundle, "rootfs"))
-        # NCCL's shared memory outgrows runc's default 64 MiB /dev/shm; the protocol's files go in the rank's /tmp.
-        # (/tmp first: the repo and the job's directory are bound below it, at their host paths)
-        cfg["mounts"] = [{"destination": "/tmp", "type": "tmpfs", "source": "tmpfs", "options": ["nosuid", "nodev", "mode=1777"]}] + [
-            m for m in cfg["mounts"] if m["destination"] not in ("/dev/shm", "/tmp")] + [
-            {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "nodev", "mode=1777", "size=4g"]}]
-        # torchrun's ranks reach its store by the agent's host name: runc's "runc" resolves nowhere (seen on the GPU
-        # machine); the container shares the host's network, and "localhost" is in the host's /etc/hosts
-        cfg["hostname"] = "localhost"
+        # (torchrun's ranks reach its store by the agent's host name: runc's "runc" resolved nowhere on the GPU machine)
+        ddp_container_spec(cfg)
         with open(path, "w") as fh:
             json.dump(cfg, fh)
         self.runc("run --detach --bundle %s %s" % (self.bundle, self.id), relay=True)

@@ -67,6 +67,18 @@ def _uuids():
     return [u.strip() for u in out.splitlines() if u.strip()]
 
 
+def ddp_container_spec(spec):
+    """What a container of the job asks beyond its GPUs (an OCI spec, edited in place; test_gpu_coop_runc.py,
+    test_gpu_k8s_pod_ddp.py): NCCL's shared memory outgrows the default 64 MiB /dev/shm, the
+    cooperative protocol's files go in the ranks' own /tmp (mounted first: the repo and the job's folder are bound
+    below it, at their host paths), and the ranks reach torchrun's store by the host name on the host's network."""
+    spec["mounts"] = [{"destination": "/tmp", "type": "tmpfs", "source": "tmpfs",
+                       "options": ["nosuid", "nodev", "mode=1777"]}] + [
+        m for m in spec["mounts"] if m["destination"] not in ("/dev/shm", "/tmp")] + [
+        {"destination": "/dev/shm", "type": "tmpfs", "source": "shm", "options": ["nosuid", "nodev", "mode=1777", "size=4g"]}]
+    spec["hostname"] = "localhost"
+
+
 class Job(object):
     """ddp_job.py under the helper's torchrun, in a session of its own (not pytest's child)."""
 

@@ -41,9 +41,11 @@ def _api(address):
     return Client(address, NAMESPACE)
 
 
-def make_container(daemon, runc_root, pod, uid, cname, workdir, args, handler=None, annotations=None, gpu_minors=None):
+def make_container(daemon, runc_root, pod, uid, cname, workdir, args, handler=None, annotations=None, gpu_minors=None,
+                   env=None, spec_edit=None):
     """What the kubelet makes for container ``cname`` of pod ``pod``: labels, CRI annotations, a GPU spec with
-    the GPUs ``gpu_minors`` (None: all), as the device plugin gives them."""
+    the GPUs ``gpu_minors`` (None: all), as the device plugin gives them; ``env`` beside PASS_ENV, and
+    ``spec_edit(spec)`` for what the pod's spec asks beyond that (mounts, a host name)."""
     namespace, name = pod.split("/")
     cid = uuid.uuid4().hex + uuid.uuid4().hex
     labels = {"io.kubernetes.pod.name": name, "io.kubernetes.pod.namespace": namespace, "io.kubernetes.pod.uid": uid,
@@ -53,7 +55,7 @@ def make_container(daemon, runc_root, pod, uid, cname, workdir, args, handler=No
     ann.update(annotations or {})
     create = [CTR, "--address", daemon.address, "--namespace", NAMESPACE, "containers", "create", "--net-host",
               "--runc-root", runc_root] + (["--runc-binary", handler] if handler else [])
-    for k, v in PASS_ENV.items():
+    for k, v in dict(PASS_ENV, **(env or {})).items():
         create += ["--env", "%s=%s" % (k, v)]
     for src in (REPO, workdir):
         create += ["--mount", "type=bind,src=%s,dst=%s,options=rbind:%s" % (src, src, "ro" if src == REPO else "rw")]
@@ -65,7 +67,10 @@ def make_container(daemon, runc_root, pod, uid, cname, workdir, args, handler=No
     api = _api(daemon.address)
     try:
         record = api.container(cid)
-        api.update_spec(cid, gpu_spec(record["spec"], gpu_minors=gpu_minors), record["spec_url"], "test")
+        spec = gpu_spec(record["spec"], gpu_minors=gpu_minors)
+        if spec_edit is not None:
+            spec_edit(spec)
+        api.update_spec(cid, spec, record["spec_url"], "test")
     finally:
         api.close()
     res = subprocess.run([CTR, "--address", daemon.address, "--namespace", NAMESPACE, "tasks", "start", "--detach",
@@ -135,6 +140,40 @@ class PodTorch(TorchWorkload):
         self.pids = []
 
 
+def install_handler(hdir, image_root):
+    """The runtime handler gpuckpt-restore-runtime in ``hdir`` (a new folder), assembled as the role installs it,
+    restoring images under ``image_root`` only; returns its path."""
+    hdir.mkdir()
+    sys.path.insert(0, COLLECTIONS)
+    from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.restore_handler import handler_program
+    shutil.copy(os.path.join(HANDLER_FILES, "gpuckpt-restore-runtime"), str(hdir / "gpuckpt-restore-runtime"))
+    with open(os.path.join(HANDLER_FILES, "gpuckpt_restore_runtime.py")) as fh:
+        (hdir / "gpuckpt_restore_runtime.py").write_text(handler_program(fh.read()))
+    os.chmod(str(hdir / "gpuckpt-restore-runtime"), 0o755)
+    (hdir / "restore-runtime.json").write_text(json.dumps({
+        "runc": shutil.which("runc"), "image_roots": [image_root], "state_dir": str(hdir / "state"),
+        "ticket_wait": 120}))
+    return str(hdir / "gpuckpt-restore-runtime")
+
+
+def node_restore(image_dir, daemon, target, token, runc_root):
+    """The target node's side of a pod restore (engine.restore with the pod backend and the ticket), started: it
+    waits for the target pod's containers, which the handler restores. Prints its result as one JSON line."""
+    script = ("import json, sys\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore\n"
+              "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import "
+              "KubernetesPodBackend\n"
+              "b = KubernetesPodBackend(sys.argv[2], runc_root=sys.argv[5], restore_pod=sys.argv[3], "
+              "restore_token=sys.argv[4], restore_wait=300)\n"
+              "r = restore(sys.argv[1], backend=b)\n"
+              "print(json.dumps({'pids': r['pids'], 'cuda_pids': r['cuda_pids'], 'timings': r['timings'], "
+              "'resumed_at': r['resumed_at'], 'gpu_pairs': r['gpu_pairs'], "
+              "'cooperative_resumed': r.get('cooperative_resumed'), 'msg': r.get('msg')}))\n")
+    env = dict(os.environ, PYTHONPATH=COLLECTIONS + ":" + os.environ.get("PYTHONPATH", ""))
+    return subprocess.Popen([sys.executable, "-c", script, image_dir, daemon.address, target, token, runc_root],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
+
+
 def gpu_inventory():
     sys.path.insert(0, COLLECTIONS)
     from ansible_collections.gpuckpt.fleet.plugins.module_utils.cuda import devices as gpus
@@ -189,35 +228,16 @@ def test_a_gpu_pod_is_held_then_restored_through_the_runtime_handler_with_its_gp
             time.sleep(0.1)
 
         hdir = tmp_path / "handler"
-        hdir.mkdir()
-        from ansible_collections.gpuckpt.fleet.plugins.module_utils.k8s.restore_handler import handler_program
-        shutil.copy(os.path.join(HANDLER_FILES, "gpuckpt-restore-runtime"), str(hdir / "gpuckpt-restore-runtime"))
-        with open(os.path.join(HANDLER_FILES, "gpuckpt_restore_runtime.py")) as fh:  # assembled, as the role installs it
-            (hdir / "gpuckpt_restore_runtime.py").write_text(handler_program(fh.read()))
-        os.chmod(str(hdir / "gpuckpt-restore-runtime"), 0o755)
-        (hdir / "restore-runtime.json").write_text(json.dumps({
-            "runc": shutil.which("runc"), "image_roots": [image_root], "state_dir": str(hdir / "state"),
-            "ticket_wait": 120}))
+        handler = install_handler(hdir, image_root)
         token, target = uuid.uuid4().hex, "default/gpu-test-pod-b"
-        script = ("import json, sys\n"
-                  "from ansible_collections.gpuckpt.fleet.plugins.module_utils.engine.restore import restore\n"
-                  "from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.k8s_pod import "
-                  "KubernetesPodBackend\n"
-                  "b = KubernetesPodBackend(sys.argv[2], runc_root=sys.argv[5], restore_pod=sys.argv[3], "
-                  "restore_token=sys.argv[4], restore_wait=300)\n"
-                  "r = restore(sys.argv[1], backend=b)\n"
-                  "print(json.dumps({'pids': r['pids'], 'cuda_pids': r['cuda_pids'], 'timings': r['timings'], "
-                  "'resumed_at': r['resumed_at'], 'gpu_pairs': r['gpu_pairs']}))\n")
-        env = dict(os.environ, PYTHONPATH=COLLECTIONS + ":" + os.environ.get("PYTHONPATH", ""))
-        node = subprocess.Popen([sys.executable, "-c", script, image_dir, daemon.address, target, token, runc_root],
-                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, universal_newlines=True)
+        node = node_restore(image_dir, daemon, target, token, runc_root)
         t0 = time.monotonic()
         args2 = [WORKLOAD_PYTHON, os.path.join(REPO, "tests", "workloads", "torch_counter.py"), "--dir", w.dir,
                  "--gib", str(GIB)]  # the pod spec's command: never run, the handler restores instead
         request = json.dumps({"image": image_dir, "token": token})
         try:
             cid, res = make_container(daemon, runc_root, target, str(uuid.uuid4()), "trainer", w.dir, args2,
-                                      handler=str(hdir / "gpuckpt-restore-runtime"),
+                                      handler=handler,
                                       annotations={"gpuckpt.fleet/restore": request}, gpu_minors=dst_minors)
             made = time.monotonic() - t0
             out, unused = node.communicate(timeout=330)
