@@ -18,7 +18,7 @@ import pytest
 
 from gpu_helpers import WORKLOAD_PYTHON, gpu_count
 from helpers import write_runc_bundle
-from test_gpu_cooperative import (DDP_JOB, LAUNCHER, NO_MULTICAST, STEPS, TIME_WAIT_S, Job, _per_rank, _same_losses, _stall,
+from test_gpu_cooperative import (DDP_JOB, LAUNCHER, NO_MULTICAST, STEPS, TIME_WAIT_S, Job, _per_rank, _ran_on_intact, _stall,
                                   ddp_container_spec)
 from test_gpu_migrate import PASS_ENV
 from test_gpu_runc import gpu_spec
@@ -116,14 +116,7 @@ def test_runc_container_of_a_cooperative_ddp_job_checkpointed_and_restored_in_pl
         assert run.rc == 0, run.stdout[-8000:]
         assert len(rs.get("cooperative_resumed") or []) == 2, rs
         assert (job.state() or {}).get("status") == "running", job.state()
-        if job.steps_done() < STEPS:
-            job.wait_steps(min(STEPS, step + 10))
-            assert sorted(job.ranks()) == [0, 1] and len(job.procs()) == len(procs0), (job.procs(), procs0)
-        job.wait_steps(STEPS)
-        reference.wait_done()
-        _same_losses(job, reference)
-        cycles = {"rank%d" % r: job.cycles(r) for r in range(2)}
-        assert all([c["resumed_by"] for c in rank] == ["resume"] for rank in cycles.values()), cycles
+        cycles = _ran_on_intact(job, reference, step, procs0)
         record("coop_runc", steps=STEPS, losses_identical=True, dump_step=step, stall_dump_restore=_stall(job, step),
                cycles=cycles, processes=len(procs0), pids_before=procs0)
     finally:

@@ -245,6 +245,21 @@ def _same_losses(job, reference):
         assert not differ, "rank %d: %d of %d losses differ, first %s" % (r, len(differ), STEPS, differ[:3])
 
 
+def _ran_on_intact(job, reference, step, procs0):
+    """After a restore from the boundary of ``step``: one copy (both ranks, as many processes as ``procs0``) that runs
+    to the end, every loss of both ranks bit-identical to the uninterrupted ``reference``'s, each rank resumed once by
+    the collection's resume. Returns the ranks' cycle records."""
+    if job.steps_done() < STEPS:
+        job.wait_steps(min(STEPS, step + 10))
+        assert sorted(job.ranks()) == [0, 1] and len(job.procs()) == len(procs0), (job.procs(), procs0)
+    job.wait_steps(STEPS)
+    reference.wait_done()
+    _same_losses(job, reference)
+    cycles = {"rank%d" % r: job.cycles(r) for r in range(2)}
+    assert all([c["resumed_by"] for c in rank] == ["resume"] for rank in cycles.values()), cycles
+    return cycles
+
+
 def test_cooperative_defaults_checkpointed_leave_running_then_dumped_and_restored_in_place(
         playbook, jobs, reference, tmp_path, record):
     job = jobs("job", coop=True)
