@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))
 from loopback import LoopbackHosts  # noqa: E402
 
 pytestmark = pytest.mark.skipif(gpu_count() < 2, reason="needs two GPUs (nvidia-h100-x2)")
+# GPUCKPT_TEST_THP=1: transparent huge pages "always" while each operation runs (the modules' host_huge_pages)
+THP = os.environ.get("GPUCKPT_TEST_THP") == "1"
 MODES = {"cooperative": ({"GPUCKPT_DDP_COOP": "1"}, True), "config": (dict(CONFIG, USE_LIBUV="0"), False)}
 
 
@@ -114,10 +116,8 @@ def test_ddp_job_migrated_between_the_loopback_hosts(playbook, gpu_hosts, tmp_pa
         # (one pid space: the job, started through hosta's ssh in a session of its own, is init's child like the
         # restored copy; migrate.yml is told where it runs)
         v = {"source": "hosta", "target": "hostb", "pid": job.pid, "migration_id": "ddp-" + mode,
-             "gpuckpt_quiesce_timeout": 60,
-             # torchrun's agent holds a CUDA context of its own (PyTorch 2.11) that nvidia-smi lists with no memory:
-             # the preflight cannot size the job (seen on 2 x H100, 2026-11-27), so its unknowns are accepted here
-             "gpuckpt_allow_unknown": ["gpu_memory", "disk", "host_ram"]}
+             # (no unknown accepted: the preflight bounds the job's GPU memory by its GPUs' used memory, docs/multi_gpu.md)
+             "gpuckpt_quiesce_timeout": 60, "gpuckpt_host_huge_pages": THP}
         if coop:
             v["quiesce_mode"] = "cooperative"
         t = time.monotonic()
@@ -135,7 +135,7 @@ def test_ddp_job_migrated_between_the_loopback_hosts(playbook, gpu_hosts, tmp_pa
         if job.steps_done() < STEPS:  # (a short job may already have run to its end on hostb: its losses say the rest)
             # one copy: the same processes (one pid space: CRIU gave them their pids back)
             assert len(procs1) == len(procs0) and sorted(ranks1) == [0, 1], (procs1, procs0, ranks1)
-        rec = dict(mode=mode, steps=STEPS, wall=wall, quiesce=quiesce, checkpoint=ck.get("timings"),
+        rec = dict(mode=mode, host_huge_pages=THP, steps=STEPS, wall=wall, quiesce=quiesce, checkpoint=ck.get("timings"),
                    restore=rs.get("timings"), image_bytes=ck.get("image_bytes"), cuda_pids=ck.get("cuda_pids"),
                    cooperative_resumed=rs.get("cooperative_resumed"), downtime=downtime,
                    floors=_floors(ck, sy, rs, quiesce), processes=len(procs0), ranks_before=ranks0, ranks_after=ranks1,
