@@ -77,7 +77,9 @@ def test_ddp_job_drained_off_its_node(playbook, gpu_hosts, tmp_path, record, mod
             assert procs1 == procs0 and ranks1 == ranks0, (procs1, procs0, ranks1, ranks0)
         downtime = round(rs["resumed_at"] - ck["frozen_at"], 3)
         floors = _floors(ck, sy, rs, quiesce)
-        probes = [r["probe"] for r in run.results if "Probe the link" in r["_task"] and isinstance(r.get("probe"), dict)]
+        # (the probe task loops over the targets: its items' results are under "results")
+        probes = [item["probe"] for r in run.results if "Probe the link" in r["_task"]
+                  for item in [r] + list(r.get("results") or []) if isinstance(item.get("probe"), dict)]
         rate = probes[-1].get("bytes_s") if probes else None
         if rate and ck.get("image_bytes") and floors["driver_checkpoint_max"] is not None \
                 and floors["driver_restore_max"] is not None:
@@ -86,7 +88,7 @@ def test_ddp_job_drained_off_its_node(playbook, gpu_hosts, tmp_path, record, mod
             floors["floor_sum_by_probe"] = round(floors["driver_checkpoint_max"] + floors["transfer_floor_s_by_probe"]
                                                  + floors["driver_restore_max"], 3)
             floors["downtime_over_floor"] = round(downtime / floors["floor_sum_by_probe"], 2)
-        floors["link_bytes_s"] = rate
+        floors["link_bytes_s"], floors["link_probe"] = rate, (probes or [None])[-1]
         record("coop_drain_result", mode=mode, host_huge_pages=THP, steps=STEPS, wall=wall, migration_id=mid, quiesce=quiesce,
                checkpoint=ck.get("timings"), restore=rs.get("timings"), image_bytes=ck.get("image_bytes"),
                cuda_pids=ck.get("cuda_pids"), cooperative_resumed=rs.get("cooperative_resumed"), downtime=downtime,

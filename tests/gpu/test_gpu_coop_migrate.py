@@ -108,10 +108,13 @@ def test_ddp_job_migrated_between_the_loopback_hosts(playbook, gpu_hosts, tmp_pa
     extra, coop = MODES[mode]
     env = dict(extra)
     env.pop("GPUCKPT_DDP_COOP", None)
-    reference = Job(str(tmp_path / "reference"), coop=False, env=env)
-    job = RemoteJob(gpu_hosts, "hosta", str(tmp_path / "job"), mode)
+    # The reference runs first, alone: the preflight bounds the job's GPU memory by its GPUs' used memory only where
+    # no other process runs there (test_gpu_coop_drain.py). The job steps slowly so that it is mid-run when moved.
+    reference = Job(str(tmp_path / "reference"), coop=False, pause=0, env=env)
+    reference.wait_done()
+    job = RemoteJob(gpu_hosts, "hosta", str(tmp_path / "job"), mode, pause=0.3)
     try:
-        job.wait_steps(40)
+        job.wait_steps(20)
         procs0, ranks0 = job.procs(), job.ranks()
         # (one pid space: the job, started through hosta's ssh in a session of its own, is init's child like the
         # restored copy; migrate.yml is told where it runs)
