@@ -122,10 +122,19 @@ def _remove(path):
         pass
 
 
+# every=None: the checks are spaced so that one comes about every CHECK_INTERVAL_S seconds. The ranks time their steps
+# between their CALIBRATION boundaries (the first few, slower ones left out) and agree on the spacing at the last one.
+CHECK_INTERVAL_S = 0.05
+CALIBRATION = (10, 30)
+MAX_EVERY = 10000
+
+
 class Cooperative(object):
     """The rank's side of a cooperative checkpoint. Create it after ``torch.distributed.init_process_group`` (every
-    rank), call ``step_boundary(step)`` after each step (or every ``every`` steps: the check is one all-reduce of
-    one number, on the CPU, read a boundary later). When gpuckpt.fleet asks (its request file, then ``signum``),
+    rank), call ``step_boundary(step)`` after each step. The check is one all-reduce of one number, on the CPU, read
+    a boundary later; it runs every ``every`` steps, by default (``every=None``) as many steps as take about
+    ``check_interval`` seconds (50 ms), timed by the ranks over their first 30 boundaries and agreed on by all. A
+    short step pays for the check no more than a long one, and an answer comes within about two intervals. When gpuckpt.fleet asks (its request file, then ``signum``),
     all ranks stop at the same boundary: ``on_release(step)`` callbacks, every process group destroyed (NCCL's
     communicators go with them: the driver cannot restore live ones), the cache given back, an acknowledgement
     with the step, and a wait. Once told to resume (or after ``lease_s`` seconds of its own running time without
@@ -137,14 +146,17 @@ class Cooperative(object):
     NCCL 2.29.7+ has ncclCommSuspend/ncclCommResume (PyTorch 2.12+ as a backend suspend), which would keep the
     communicators' setup; the PyTorch wheels this was written for ship NCCL 2.28.9, so the groups are destroyed."""
 
-    def __init__(self, every=1, signum=signal.SIGUSR1, on_release=(), on_resume=(), timeout=None, poll=0.02):
+    def __init__(self, every=None, signum=signal.SIGUSR1, on_release=(), on_resume=(), timeout=None, poll=0.02,
+                 check_interval=CHECK_INTERVAL_S):
         import torch
         import torch.distributed as dist
         from torch.distributed import distributed_c10d as c10d
         if not dist.is_initialized():
             raise RuntimeError("Cooperative() comes after torch.distributed.init_process_group")
         self.torch, self.dist = torch, dist
-        self.every, self.poll, self.timeout = max(1, int(every)), float(poll), timeout
+        self.every = None if every is None else max(1, int(every))  # (None: still timing the steps)
+        self.poll, self.timeout, self.check_interval = float(poll), timeout, float(check_interval)
+        self._boundaries, self._timed_from = 0, None
         self.backend = dist.get_backend()
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.store = c10d._get_default_store()  # the rendezvous, kept: each new group gets a fresh prefix of it
@@ -191,7 +203,10 @@ class Cooperative(object):
         The check is an all-reduce (MAX) of one number on the CPU, started here and read at the next boundary
         (pipelined: it runs meanwhile, on gloo's thread): every rank reads the same result at the same boundary,
         so all stop at the same step, one boundary after the request reached them."""
-        if step % self.every:
+        self._boundaries += 1
+        if self.every is None:
+            self._calibrate()
+        if step % (self.every or 1):
             return False
         number = 0
         if self._work is not None:
@@ -208,8 +223,24 @@ class Cooperative(object):
         self._cycle(number, step)
         return True
 
+    def _calibrate(self):
+        """Times the steps between the CALIBRATION boundaries; at the last one, every rank (each at that same boundary)
+        takes the largest spacing any rank wants (an all-reduce MAX; the check still pending is ahead of it in the same
+        group on every rank)."""
+        first, last = CALIBRATION
+        if self._boundaries == first:
+            self._timed_from = time.monotonic()
+        elif self._boundaries == last and self._timed_from is not None:
+            per_step = (time.monotonic() - self._timed_from) / (last - first)
+            want = MAX_EVERY if per_step <= 0 else max(1, min(MAX_EVERY, int(self.check_interval / per_step)))
+            agreed = self.torch.tensor([want], dtype=self.torch.int64)
+            self.dist.all_reduce(agreed, op=self.dist.ReduceOp.MAX, group=self._group)
+            self.every = int(agreed.item())
+
     def _cycle(self, number, step):
         self._pid = os.getpid()
+        if self.every is None:  # (a checkpoint while the steps were being timed: every rank times them again)
+            self._boundaries, self._timed_from = 0, None
         t0 = time.monotonic()
         for fn in self.on_release:
             fn(step)

@@ -63,6 +63,9 @@ def main():
             if pause:
                 time.sleep(pause)
         times.flush()
+    if coop is not None:  # (the spacing of its checks, in steps: chosen by the helper from its steps' time)
+        with open(os.path.join(out, "rank%d.every" % rank), "w") as ev:
+            ev.write("%s\n" % coop.every)
     dist.barrier()
     dist.destroy_process_group()
 

@@ -248,3 +248,36 @@ def test_a_dead_holders_cooperative_record_tells_the_ranks_to_resume(tmp_path, r
     assert len(out) == 1 and out[0]["given_back"] == [p.pid], out
     assert p.stdout.readline().split()[0] == "resume"
     assert give_back.records(str(tmp_path / "hold")) == [], "the record goes once given back"
+
+
+SPACING = r"""
+import sys, time
+sys.path[:0] = [sys.argv[1], sys.argv[2]]
+import gpuckpt_quiesce
+coop = gpuckpt_quiesce.Cooperative(poll=0.01, **eval(sys.argv[3]))
+seen = []
+for step in range(40):
+    time.sleep(0.005)
+    coop.step_boundary(step)
+    seen.append(coop.every)
+print(seen[28], seen[29], seen[-1])
+"""
+
+
+@pytest.mark.parametrize("given", [{}, {"every": 3}, {"check_interval": 0}])
+def test_the_checks_are_spaced_by_the_steps_time_unless_a_spacing_is_given(tmp_path, given):
+    """By default the ranks time their steps over their first 30 boundaries and check about every 50 ms from there:
+    a 5 ms step is checked about every 10 steps (fewer where the sleeps overshoot), never less often."""
+    stub = tmp_path / "stub"
+    for rel, text in STUB.items():
+        (stub / rel).parent.mkdir(parents=True, exist_ok=True)
+        (stub / rel).write_text(text)
+    out = subprocess.run([sys.executable, "-c", SPACING, str(stub), TOOLS, repr(given)], stdout=subprocess.PIPE,
+                         universal_newlines=True, check=True, timeout=60).stdout.split()
+    before, at, after = out
+    if "every" in given:
+        assert (before, at, after) == ("3", "3", "3")
+    elif given.get("check_interval") == 0:
+        assert (before, at, after) == ("None", "1", "1")
+    else:
+        assert before == "None" and at == after and 1 <= int(at) <= 10, out
