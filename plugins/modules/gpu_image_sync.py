@@ -185,6 +185,8 @@ probe:
   description:
     - With O(probe_mib), what the probe measured; null in check mode. The seconds are those of the transfer alone
       (its ssh connections, the target's answer of what it holds, the data, the manifest), retries included.
+    - The throughput is taken over the data and the manifest alone (C(data_seconds)), as a migration opens its
+      streams before anything is frozen.
   returned: when O(probe_mib) is above 0
   type: dict
   contains:
@@ -192,10 +194,16 @@ probe:
       description: Bytes sent (the scratch image and its manifest).
       type: int
     seconds:
-      description: Time the transfer took.
+      description: Time the transfer took, its ssh connections included.
+      type: float
+    data_seconds:
+      description: Time from the streams' opening (the target having said what it holds) to the delivered manifest.
+      type: float
+    setup_seconds:
+      description: The rest of C(seconds), opening the streams and asking the target.
       type: float
     bytes_s:
-      description: The throughput, bytes per second (what a drain's C(throughput) takes for the target).
+      description: The throughput, bytes over C(data_seconds) per second (what a drain's C(throughput) takes for the target).
       type: int
     streams:
       description: Parallel ssh streams used.
@@ -203,7 +211,8 @@ probe:
     attempts:
       description: Attempts it took.
       type: int
-  sample: {"bytes": 1073742201, "seconds": 1.52, "bytes_s": 706409343, "streams": 4, "attempts": 1}
+  sample: {"bytes": 1073742201, "seconds": 1.52, "data_seconds": 1.1, "setup_seconds": 0.42, "bytes_s": 976129455,
+           "streams": 4, "attempts": 1}
 """
 
 from ansible.module_utils.basic import AnsibleModule

@@ -49,7 +49,8 @@ def test_a_probe_measures_the_link_and_leaves_nothing(playbook, hosts, tmp_path)
     res = run.task("Probe hostb")
     probe = res["probe"]
     assert probe["bytes"] > 128 * 2**20 and probe["seconds"] > 0 and probe["streams"] == 2, probe
-    assert probe["bytes_s"] == int(round(probe["bytes"] / probe["seconds"])) and probe["attempts"] == 1
+    assert probe["bytes_s"] == int(round(probe["bytes"] / probe["data_seconds"])) and probe["attempts"] == 1
+    assert 0 < probe["data_seconds"] <= probe["seconds"], probe
     assert res["changed"] is False and "MB/s" in res["msg"]
     assert _leftovers(hosts) == []
     checked = _probe(playbook, hosts, tmp_path, check=True)

@@ -313,9 +313,12 @@ def send_image(image_dir, target, dest, receiver=None, streams=0, bwlimit_kbps=0
                 sender.start()
                 held = sender.resume(manifest)
                 progress.set(held, force=True)
+                data_start = time.monotonic()  # (the streams are open and the target said what it holds)
                 report = sender.finish(image_dir, files)
+                now = time.monotonic()
                 report.update(attempts=attempts, bytes_total=total, bytes_transferred=sender.bytes_sent,
-                              bytes_already_there=held, seconds=round(time.monotonic() - start, 3))
+                              bytes_already_there=held, seconds=round(now - start, 3),
+                              data_seconds=round(now - data_start, 3))
                 return report
             except (OSError, TransferError) as exc:
                 sender.abort()

@@ -58,7 +58,8 @@ def test_a_probe_measures_the_transfer_and_leaves_nothing_on_either_host(tmp_pat
     node, target = _roots(tmp_path)
     res = link_probe.probe(str(node / ".gpuckpt-probe-1"), _target(), str(target / ".gpuckpt-probe-1"), 3, streams=2)
     assert res["bytes"] > 3 * 2**20 and res["seconds"] > 0 and res["streams"] == 2 and res["attempts"] == 1
-    assert res["bytes_s"] == int(round(res["bytes"] / res["seconds"]))
+    assert res["bytes_s"] == int(round(res["bytes"] / res["data_seconds"])) and 0 < res["data_seconds"] <= res["seconds"]
+    assert res["setup_seconds"] == round(res["seconds"] - res["data_seconds"], 3)
     assert os.listdir(node) == [] and os.listdir(target) == []
     # Its streams (one: 3 MiB is one 64 MiB piece, but both streams open), then one receiver that removed the copy.
     assert open(fake_ssh).read().split() == ["send", "send", "remove"]
