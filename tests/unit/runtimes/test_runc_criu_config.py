@@ -16,6 +16,7 @@ from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.errors import I
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.core.wait import wait_for
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.tree_plan import NFTABLES_LOCK
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.containerd import ContainerdBackend
+from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.docker import DockerBackend
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.process import ProcessBackend
 from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.runc import RuncBackend
 
@@ -135,3 +136,22 @@ def test_with_iptables_restore_or_on_the_hosts_network_nothing_is_added(in_its_o
     finally:
         me.kill()
         me.wait()
+
+
+def test_a_tree_whose_tcp_connections_are_its_own_is_refused_for_docker_before_anything():
+    """A distributed job's rendezvous and ranks hold TCP connections whose ends are all in the tree (internal_tcp, as
+    the engine finds for a torchrun job): ``docker checkpoint`` cannot be handed --tcp-established, so a Docker
+    container of such a job is refused at the plan, before anything is asked or frozen (docs/multi_gpu.md)."""
+    code = ("import socket, time\ns = socket.socket()\ns.bind(('127.0.0.1', 0))\ns.listen(1)\n"
+            "c = socket.create_connection(s.getsockname())\na, unused = s.accept()\nprint('up', flush=True)\n"
+            "time.sleep(60)\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE)
+    try:
+        assert p.stdout.readline().strip() == b"up"
+        with pytest.raises(InvalidTarget, match="nothing was frozen") as err:
+            DockerBackend().plan_tree([p.pid], internal_tcp=True)
+        assert "--tcp-established" in err.value.msg and "docker" in err.value.msg, err.value.msg
+    finally:
+        p.kill()
+        p.wait()
+        p.stdout.close()
