@@ -132,7 +132,7 @@ MAX_EVERY = 10000
 class Cooperative(object):
     """The rank's side of a cooperative checkpoint. Create it after ``torch.distributed.init_process_group`` (every
     rank), call ``step_boundary(step)`` after each step. The check is one all-reduce of one number, on the CPU, read
-    a boundary later; it runs every ``every`` steps, by default (``every=None``) as many steps as take about
+    a check later; it runs at every ``every``-th boundary, by default (``every=None``) at as many as take about
     ``check_interval`` seconds (50 ms), timed by the ranks over their first 30 boundaries and agreed on by all. A
     short step pays for the check no more than a long one, and an answer comes within about two intervals. When gpuckpt.fleet asks (its request file, then ``signum``),
     all ranks stop at the same boundary: ``on_release(step)`` callbacks, every process group destroyed (NCCL's
@@ -206,7 +206,9 @@ class Cooperative(object):
         self._boundaries += 1
         if self.every is None:
             self._calibrate()
-        if step % (self.every or 1):
+        # (counted in boundaries, not in the job's step numbers: every rank has passed as many, and a job that calls
+        # this every other step, or from an odd step on, is still checked)
+        if self._boundaries % (self.every or 1):
             return False
         number = 0
         if self._work is not None:

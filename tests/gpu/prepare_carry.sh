@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Run HERE (the CI-kind machine) before a GPU run: the GPU machine has no internet and no apt, so
 # everything the GPU tests need beyond its image travels along in two git-ignored folders:
-#   .carry/criu/  CRIU 4.2.1 built by tests/setup.sh, with the shared libraries it needs beyond glibc
-#                 (GPUCKPT_CRIU_CARRY=<path> carries another build instead, e.g. the one with the
-#                 collection's parallel page reads patch: .build/criu-4.2.1-parallel-reads/criu/criu)
+#   .carry/criu/  CRIU 4.2.1 built by tests/setup.sh with the collection's parallel page reads patch (what the
+#                 criu role installs by default, criu_parallel_page_reads), with the shared libraries it needs
+#                 beyond glibc (GPUCKPT_CRIU_CARRY=<path> carries another build instead, e.g. the plain one:
+#                 /usr/local/sbin/criu; the multi-GPU runs before session 28 carried that one)
 #   .carry/gpuckpt-cuda-checkpoint  the collection's cuda-checkpoint tool, built by tests/setup.sh
 #                 (the GPU machine's glibc 2.39 runs binaries built against bookworm's 2.36)
 #   .whl/         wheels for Python 3.12: ansible-core 2.21 and pytest, with their dependencies
@@ -12,8 +13,10 @@ repo=$(cd "$(dirname "$0")/../.." && pwd)
 cd "$repo"
 bash tests/setup.sh >/dev/null
 rm -rf .carry/criu && mkdir -p .carry/criu/lib
-criu_bin=${GPUCKPT_CRIU_CARRY:-/usr/local/sbin/criu}
+criu_bin=${GPUCKPT_CRIU_CARRY:-$repo/.build/criu-4.2.1-parallel-reads/criu/criu}
 cp "$criu_bin" .carry/criu/criu.bin
+# (which build travelled: run_on_device.sh writes it into env.txt)
+echo "carried from $criu_bin, sha256 $(sha256sum < "$criu_bin" | cut -c1-16)" > .carry/criu/build.txt
 ldd "$criu_bin" | awk '$3 ~ /^\// {print $3}' | grep -Ev '/(libc|libm|libpthread|libdl|librt|libresolv|ld-linux[^/]*)\.so' \
   | while read -r lib; do cp -L "$lib" .carry/criu/lib/; done
 cat > .carry/criu/criu <<'SH'

@@ -23,7 +23,7 @@ mkdir -p .build/collections/ansible_collections/gpuckpt && ln -sfn "$repo" .buil
 {
   date -u +%Y-%m-%dT%H:%M:%SZ
   nvidia-smi --query-gpu=name,uuid,driver_version,memory.total --format=csv,noheader
-  uname -r; python3 --version; /usr/local/sbin/criu --version | head -n1
+  uname -r; python3 --version; /usr/local/sbin/criu --version | head -n1; cat /opt/gpuckpt-criu/build.txt 2>/dev/null
   python3 -c 'import torch; print("torch", torch.__version__)'
   /usr/local/lib/gpuckpt-docker26/bin/dockerd --version; podman --version  # (carried: prepare_docker_carry.sh)
   nproc; free -g | sed -n 2p; df -h /tmp | tail -n1

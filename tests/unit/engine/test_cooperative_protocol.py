@@ -75,16 +75,17 @@ RANK = r"""
 import sys, time
 sys.path[:0] = [sys.argv[1], sys.argv[2]]
 import gpuckpt_quiesce, torch.distributed as dist
-coop = gpuckpt_quiesce.Cooperative(poll=0.01)
+odd = sys.argv[3] == "odd"  # (a job that calls the helper every other step, from step 1: 1, 3, 5...)
+coop = gpuckpt_quiesce.Cooperative(poll=0.01, **({"every": 2} if odd else {}))
 print("up", flush=True)
-step = 0
+step = 1 if odd else 0
 while True:
     time.sleep(0.01)
     if sys.argv[3] == "stuck":
         continue
     if coop.step_boundary(step):
         print(coop.history[-1]["resumed_by"], coop.history[-1]["step"], dist.STATE["inits"][-1], flush=True)
-    step += 1
+    step += 2 if odd else 1
 """
 
 
@@ -137,6 +138,16 @@ def test_asked_acknowledged_resumed_on_a_fresh_prefix(rank_procs):
     report = cooperative.ask([p.pid], SIGUSR1, "SIGUSR1", 10, 60, second)
     cooperative.resume([p.pid], second)
     assert p.stdout.readline().split()[2] == "gpuckpt/%d/" % second
+
+
+def test_a_job_that_numbers_its_boundaries_oddly_is_still_checked(rank_procs):
+    """Checks are counted in calls, not in the step numbers given: odd steps with every=2 are checked too."""
+    p = rank_procs(0, how="odd")
+    number = cooperative.request_number()
+    report = cooperative.ask([p.pid], SIGUSR1, "SIGUSR1", 10, 60, number)
+    assert report["step"] % 2 == 1, report
+    cooperative.resume([p.pid], number)
+    assert p.stdout.readline().split()[:2] == ["resume", str(report["step"])]
 
 
 def test_a_rank_that_does_not_reach_its_boundary_is_named_and_every_rank_told_to_resume(rank_procs):
