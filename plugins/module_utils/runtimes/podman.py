@@ -56,6 +56,7 @@ class PodmanBackend(ContainerBackend):
                  tcp_established=False):
         super(PodmanBackend, self).__init__(criu_path, criu_options, timeout, tcp_established=tcp_established)
         self.podman_path, self.root, self.runroot = podman_path, root, runroot
+        self._network_mode = None  # (the container's, read by resolve)
         self.cli = self._make_cli()
 
     def _make_cli(self):
@@ -91,6 +92,7 @@ class PodmanBackend(ContainerBackend):
                                 % (target, state.get("Status")), stage="preflight")
         self.container = info.get("Name") or str(target)
         self._id = info.get("Id")
+        self._network_mode = (info.get("HostConfig") or {}).get("NetworkMode")
         pid = int(state["Pid"])
         tree = procfs.process_tree(pid)
         self._ns = {str(p): ns_pid(p) for p in tree}
@@ -100,6 +102,20 @@ class PodmanBackend(ContainerBackend):
         self._gpus = None if spec is None else [{"uuid": g["uuid"], "minor": g["minor"]}
                                                 for g in gpu_devices.spec_gpus(spec)]
         return pid, tree
+
+    def plan_tree(self, pids, internal_tcp=False):
+        """The tree's plan (Backend.plan_tree), and one refusal of Podman's own: a container on network mode "none"
+        that holds established TCP connections (a distributed job's rendezvous and ranks). Podman 4.3.1 restores
+        such a container into a network namespace whose loopback is down, where CRIU cannot connect them again
+        ("Network is unreachable"): its checkpoint would be an image that no restore brings back."""
+        flags = super(PodmanBackend, self).plan_tree(pids, internal_tcp=internal_tcp)
+        if (self.criu_needs or {}).get("tcp") and self._network_mode == "none":
+            raise InvalidTarget("podman container %s runs with network mode none and holds established TCP "
+                                "connections (%s); Podman restores such a container into a network namespace whose "
+                                "loopback is down, where CRIU cannot connect them again; nothing was frozen"
+                                % (self.container, ", ".join(self.criu_needs["tcp"][:3])), stage="preflight",
+                                hint="run the container on the host's network (--network host) or a bridge network")
+        return flags
 
     def dump(self, target, image_dir, work_dir, after):
         if after == "stopped":

@@ -1,0 +1,165 @@
+"""The cooperative 2-rank stand-in job (tests/workloads/coop_ddp_job.py under the helper's torchrun, gloo, the libcuda
+TEST DOUBLE) as a Podman container's init (issue 45 part 3: the job in another runtime's container than runc):
+checkpointed by name through checkpoint.yml with quiesce_mode=cooperative, then restored by restore.yml; real Podman
+driving real CRIU. The container has a network namespace of its own (loopback only): the rendezvous and the ranks'
+connections are all inside it, so Podman is handed --tcp-established without the user naming it.
+
+It ends with one copy (the launcher and its 2 ranks), both ranks told to resume and counting on from the step they
+released at, every step logged once, the stand-in GPU memory intact, nothing locked."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+
+import pytest
+
+from helpers import REPO, alive, podman_run_args, podman_skeleton
+from test_cooperative import GLOO, JOB, LAUNCHER, _children, pattern_digest
+
+PODMAN = shutil.which("podman")
+pytestmark = [pytest.mark.skipif(PODMAN is None, reason="podman is not installed (tests/setup.sh installs it)"),
+              pytest.mark.skipif(not GLOO, reason="PyTorch with gloo is not installed (tests/requirements.txt)")]
+
+
+class PodmanCoopJob(object):
+    """The stand-in job under the helper's torchrun as a Podman container's init, its logs in ``directory``."""
+
+    def __init__(self, base, fakecuda, network="host"):
+        self.dir = os.path.join(base, "job")
+        os.makedirs(self.dir)
+        self.runroot = tempfile.mkdtemp(prefix="gpk-", dir="/tmp")  # (Podman wants it under 50 characters)
+        self.storage = ["--root", os.path.join(base, "storage"), "--runroot", self.runroot]
+        self.name = "gpuckpt-pc-" + uuid.uuid4().hex[:8]
+        image = podman_skeleton(self.storage, tmpdir=base)
+        cmd = [sys.executable, LAUNCHER, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", JOB,
+               self.dir, fakecuda.lib, "pc-" + uuid.uuid4().hex[:6], "0.05"]
+        # (torchrun's agent makes its log folder with tempfile: in the job's own folder)
+        env = ["%s=%s" % kv for kv in sorted(dict(fakecuda.env, TMPDIR=self.dir).items())]
+        args = podman_run_args(self.name, image, cmd, env=env, rw=[self.dir, fakecuda.state_dir])
+        args[args.index("--network") + 1] = network
+        if not os.path.realpath(sys.prefix).startswith(REPO + os.sep):  # (a venv outside the repo: bound too)
+            args[args.index(image):args.index(image)] = ["--volume", "%s:%s:ro" % (sys.prefix, sys.prefix)]
+        res = self.podman(*args, check=False)
+        assert res.returncode == 0, res.stderr
+        self.wait(lambda: all(len(self.steps(r)) > 3 for r in range(2)), 120, "the ranks to train")
+
+    def podman(self, *args, check=True):
+        return subprocess.run([PODMAN] + self.storage + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              universal_newlines=True, check=check)
+
+    def state(self):
+        res = self.podman("container", "inspect", "--format", "json", self.name, check=False)
+        return json.loads(res.stdout)[0]["State"] if res.returncode == 0 else None
+
+    def launcher(self):
+        return int((self.state() or {}).get("Pid") or 0)
+
+    def ranks(self):
+        return _children(self.launcher()) if self.launcher() else []
+
+    def wait(self, cond, timeout, what):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if cond():
+                return
+            time.sleep(0.05)
+        logs = self.podman("logs", "--tail", "80", self.name, check=False)
+        raise AssertionError("timed out waiting for %s; the container said:\n%s%s" % (what, logs.stdout, logs.stderr))
+
+    def lines(self, r):
+        try:
+            with open(os.path.join(self.dir, "rank%d.log" % r)) as fh:
+                return [ln.split() for ln in fh if ln.endswith("\n")]
+        except OSError:
+            return []
+
+    def steps(self, r):
+        return [int(ln[0]) for ln in self.lines(r)]
+
+    def last(self):
+        return [(self.steps(r) or [-1])[-1] for r in range(2)]
+
+    def cycles(self, r):
+        try:
+            with open(os.path.join(self.dir, "rank%d.cycles" % r)) as fh:
+                return [eval(ln, {}) for ln in fh if ln.strip()]  # noqa: S307 - the job's own repr of a dict
+        except OSError:
+            return []
+
+    def check(self, fakecuda):
+        """One copy (the launcher and 2 ranks), every step logged once in order, memory intact, nothing locked."""
+        assert not [f for f in os.listdir(self.dir) if f.endswith(".corrupt")], "stand-in GPU memory changed"
+        for r in range(2):
+            steps = self.steps(r)
+            assert steps == list(range(len(steps))), "rank %d logged %s" % (r, steps[-30:])
+            assert {ln[2] for ln in self.lines(r)} == {pattern_digest(r)}, "rank %d's memory digest changed" % r
+        assert len(self.ranks()) == 2, (self.launcher(), self.ranks())
+        assert all(fakecuda.state(p) == "running" for p in self.ranks()), [fakecuda.state(p) for p in self.ranks()]
+
+    def stop(self):
+        self.podman("container", "rm", "--force", "--time", "0", self.name, check=False)
+        self.podman("image", "prune", "--force", check=False)
+        shutil.rmtree(self.runroot, ignore_errors=True)
+
+
+def test_a_podman_container_of_a_cooperative_job_is_checkpointed_and_restored(tmp_path, playbook, fakecuda):
+    job = PodmanCoopJob(str(tmp_path), fakecuda)
+    try:
+        job.check(fakecuda)
+        pids = [job.launcher()] + job.ranks()
+        image_dir = str(tmp_path / "img")
+        v = {"gpuckpt_image_dir": image_dir, "gpuckpt_podman_root": job.storage[1],
+             "gpuckpt_podman_runroot": job.storage[3], "gpuckpt_quiesce_mode": "cooperative",
+             "gpuckpt_quiesce_timeout": 30}
+        run = playbook("gpuckpt.fleet.checkpoint", dict(v, gpuckpt_container=job.name, gpuckpt_runtime="podman"),
+                       env=fakecuda.env)
+        assert run.rc == 0, run.stdout[-6000:]
+        res = run.task("Checkpoint container")
+        q = res.get("quiesce") or {}
+        assert res["changed"] is True and q.get("mode") == "cooperative" and len(q.get("ranks") or {}) == 2, res
+        step = q["step"]
+        assert {r["step"] for r in q["ranks"].values()} == {step}, q
+        with open(os.path.join(image_dir, "manifest.json")) as fh:
+            manifest = json.load(fh)
+        assert "--tcp-established" in manifest["runtime"]["auto_flags"], manifest["runtime"]
+        assert job.state() is None and not [p for p in pids if alive(p)], "the exported container is the image now"
+        assert job.last() == [step, step], (job.last(), step)
+
+        run = playbook("gpuckpt.fleet.restore", v, env=fakecuda.env)
+        assert run.rc == 0, run.stdout[-6000:]
+        rs = run.task("Restore from")
+        assert rs["changed"] is True and len(rs.get("cooperative_resumed") or []) == 2, rs
+        assert job.state()["Status"] == "running"
+        job.wait(lambda: all(s > step + 3 for s in job.last()), 60, "the ranks to count on beyond %d" % step)
+        assert all([c["resumed_by"] for c in job.cycles(r)] == ["resume"] for r in range(2)), \
+            [job.cycles(r) for r in range(2)]
+        job.check(fakecuda)
+    finally:
+        job.stop()
+
+
+def test_a_podman_container_of_the_job_on_network_none_is_refused_before_anything(tmp_path, playbook, fakecuda):
+    """Podman 4.3.1 restores a container of network mode none into a namespace whose loopback is down, where CRIU
+    cannot connect the job's TCP connections again (seen here: "Network is unreachable"): refused at the plan, before
+    anything is asked or frozen, and the job counts on."""
+    job = PodmanCoopJob(str(tmp_path), fakecuda, network="none")
+    try:
+        before = job.last()
+        run = playbook("gpuckpt.fleet.checkpoint", {
+            "gpuckpt_image_dir": str(tmp_path / "img"), "gpuckpt_podman_root": job.storage[1],
+            "gpuckpt_podman_runroot": job.storage[3], "gpuckpt_quiesce_mode": "cooperative",
+            "gpuckpt_container": job.name, "gpuckpt_runtime": "podman"}, env=fakecuda.env)
+        res = run.task("Checkpoint container")
+        assert run.rc != 0 and "network mode none" in res["msg"] and "nothing was frozen" in res["msg"], res
+        assert not [c for c in fakecuda.calls() if c[0] == "lock"], fakecuda.calls()
+        assert not any(job.cycles(r) for r in range(2)), "the ranks were never asked"
+        job.wait(lambda: all(s > b + 3 for s, b in zip(job.last(), before)), 60, "the ranks to count on")
+        job.check(fakecuda)
+    finally:
+        job.stop()
