@@ -131,16 +131,16 @@ MAX_EVERY = 10000
 
 class Cooperative(object):
     """The rank's side of a cooperative checkpoint. Create it after ``torch.distributed.init_process_group`` (every
-    rank), call ``step_boundary(step)`` after each step. The check is one all-reduce of one number, on the CPU, read
-    a check later; it runs at every ``every``-th boundary, by default (``every=None``) at as many as take about
-    ``check_interval`` seconds (50 ms), timed by the ranks over their first 30 boundaries and agreed on by all. A
-    short step pays for the check no more than a long one, and an answer comes within about two intervals.
-    When gpuckpt.fleet asks (its request file, then ``signum``), all ranks stop at the same boundary:
-    ``on_release(step)`` callbacks, every process group destroyed (NCCL's communicators go with them: the driver
-    cannot restore live ones), the cache given back, an acknowledgement with the step, and a wait. Once told to resume (or after ``lease_s`` seconds of its own running time without
-    word: its controller died), the process group is created again on a fresh prefix of the rendezvous store it
-    kept (a plain init_process_group would read the old NCCL unique id from the store and fail), then
-    ``on_resume(step)`` callbacks, and ``step_boundary`` returns True: re-wrap what holds the old group
+    rank), call ``step_boundary(step)`` after each step. The check is one all-reduce of one number, on the CPU, read a
+    check later; it runs at every ``every``-th boundary, by default (``every=None``) at as many as take about
+    ``check_interval`` seconds (50 ms), timed by the ranks over their first 30 boundaries and agreed on by all. A short
+    step pays for the check no more than a long one, and an answer comes within about two intervals. When gpuckpt.fleet
+    asks (its request file, then ``signum``), all ranks stop at the same boundary: ``on_release(step)`` callbacks, every
+    process group destroyed (NCCL's communicators go with them: the driver cannot restore live ones), the cache given
+    back, an acknowledgement with the step, and a wait. Once told to resume (or after ``lease_s`` seconds of its own
+    running time without word: its controller died), the process group is created again on a fresh prefix of the
+    rendezvous store it kept (a plain init_process_group would read the old NCCL unique id from the store and fail),
+    then ``on_resume(step)`` callbacks, and ``step_boundary`` returns True: re-wrap what holds the old group
     (DistributedDataParallel, FSDP, your own subgroups).
 
     NCCL 2.29.7+ has ncclCommSuspend/ncclCommResume (PyTorch 2.12+ as a backend suspend), which would keep the
