@@ -200,9 +200,9 @@ class Cooperative(object):
     def step_boundary(self, step):
         """Call after every step. Returns True when the job was checkpointed here and its process group is new.
 
-        The check is an all-reduce (MAX) of one number on the CPU, started here and read at the next boundary
-        (pipelined: it runs meanwhile, on gloo's thread): every rank reads the same result at the same boundary,
-        so all stop at the same step, one boundary after the request reached them."""
+        The check (at every ``every``-th call) is an all-reduce (MAX) of one number on the CPU, started at one check
+        and read at the next (pipelined: it runs meanwhile, on gloo's thread): every rank reads the same result at the
+        same boundary, so all stop at the same step, one check after the request reached them."""
         self._boundaries += 1
         if self.every is None:
             self._calibrate()

@@ -14,31 +14,34 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 import uuid
 
 import pytest
 
 from helpers import REPO, alive, podman_run_args, podman_skeleton
-from test_cooperative import GLOO, JOB, LAUNCHER, _children, pattern_digest
+from test_cooperative import GLOO, JOB, LAUNCHER, CoopJob
+from test_podman import PodmanWorkload
 
 PODMAN = shutil.which("podman")
 pytestmark = [pytest.mark.skipif(PODMAN is None, reason="podman is not installed (tests/setup.sh installs it)"),
               pytest.mark.skipif(not GLOO, reason="PyTorch with gloo is not installed (tests/requirements.txt)")]
 
 
-class PodmanCoopJob(object):
-    """The stand-in job under the helper's torchrun as a Podman container's init, its logs in ``directory``."""
+class PodmanCoopJob(CoopJob):
+    """The stand-in job under the helper's torchrun as a Podman container's init, its logs in ``base``/job. The checks
+    are CoopJob's; its launcher is the container's init, whose host pid a restore changes."""
 
-    def __init__(self, base, fakecuda, network="host"):
-        self.dir = os.path.join(base, "job")
+    podman, state = PodmanWorkload.podman, PodmanWorkload.state  # (the container's CLI and its State, by name)
+
+    def __init__(self, base, fakecuda, network="host"):  # pylint: disable=super-init-not-called
+        self.dir, self.fakecuda, self.tag = os.path.join(base, "job"), fakecuda, "pc-" + uuid.uuid4().hex[:6]
         os.makedirs(self.dir)
         self.runroot = tempfile.mkdtemp(prefix="gpk-", dir="/tmp")  # (Podman wants it under 50 characters)
         self.storage = ["--root", os.path.join(base, "storage"), "--runroot", self.runroot]
         self.name = "gpuckpt-pc-" + uuid.uuid4().hex[:8]
         image = podman_skeleton(self.storage, tmpdir=base)
         cmd = [sys.executable, LAUNCHER, "--standalone", "--nproc-per-node", "2", "--monitor-interval", "0.1", JOB,
-               self.dir, fakecuda.lib, "pc-" + uuid.uuid4().hex[:6], "0.05"]
+               self.dir, fakecuda.lib, self.tag, "0.05"]
         # (torchrun's agent makes its log folder with tempfile: in the job's own folder)
         env = ["%s=%s" % kv for kv in sorted(dict(fakecuda.env, TMPDIR=self.dir).items())]
         args = podman_run_args(self.name, image, cmd, env=env, rw=[self.dir, fakecuda.state_dir])
@@ -49,70 +52,27 @@ class PodmanCoopJob(object):
         assert res.returncode == 0, res.stderr
         self.wait(lambda: all(len(self.steps(r)) > 3 for r in range(2)), 120, "the ranks to train")
 
-    def podman(self, *args, check=True):
-        return subprocess.run([PODMAN] + self.storage + list(args), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                              universal_newlines=True, check=check)
-
-    def state(self):
-        res = self.podman("container", "inspect", "--format", "json", self.name, check=False)
-        return json.loads(res.stdout)[0]["State"] if res.returncode == 0 else None
-
-    def launcher(self):
+    @property
+    def host_pid(self):
+        """The launcher's host pid: the container's init (0 while there is no container)."""
         return int((self.state() or {}).get("Pid") or 0)
 
-    def ranks(self):
-        return _children(self.launcher()) if self.launcher() else []
-
-    def wait(self, cond, timeout, what):
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if cond():
-                return
-            time.sleep(0.05)
+    def said(self):
         logs = self.podman("logs", "--tail", "80", self.name, check=False)
-        raise AssertionError("timed out waiting for %s; the container said:\n%s%s" % (what, logs.stdout, logs.stderr))
-
-    def lines(self, r):
-        try:
-            with open(os.path.join(self.dir, "rank%d.log" % r)) as fh:
-                return [ln.split() for ln in fh if ln.endswith("\n")]
-        except OSError:
-            return []
-
-    def steps(self, r):
-        return [int(ln[0]) for ln in self.lines(r)]
-
-    def last(self):
-        return [(self.steps(r) or [-1])[-1] for r in range(2)]
-
-    def cycles(self, r):
-        try:
-            with open(os.path.join(self.dir, "rank%d.cycles" % r)) as fh:
-                return [eval(ln, {}) for ln in fh if ln.strip()]  # noqa: S307 - the job's own repr of a dict
-        except OSError:
-            return []
-
-    def check(self, fakecuda):
-        """One copy (the launcher and 2 ranks), every step logged once in order, memory intact, nothing locked."""
-        assert not [f for f in os.listdir(self.dir) if f.endswith(".corrupt")], "stand-in GPU memory changed"
-        for r in range(2):
-            steps = self.steps(r)
-            assert steps == list(range(len(steps))), "rank %d logged %s" % (r, steps[-30:])
-            assert {ln[2] for ln in self.lines(r)} == {pattern_digest(r)}, "rank %d's memory digest changed" % r
-        assert len(self.ranks()) == 2, (self.launcher(), self.ranks())
-        assert all(fakecuda.state(p) == "running" for p in self.ranks()), [fakecuda.state(p) for p in self.ranks()]
+        return logs.stdout + logs.stderr
 
     def stop(self):
         self.podman("container", "rm", "--force", "--time", "0", self.name, check=False)
         self.podman("image", "prune", "--force", check=False)
+        subprocess.run(["umount", self.storage[1] + "/overlay"], stderr=subprocess.DEVNULL, check=False)
         shutil.rmtree(self.runroot, ignore_errors=True)
 
 
 def test_a_podman_container_of_a_cooperative_job_is_checkpointed_and_restored(tmp_path, playbook, fakecuda):
     job = PodmanCoopJob(str(tmp_path), fakecuda)
     try:
-        job.check(fakecuda)
-        pids = [job.launcher()] + job.ranks()
+        job.check()
+        pids = [job.host_pid] + job.ranks()
         image_dir = str(tmp_path / "img")
         v = {"gpuckpt_image_dir": image_dir, "gpuckpt_podman_root": job.storage[1],
              "gpuckpt_podman_runroot": job.storage[3], "gpuckpt_quiesce_mode": "cooperative",
@@ -136,10 +96,10 @@ def test_a_podman_container_of_a_cooperative_job_is_checkpointed_and_restored(tm
         rs = run.task("Restore from")
         assert rs["changed"] is True and len(rs.get("cooperative_resumed") or []) == 2, rs
         assert job.state()["Status"] == "running"
-        job.wait(lambda: all(s > step + 3 for s in job.last()), 60, "the ranks to count on beyond %d" % step)
+        job.counting_on([step, step], timeout=60)
         assert all([c["resumed_by"] for c in job.cycles(r)] == ["resume"] for r in range(2)), \
             [job.cycles(r) for r in range(2)]
-        job.check(fakecuda)
+        job.check()
     finally:
         job.stop()
 
@@ -159,7 +119,7 @@ def test_a_podman_container_of_the_job_on_network_none_is_refused_before_anythin
         assert run.rc != 0 and "network mode none" in res["msg"] and "nothing was frozen" in res["msg"], res
         assert not [c for c in fakecuda.calls() if c[0] == "lock"], fakecuda.calls()
         assert not any(job.cycles(r) for r in range(2)), "the ranks were never asked"
-        job.wait(lambda: all(s > b + 3 for s, b in zip(job.last(), before)), 60, "the ranks to count on")
-        job.check(fakecuda)
+        job.counting_on(before, timeout=60)
+        job.check()
     finally:
         job.stop()
