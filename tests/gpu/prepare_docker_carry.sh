@@ -113,7 +113,8 @@ if [[ "$what" == *" lite "* ]]; then
   mkdir -p "$stage/tools"
   tar -C "$stage/tools" -xJf .carry/tools.tar.xz
   rm -rf .carry-lite && mkdir -p .carry-lite/carry .carry-lite/whl
-  tar -C "$stage/tools" -cf - criu ssh runc | xz -T0 -9 > .carry-lite/carry/tools.tar.xz
+  # (iptables: the Podman test needs it, GPUCKPT_CARRIED_IPTABLES=1)
+  tar -C "$stage/tools" -cf - criu ssh runc iptables | xz -T0 -9 > .carry-lite/carry/tools.tar.xz
   cp .carry/gpuckpt-cuda-checkpoint .carry-lite/carry/
   for w in .whl/*.whl; do
     # (grpc for the containerd backend's client; cryptography only for ansible's vault and ssh-agent keys, imported

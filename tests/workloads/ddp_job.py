@@ -11,7 +11,9 @@ must log the very losses of an uninterrupted run.
 Environment:
   GPUCKPT_DDP_COOP=1    use tools/gpuckpt_quiesce.py's Cooperative (two lines, as docs/multi_gpu.md shows); each
                         cycle's record goes to <out>/rank<R>.cycles (one JSON object a line)
-  GPUCKPT_DDP_WIDTH=N   the hidden layer's width (1024): the all-reduce per step is about 4*N*1024 bytes
+  GPUCKPT_DDP_WIDTH=N   the hidden layers' width (1024): the all-reduce per step is about 4*N*1024 bytes (one layer)
+  GPUCKPT_DDP_LAYERS=K  K more hidden layers of N x N (0); GPUCKPT_DDP_BATCH=B the batch (256): a longer step, so that
+                        a cost of 2% stands out of the host's noise (a 2 ms step is launch-bound)
 Every rank appends "<step> <time.time() after the step>" to <out>/rank<R>.times (the step time; a checkpoint's stall).
 """
 from __future__ import annotations
@@ -35,7 +37,11 @@ def main():
     torch.manual_seed(0)
     torch.use_deterministic_algorithms(True)
     width = int(os.environ.get("GPUCKPT_DDP_WIDTH", "1024"))
-    model = torch.nn.Sequential(torch.nn.Linear(1024, width), torch.nn.ReLU(), torch.nn.Linear(width, 1)).cuda()
+    hidden = []
+    for unused in range(int(os.environ.get("GPUCKPT_DDP_LAYERS", "0"))):
+        hidden += [torch.nn.Linear(width, width), torch.nn.ReLU()]
+    batch = int(os.environ.get("GPUCKPT_DDP_BATCH", "256"))
+    model = torch.nn.Sequential(torch.nn.Linear(1024, width), torch.nn.ReLU(), *hidden, torch.nn.Linear(width, 1)).cuda()
     ddp = DistributedDataParallel(model, device_ids=[local])
     coop = None
     if os.environ.get("GPUCKPT_DDP_COOP") == "1":
@@ -47,7 +53,7 @@ def main():
     with open(os.path.join(out, "rank%d.losses" % rank), "a") as fh, \
             open(os.path.join(out, "rank%d.times" % rank), "a") as times:
         for step in range(steps):
-            x = torch.randn(256, 1024, device="cuda", generator=gen)
+            x = torch.randn(batch, 1024, device="cuda", generator=gen)
             y = x.sum(dim=1, keepdim=True) / 32.0
             loss = torch.nn.functional.mse_loss(ddp(x), y)
             opt.zero_grad()
