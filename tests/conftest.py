@@ -2,11 +2,14 @@
 and the libcuda TEST DOUBLE (CI has no GPU; see tests/fakecuda/fakecuda.c)."""
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -20,6 +23,11 @@ sys.path.insert(0, os.path.join(REPO, "tests", "hosts"))  # the loopback "hosts"
 def pytest_configure(config):
     if not os.path.exists(os.path.join(COLLECTIONS, "ansible_collections", "gpuckpt", "fleet")):
         raise pytest.UsageError("run `bash tests/setup.sh` first (collection link, venv, CRIU, test double)")
+    # The playbook runs of this pytest process share their modules' payloads (record_results.share_module_payloads
+    # says why), in a folder of this process's own: a new session builds them again from the code as it is now.
+    if "GPUCKPT_TEST_ANSIBALLZ_CACHE" not in os.environ:
+        os.environ["GPUCKPT_TEST_ANSIBALLZ_CACHE"] = tempfile.mkdtemp(prefix="gpuckpt-ansiballz-")
+        atexit.register(shutil.rmtree, os.environ["GPUCKPT_TEST_ANSIBALLZ_CACHE"], True)
 
 
 # How long each test file took in a whole run (seconds, tests/file_seconds.json): the files run longest first, so

@@ -16,14 +16,14 @@ fi
 unit_log=$(mktemp /tmp/gpuckpt-unit-tests.XXXXXX.log)
 .venv/bin/pytest -q -p no:cacheprovider --basetemp=/tmp/gpuckpt-unit-basetemp tests/unit "$@" >"$unit_log" 2>&1 &
 unit_pid=$!
-# The others in GPUCKPT_TEST_WORKERS (2) pytest-xdist workers, a whole file to each at a time (a file's tests share
+# The others in GPUCKPT_TEST_WORKERS (3) pytest-xdist workers, a whole file to each at a time (a file's tests share
 # its module-scoped hosts): each worker's loopback hosts on a net of their own (tests/hosts/loopback.py). The files
 # start longest first (tests/conftest.py), so that the last one to end is a short one.
 # test_leftovers.py compares this machine's /tmp and the runtimes' state dirs before and after each operation, so it
 # runs alone, after them.
 # A short basetemp: each worker's tests are under <basetemp>/popen-gwN/<test>/, and ssh's control sockets there must
 # stay under the 108 bytes of a unix socket's path.
-workers=${GPUCKPT_TEST_WORKERS:-2}
+workers=${GPUCKPT_TEST_WORKERS:-3}
 .venv/bin/pytest -q -n "$workers" --dist loadfile --no-loadscope-reorder --durations=30 --basetemp=/tmp/gpkit \
   tests --ignore=tests/unit \
   --ignore=tests/integration/test_leftovers.py "$@"
