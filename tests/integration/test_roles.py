@@ -4,8 +4,6 @@ from __future__ import annotations
 import os
 import subprocess
 
-import pytest
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROLE_CRIU = os.path.join(HERE, "playbooks", "role_criu.yml")
 TARBALL = "/var/cache/criu_4.2.1.orig.tar.xz"  # kept by tests/setup.sh
