@@ -50,6 +50,9 @@ class PodmanWorkload(CountingWorkload):
 
     def stop(self):
         self.podman("container", "rm", "--force", self.name, check=False)
+        # Podman's overlay driver mounts its storage's overlay folder on itself and may leave it mounted: the next
+        # run's pytest could not remove its basetemp ("Device or resource busy")
+        subprocess.run(["umount", self.storage[1] + "/overlay"], stderr=subprocess.DEVNULL, check=False)
         shutil.rmtree(self.runroot, ignore_errors=True)
 
 
