@@ -22,10 +22,10 @@ description: [Writes every task result to the file named by GPUCKPT_RECORD.]
 
 def share_module_payloads(shared_root):
     """Every ansible-playbook run builds each module's payload (AnsiballZ) once, in a cache under its own temporary
-    directory: it parses the module and every module_util it imports, the collection's 20,000 lines included. Shared,
-    one migration test's CPU fell from 19.3 to 13.5 s (the suite makes about 650 runs). The tests' runs share one cache
-    instead: this run's cache directory becomes a link to ``shared_root``/<ansible-core version>-<collections path>
-    (what a payload is built from; the module's name, compression and extensions name each entry). Ansible writes
+    directory: it parses the module and every module_util it imports, the collection's 20,000 lines included. The
+    tests' runs (about 650 in the suite) share one cache instead; one migration test's CPU fell from 19.3 to 13.5 s.
+    This run's cache directory becomes a link to ``shared_root``/<ansible-core version>-<collections path> (what a
+    payload is built from; the module's name, compression and extensions name each entry). Ansible writes
     each entry under a lock and renames it into place, so concurrent runs share it safely; its clean-up at exit
     removes only the link. Tests only: a user's runs build their payloads as Ansible does."""
     key = hashlib.sha256(os.environ.get("ANSIBLE_COLLECTIONS_PATH", "").encode()).hexdigest()[:16]
