@@ -22,7 +22,7 @@ need_apt=()
 apt_pkgs=(build-essential pkgconf libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
   libnl-3-dev libnet1-dev libcap-dev libbsd-dev libgnutls28-dev libnftables-dev uuid-dev
   python3-protobuf iproute2 rsync openssh-server openssh-client xz-utils procps patch
-  runc iptables podman docker.io binutils python3-grpcio python3-venv
+  runc iptables podman docker.io binutils python3-grpcio python3-venv ccache
   systemd)  # runc 1.1.5, Podman 4.3.1, Docker 20.10 (bookworm); CRIU needs iptables for a netns; systemd 252 runs as
             # PID 1 of a test host's namespaces (tests/hosts/systemd_node.py), not as this machine's
 for p in "${apt_pkgs[@]}"; do
@@ -64,6 +64,12 @@ fetch_criu_tarball() {
   mv "$dl/criu_${CRIU_VERSION}.orig.tar.xz" "$CRIU_TARBALL"
   rm -rf "$dl"
 }
+
+# The C builds go through ccache (its compiler links in /usr/lib/ccache), in one cache of this machine: CRIU is
+# compiled three times from one source (plain, patched, and by the criu role's molecule scenario, which
+# tests/integration/test_molecule.py points at the same cache), and a clean clone compiles it again. The trees sit
+# at different paths, so the cache does not hash the directory (CRIU includes by relative paths).
+export PATH="/usr/lib/ccache:$PATH" CCACHE_DIR=/var/cache/gpuckpt-ccache CCACHE_NOHASHDIR=true
 
 # The source tree, kept under .build: CRIU is built there, and so are its zdtm tests.
 src_tree="$repo/.build/criu-$CRIU_VERSION"
