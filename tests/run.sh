@@ -13,6 +13,13 @@ cd "$(dirname "$0")/.."
 if [ "$(cat /proc/sys/kernel/pid_max)" -lt 4194304 ]; then
   sysctl -qw kernel.pid_max=4194304 || echo "tests/run.sh: could not raise kernel.pid_max" >&2
 fi
+# A mount left under a basetemp by an earlier run (Podman's storage, by a run killed mid-way or a test that missed
+# one) would stop that pytest from clearing its basetemp at start (INTERNALERROR): unmounted first, deepest first.
+for base in /tmp/gpkit /tmp/gpuckpt-unit-basetemp /tmp/gpuckpt-leftovers-basetemp; do
+  findmnt -rn -o TARGET | awk -v b="$base/" 'index($0, b) == 1' | sort -r | while read -r m; do
+    umount -l "$m" || echo "tests/run.sh: could not unmount $m" >&2
+  done
+done
 unit_log=$(mktemp /tmp/gpuckpt-unit-tests.XXXXXX.log)
 .venv/bin/pytest -q -p no:cacheprovider --basetemp=/tmp/gpuckpt-unit-basetemp tests/unit "$@" >"$unit_log" 2>&1 &
 unit_pid=$!
