@@ -33,6 +33,11 @@ def pytest_configure(config):
     # fixture's default, molecule, the zdtm runner) read its 600 KB payload in 600,000 reads, about 0.5 s of system
     # CPU each time. The tests' Python programs flush what they print themselves.
     os.environ.pop("PYTHONUNBUFFERED", None)
+    # Ansible's ssh arguments less its -C: the test hosts are on loopback, where compressing each module's payload
+    # (2 MB with its bytecode) cost more CPU than the module's own run (20 runs of cuda_process_facts on a test
+    # host: 14 s of CPU with -C, 10.7 s without). A user's runs keep Ansible's default; the collection's own image
+    # transfer never compresses (transfer/targets.py).
+    os.environ.setdefault("ANSIBLE_SSH_ARGS", "-o ControlMaster=auto -o ControlPersist=60s")
 
 
 # How long each test file took in a whole run (seconds, tests/file_seconds.json): the files run longest first, so
