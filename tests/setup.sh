@@ -16,7 +16,7 @@ CRIU_SUITE=sid
 CRIU_PREFIX=/usr/local
 CRIU_TARBALL=/var/cache/criu_${CRIU_VERSION}.orig.tar.xz
 export DEBIAN_FRONTEND=noninteractive
-log() { printf '[setup] %s\n' "$*" >&2; }
+log() { printf '[setup %4ds] %s\n' "$SECONDS" "$*" >&2; }  # seconds since setup began
 
 need_apt=()
 apt_pkgs=(build-essential pkgconf libprotobuf-c-dev protobuf-c-compiler libprotobuf-dev protobuf-compiler
