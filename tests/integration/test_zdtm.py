@@ -6,10 +6,10 @@ timers, sessions...), is dumped and restored, then checks its state and writes P
 that plain CRIU passes must pass through the modules too: no validation that kills a restored tree
 for holding a zombie or a stopped task, no flag the modules fail to find. A test whose result differs
 is run again in both ways, so that a test that is flaky on this machine is told from a real difference.
-The runner is tests/zdtm/zdtm_tests.py; the results are in .build/zdtm-results.json (docs/zdtm.md).
+The runner is tests/zdtm/zdtm_tests.py; the results are in .build/zdtm-results.json (docs/migration.md).
 
 The whole selection (about 300 tests, each dumped and restored twice) takes 14 minutes on a 2-core CI machine,
-a third of the suite's budget. CI runs every eighth test of the sorted selection (a fixed eighth, so a result
+a third of the suite's budget. CI runs every sixteenth test of the sorted selection (a fixed sixteenth, so a result
 does not move from run to run); GPUCKPT_ZDTM_ALL=1 runs them all, as done before each release.
 """
 from __future__ import annotations

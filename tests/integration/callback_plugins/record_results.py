@@ -82,7 +82,11 @@ def precompile_module_payloads():
         return
 
     def dump_with_bytecode(self, path):
-        return dump(dataclasses.replace(self, zip_data=_with_bytecode(self.zip_data)), path)
+        try:
+            with_bytecode = dataclasses.replace(self, zip_data=_with_bytecode(self.zip_data))
+        except Exception:  # pylint: disable=broad-except
+            with_bytecode = self  # a payload this cannot read is cached as Ansible made it
+        return dump(with_bytecode, path)
     dump_with_bytecode.gpuckpt_precompiled = True
     cached_module.dump = dump_with_bytecode
 
