@@ -84,7 +84,7 @@ def precompile_module_payloads():
     def dump_with_bytecode(self, path):
         try:
             with_bytecode = dataclasses.replace(self, zip_data=_with_bytecode(self.zip_data))
-        except Exception:  # pylint: disable=broad-except
+        except (zipfile.BadZipFile, ValueError, TypeError, OSError):
             with_bytecode = self  # a payload this cannot read is cached as Ansible made it
         return dump(with_bytecode, path)
     dump_with_bytecode.gpuckpt_precompiled = True
