@@ -338,6 +338,17 @@ def podman_skeleton(podman_args, tag=SKELETON_IMAGE, tmpdir="/tmp"):
     return tag
 
 
+def unmount_podman_storage(root):
+    """Podman's overlay driver mounts its storage's overlay folder on itself and may leave it mounted, once for each
+    podman that found it not yet mounted in its view (a playbook's and a test's): the next run's pytest could not
+    remove its basetemp ("Device or resource busy"). Unmounted until none is left."""
+    overlay = os.path.join(root, "overlay")
+    for unused in range(8):
+        if not os.path.ismount(overlay) or subprocess.run(["umount", overlay], stderr=subprocess.DEVNULL,
+                                                          check=False).returncode != 0:
+            return
+
+
 def podman_run_args(name, image, args, env=(), rw=()):
     """`podman run` arguments for a test container: no network, the rlimits this machine allows, this
     machine's /usr and /etc and the repo read-only, each of ``rw`` read-write, at their host paths."""

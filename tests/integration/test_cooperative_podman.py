@@ -11,14 +11,13 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import uuid
 
 import pytest
 
-from helpers import REPO, alive, podman_run_args, podman_skeleton
+from helpers import REPO, alive, podman_run_args, podman_skeleton, unmount_podman_storage
 from test_cooperative import GLOO, JOB, LAUNCHER, CoopJob
 from test_podman import PodmanWorkload
 
@@ -64,7 +63,7 @@ class PodmanCoopJob(CoopJob):
     def stop(self):
         self.podman("container", "rm", "--force", "--time", "0", self.name, check=False)
         self.podman("image", "prune", "--force", check=False)
-        subprocess.run(["umount", self.storage[1] + "/overlay"], stderr=subprocess.DEVNULL, check=False)
+        unmount_podman_storage(self.storage[1])
         shutil.rmtree(self.runroot, ignore_errors=True)
 
 

@@ -13,7 +13,8 @@ import uuid
 
 import pytest
 
-from helpers import COUNTER, FAKE_LIBCUDA, CountingWorkload, alive, podman_run_args, podman_skeleton, tree
+from helpers import (COUNTER, FAKE_LIBCUDA, CountingWorkload, alive, podman_run_args, podman_skeleton, tree,
+                     unmount_podman_storage)
 
 CHECKPOINT = "gpuckpt.fleet.checkpoint"
 RESTORE = "gpuckpt.fleet.restore"
@@ -50,14 +51,7 @@ class PodmanWorkload(CountingWorkload):
 
     def stop(self):
         self.podman("container", "rm", "--force", self.name, check=False)
-        # Podman's overlay driver mounts its storage's overlay folder on itself and may leave it mounted, once for
-        # each podman that found it not yet mounted in its view (the playbook's and this test's): the next run's
-        # pytest could not remove its basetemp ("Device or resource busy"). Unmounted until none is left.
-        overlay = os.path.join(self.storage[1], "overlay")
-        for unused in range(8):
-            if not os.path.ismount(overlay) or subprocess.run(["umount", overlay], stderr=subprocess.DEVNULL,
-                                                              check=False).returncode != 0:
-                break
+        unmount_podman_storage(self.storage[1])
         shutil.rmtree(self.runroot, ignore_errors=True)
 
 
