@@ -35,10 +35,70 @@ def containerd_dir(host):
     return "/tmp/gpk-cg-%s-%d" % (host, os.getpid())
 
 
-def _api(address):
+def _api(address, namespace=NAMESPACE):
     sys.path.insert(0, os.path.join(REPO, ".build", "collections"))
     from ansible_collections.gpuckpt.fleet.plugins.module_utils.runtimes.containerd_api import Client
-    return Client(address, NAMESPACE)
+    return Client(address, namespace)
+
+
+def start_containerds(hosts, namespace=NAMESPACE):
+    """A containerd 2.1 of its own on each loopback host, started over ssh, the skeleton image imported."""
+    daemons = {}
+    for name in ("hosta", "hostb"):
+        d = Containerd(containerd_dir(name))
+        d.write_config()
+        hosts.ssh(name, "PATH=%s:$PATH setsid %s --config %s/config.toml >%s/containerd.log 2>&1 </dev/null & "
+                        "echo $! >%s/pid" % (PREFIX, CONTAINERD, d.dir, d.dir, d.dir))
+        d.wait_ready()
+        d.import_skeleton(namespace)
+        daemons[name] = d
+    return daemons
+
+
+def start_task(hosts, daemon, cid, args, env, binds, log, spec_edit=None, namespace=NAMESPACE):
+    """Container ``cid`` on hosta's ``daemon`` running ``args`` on the host's network, given every GPU (gpu_spec; then
+    ``spec_edit(spec)``), with ``binds`` ({host path: "ro" or "rw"}) at their host paths, its task started detached
+    with its output in ``log``."""
+    create = [CTR, "--address", daemon.address, "--namespace", namespace, "containers", "create", "--net-host",
+              "--runc-root", hosts.path("hosta", "runc-root")]
+    for k, v in sorted(env.items()):
+        create += ["--env", "%s=%s" % (k, v)]
+    for src, mode in binds.items():
+        create += ["--mount", "type=bind,src=%s,dst=%s,options=rbind:%s" % (src, src, mode)]
+    hosts.ssh("hosta", " ".join(shlex.quote(x) for x in create + [daemon.import_skeleton(namespace), cid] + args))
+    api = _api(daemon.address, namespace)
+    try:
+        record = api.container(cid)
+        spec = gpu_spec(record["spec"])
+        if spec_edit is not None:
+            spec_edit(spec)
+        api.update_spec(cid, spec, record["spec_url"], "test")
+    finally:
+        api.close()
+    hosts.ssh("hosta", " ".join(shlex.quote(x) for x in [CTR, "--address", daemon.address, "--namespace", namespace,
+                                                         "tasks", "start", "--detach", "--log-uri", "file://" + log,
+                                                         cid]))
+
+
+def task_status(daemon, cid, namespace=NAMESPACE):
+    """The task's status on ``daemon`` (RUNNING, PAUSED, ...), None where it has none."""
+    for line in daemon.ctr("tasks", "ls", namespace=namespace).stdout.splitlines()[1:]:
+        f = line.split()
+        if f and f[0] == cid:
+            return f[2]
+    return None
+
+
+def container_exists(daemon, cid, namespace=NAMESPACE):
+    return cid in daemon.ctr("containers", "ls", "-q", namespace=namespace).stdout.split()
+
+
+def stop_containerds(hosts, daemons):
+    for name, d in daemons.items():
+        d.remove_all()
+        hosts.ssh(name, "kill $(cat %s/pid)" % d.dir, check=False)
+        time.sleep(1)
+        hosts.ssh(name, "umount -R %s/root; rm -rf %s" % (d.dir, d.dir), check=False)
 
 
 class ContainerdTorch(TorchWorkload):
@@ -49,35 +109,12 @@ class ContainerdTorch(TorchWorkload):
         self.id = "gpuckpt-cg-" + uuid.uuid4().hex[:8]
         self.roles = ["parent"]
         os.makedirs(directory, exist_ok=True)
-        self.daemons = {}
-        for name in ("hosta", "hostb"):
-            d = Containerd(containerd_dir(name))
-            d.write_config()
-            hosts.ssh(name, "PATH=%s:$PATH setsid %s --config %s/config.toml >%s/containerd.log 2>&1 </dev/null & "
-                            "echo $! >%s/pid" % (PREFIX, CONTAINERD, d.dir, d.dir, d.dir))
-            d.wait_ready()
-            d.import_skeleton(NAMESPACE)
-            self.daemons[name] = d
+        self.daemons = start_containerds(hosts)
         a = self.daemons["hosta"]
         args = [WORKLOAD_PYTHON, os.path.join(REPO, "tests", "workloads", "torch_counter.py"), "--dir", directory,
                 "--gib", str(gib)]
-        create = [CTR, "--address", a.address, "--namespace", NAMESPACE, "containers", "create", "--net-host",
-                  "--runc-root", hosts.path("hosta", "runc-root")]
-        for k, v in PASS_ENV.items():
-            create += ["--env", "%s=%s" % (k, v)]
-        for src in (REPO, directory):
-            create += ["--mount", "type=bind,src=%s,dst=%s,options=rbind:%s" % (src, src, "ro" if src == REPO else "rw")]
-        hosts.ssh("hosta", " ".join(shlex.quote(x) for x in create + [a.import_skeleton(NAMESPACE), self.id] + args))
-        api = _api(a.address)
-        try:
-            record = api.container(self.id)
-            api.update_spec(self.id, gpu_spec(record["spec"]), record["spec_url"], "test")
-        finally:
-            api.close()
-        hosts.ssh("hosta", " ".join(shlex.quote(x) for x in [CTR, "--address", a.address, "--namespace", NAMESPACE,
-                                                             "tasks", "start", "--detach", "--log-uri",
-                                                             "file://" + os.path.join(directory, "container.log"),
-                                                             self.id]))
+        start_task(hosts, a, self.id, args, PASS_ENV, {REPO: "ro", directory: "rw"},
+                   os.path.join(directory, "container.log"))
         deadline = time.monotonic() + 120
         while not os.path.exists(os.path.join(directory, "parent.state")):
             if time.monotonic() > deadline:
@@ -90,21 +127,13 @@ class ContainerdTorch(TorchWorkload):
         self.pids = []
 
     def status(self, host):
-        for line in self.daemons[host].ctr("tasks", "ls", namespace=NAMESPACE).stdout.splitlines()[1:]:
-            f = line.split()
-            if f and f[0] == self.id:
-                return f[2]
-        return None
+        return task_status(self.daemons[host], self.id)
 
     def exists(self, host):
-        return self.id in self.daemons[host].ctr("containers", "ls", "-q", namespace=NAMESPACE).stdout.split()
+        return container_exists(self.daemons[host], self.id)
 
     def kill(self):
-        for name, d in self.daemons.items():
-            d.remove_all()
-            self.hosts.ssh(name, "kill $(cat %s/pid)" % d.dir, check=False)
-            time.sleep(1)
-            self.hosts.ssh(name, "umount -R %s/root; rm -rf %s" % (d.dir, d.dir), check=False)
+        stop_containerds(self.hosts, self.daemons)
 
 
 @pytest.fixture
