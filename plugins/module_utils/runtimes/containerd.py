@@ -41,6 +41,7 @@ from ..cuda import devices as gpu_devices
 from ..k8s.names import K8S_NAMESPACE, KUBELET_LABELS
 from .containerd_api import DEFAULT_ADDRESS, RUNC_OPTIONS_URL, Client, ContainerdError, runc_options
 from ..core.errors import CommandError, GpuCkptError, InvalidTarget
+from . import criu_log
 from .base import ContainerBackend, mount_hint, ns_pid
 from .criu import no_plugins_dir, write_config
 from .runc import CGROUP2_ROOT, cgroup2_frozen, cgroup2_path
@@ -190,7 +191,7 @@ class ContainerdBackend(ContainerBackend):
                            open_tcp="--tcp-established" in flags, external_unix_sockets="--ext-unix-sk" in flags,
                            file_locks="--file-locks" in flags, timeout=self.timeout)
         except ContainerdError as exc:
-            log = _log_errors(os.path.join(work_dir, "dump.log"))
+            log = criu_log.error_lines(os.path.join(work_dir, "dump.log"))
             raise CommandError("containerd's checkpoint of %s failed: %s" % (self.container, exc.msg),
                                stage="runtime-dump", stderr=log,
                                hint=mount_hint(log, "see dump.log in the work dir"))
@@ -262,7 +263,7 @@ class ContainerdBackend(ContainerBackend):
                                        criu_dir, RUNC_OPTIONS_URL, task_options, timeout=self.timeout)
             except ContainerdError as exc:
                 raise CommandError("containerd's restore of %s failed: %s" % (self.container, exc.msg),
-                                   stage="runtime-restore", stderr=_log_errors(os.path.join(work_dir, "restore.log")),
+                                   stage="runtime-restore", stderr=criu_log.error_lines(os.path.join(work_dir, "restore.log")),
                                    hint="see restore.log in the work dir")
             tree = procfs.process_tree(pid)
             self.adopt_devices(pid, tree, spec, pairs, sync=bool(moved))
@@ -456,14 +457,6 @@ def _opaque(path):
             if exc.errno not in (errno.ENODATA, errno.ENOTSUP, errno.EOPNOTSUPP):
                 raise
     return False
-
-
-def _log_errors(path):
-    try:
-        with open(path, errors="replace") as fh:
-            return "--- %s ---\n%s" % (path, "".join([ln for ln in fh if "Error" in ln][-15:]))
-    except OSError:
-        return ""
 
 
 def _b64(data):

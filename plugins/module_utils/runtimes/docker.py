@@ -30,6 +30,7 @@ import socket
 
 from ..core import procfs
 from ..core.errors import CommandError, InvalidTarget
+from . import criu_log
 from .cli import RuntimeCli
 from ..cuda import devices as gpu_devices
 from .base import ContainerBackend, shim_bundle_spec
@@ -161,7 +162,8 @@ class DockerBackend(ContainerBackend):
         if res.rc != 0:
             shutil.rmtree(os.path.join(image_dir, CHECKPOINT), ignore_errors=True)
             raise CommandError("docker checkpoint create exited with rc=%d" % res.rc, stage="runtime-dump",
-                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:], stderr=res.stderr[-4000:])
+                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:],
+                               stderr=criu_log.with_named_log(res.stderr)[-6000:])
         info = self._info
         return {"backend": self.name, "container": self.container, "container_id": info["Id"],
                 "root_pid": int(target), "ns_pids": self._ns, "checkpoint": CHECKPOINT,
@@ -218,7 +220,8 @@ class DockerBackend(ContainerBackend):
             if created:
                 self.cli.run("rm", "--force", cid, stage="cleanup", check=False)
             raise CommandError("docker start --checkpoint exited with rc=%d" % res.rc, stage="runtime-restore",
-                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:], stderr=res.stderr[-4000:])
+                               cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:],
+                               stderr=criu_log.with_named_log(res.stderr)[-6000:])
         info = self.inspect(cid)
         pid = int(info["State"]["Pid"])
         tree = procfs.process_tree(pid)

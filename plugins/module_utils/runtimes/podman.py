@@ -24,27 +24,16 @@ from __future__ import annotations
 
 import json
 import os
-import re
 
 from ..core import procfs
 from ..core.errors import CommandError, InvalidTarget
+from . import criu_log
 from .cli import RuntimeCli
 from ..cuda import devices as gpu_devices
 from .base import ContainerBackend, ns_pid, read_oci_spec
 from .podman_export import retarget_export
 
 EXPORT = "container.tar"
-
-
-def _with_criu_log(stderr):
-    """Podman names CRIU's log file in its error, and may remove it with the failed container: keep
-    its error lines in the error we give."""
-    m = re.search(r"log file: (\S+)", stderr or "")
-    if m and os.path.exists(m.group(1)):
-        with open(m.group(1), errors="replace") as fh:
-            lines = [ln for ln in fh if "Error" in ln or "Warn" in ln][-15:]
-        return (stderr or "") + "--- %s ---\n%s" % (m.group(1), "".join(lines))
-    return stderr or ""
 
 
 class PodmanBackend(ContainerBackend):
@@ -134,7 +123,7 @@ class PodmanBackend(ContainerBackend):
                 pass
             raise CommandError("podman container checkpoint exited with rc=%d" % res.rc, stage="runtime-dump",
                                cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:],
-                               stderr=_with_criu_log(res.stderr)[-6000:])
+                               stderr=criu_log.with_named_log(res.stderr)[-6000:])
         if after == "exit":  # the exported image is the container now; its name is free for the restore
             self.cli.run("container", "rm", "--force", self.container, stage="runtime-dump", check=False)
         return {"backend": self.name, "container": self.container, "container_id": self._id,
@@ -161,7 +150,7 @@ class PodmanBackend(ContainerBackend):
                 " (imported from a copy of the export with this host's device numbers: %s)" % ", ".join(retargeted))
             raise CommandError("podman container restore exited with rc=%d%s" % (res.rc, copied), stage="runtime-restore",
                                cmd=res.cmd, rc=res.rc, stdout=res.stdout[-4000:],
-                               stderr=_with_criu_log(res.stderr)[-6000:])
+                               stderr=criu_log.with_named_log(res.stderr)[-6000:])
         info = self.inspect(self.container)
         pid = int(info["State"]["Pid"])
         tree = procfs.process_tree(pid)
