@@ -38,6 +38,10 @@ def pytest_configure(config):
     # host: 14 s of CPU with -C, 10.7 s without). A user's runs keep Ansible's default; the collection's own image
     # transfer never compresses (transfer/targets.py).
     os.environ.setdefault("ANSIBLE_SSH_ARGS", "-o ControlMaster=auto -o ControlPersist=60s")
+    # The tests' Ansible configuration (tests/ansible.cfg): ansible-playbook looks for its workers' results every
+    # internal_poll_interval, 0.001 s by default and settable only there (27,578 rounds in one 40-second migrate.yml
+    # run; the suite's playbooks run 5,400 s in all). Molecule and ansible-test set their own.
+    os.environ.setdefault("ANSIBLE_CONFIG", os.path.join(REPO, "tests", "ansible.cfg"))
 
 
 # How long each test file took in a whole run (seconds, tests/file_seconds.json): the files run longest first, so
