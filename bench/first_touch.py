@@ -83,5 +83,6 @@ def main():
             release()
     print(json.dumps({"what": "first_touch_end", "meminfo": meminfo()}), flush=True)
 
+
 if __name__ == "__main__":
     main()

@@ -18,8 +18,8 @@ import uuid
 import pytest
 
 from gpu_helpers import REPO, WORKLOAD_PYTHON, gpu_count
-from test_gpu_containerd import (NAMESPACE, available, container_exists, containerd_hosts,  # noqa: F401 - a fixture
-                                 start_containerds, start_task, stop_containerds, task_status)
+from test_gpu_containerd import containerd_hosts  # noqa: F401 pylint: disable=unused-import
+from test_gpu_containerd import NAMESPACE, available, container_exists, start_containerds, start_task, stop_containerds, task_status
 from test_gpu_coop_migrate import _floors, _states
 from test_gpu_cooperative import DDP_JOB, LAUNCHER, NO_MULTICAST, STEPS, Job, _ran_on_intact, _stall, ddp_container_spec
 from test_gpu_migrate import PASS_ENV
@@ -58,8 +58,8 @@ class ContainerdDdpJob(Job):
         return container_exists(self.daemons[host], self.id)
 
 
-def test_a_containerd_container_of_a_cooperative_ddp_job_migrates_to_the_other_host(
-        playbook, containerd_hosts, tmp_path, record):
+def test_a_containerd_container_of_a_cooperative_ddp_job_migrates_to_the_other_host(  # noqa: F811
+        playbook, containerd_hosts, tmp_path, record):  # pylint: disable=redefined-outer-name
     # The reference runs first, alone: the preflight bounds the job's GPU memory by its GPUs' used memory only where
     # no other process runs there (test_gpu_coop_drain.py).
     reference = Job(str(tmp_path / "reference"), coop=False, pause=0)
