@@ -34,6 +34,48 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   apt-get install -y -qq --no-install-recommends "${need_apt[@]}" >/dev/null
 fi
 
+# Controller-side Python: ansible-core 2.19 is the newest that runs on this machine's Python 3.11. The venv is made on
+# Debian's own python3 (3.11, built with PGO and LTO), not on the pyenv build first on PATH: ansible-playbook with 15
+# module calls took a fifth less CPU on it (4.3 s against 5.4 s user, measured here on 2026-11-27). The whole test
+# command, CPU-bound on this 2-core kind, gained less: 35 min 5 s against 35 min 42 s (README.md).
+base_python=/usr/bin/python3
+"$base_python" -c 'import ensurepip, venv' 2>/dev/null || base_python=python3
+base_home=$(dirname "$("$base_python" -c 'import sys; print(sys.executable)')")
+venv="$repo/.venv"
+
+# The oldest ansible-core that meta/runtime.yml's requires_ansible claims (its newest patch release),
+# in a venv of its own: ansible-test sanity runs on it too (tests/unit/test_sanity.py).
+oldest=$(sed -n 's/^requires_ansible: *">=\([0-9]*\)\.\([0-9]*\).*/\1 \2/p' "$repo/meta/runtime.yml")
+read -r old_major old_minor <<<"$oldest"
+venv_oldest="$repo/.venv-oldest"
+want="ansible-core>=${old_major}.${old_minor},<${old_major}.$((old_minor + 1))"
+
+# Both venvs are made in the background while CRIU compiles (pip mostly waits on the network and the disk, the
+# compiler computes): waited for below, before anything uses them. Their log is printed then.
+make_venvs() {
+  if [ ! -x "$venv/bin/ansible-playbook" ] || ! "$venv/bin/python" -m pip --disable-pip-version-check -q check >/dev/null 2>&1 \
+     || ! cmp -s "$repo/tests/requirements.txt" "$venv/.requirements.txt" \
+     || ! grep -qx "home = $base_home" "$venv/pyvenv.cfg" 2>/dev/null; then
+    log "creating $venv on $base_python"
+    "$base_python" -m venv --clear "$venv"
+    "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$repo/tests/requirements.txt"
+    cp "$repo/tests/requirements.txt" "$venv/.requirements.txt"
+  fi
+  if [ ! -x "$venv_oldest/bin/ansible-test" ] || [ "$(cat "$venv_oldest/.wanted" 2>/dev/null)" != "$want" ]; then
+    log "creating $venv_oldest ($want)"
+    rm -rf "$venv_oldest"
+    python3 -m venv "$venv_oldest"
+    "$venv_oldest/bin/python" -m pip install -q --disable-pip-version-check "$want"
+    echo "$want" >"$venv_oldest/.wanted"
+  fi
+}
+mkdir -p "$repo/.build"
+venv_log="$repo/.build/venv-setup.log"
+make_venvs >"$venv_log" 2>&1 &
+venv_pid=$!
+# (a step below that fails ends setup: the venvs' pip with it)
+trap '[ -z "$venv_pid" ] || { pkill -P "$venv_pid"; kill "$venv_pid"; } 2>/dev/null || true' EXIT
+
 # The collection's CRIU patch (roles/criu, criu_parallel_page_reads, on by default there) is built beside
 # the plain CRIU, in its own tree; tests/integration/test_criu_parallel_reads.py runs it. The CRIU every
 # other test runs is the plain one (its binary does not name the patch's environment variable).
@@ -216,22 +258,13 @@ for ipt in iptables ip6tables; do
   done <<<"$rules"
 done
 
-# Controller-side Python: ansible-core 2.19 is the newest that runs on this machine's Python 3.11. The venv is made on
-# Debian's own python3 (3.11, built with PGO and LTO), not on the pyenv build first on PATH: ansible-playbook with 15
-# module calls took a fifth less CPU on it (4.3 s against 5.4 s user, measured here on 2026-11-27). The whole test
-# command, CPU-bound on this 2-core kind, gained less: 35 min 5 s against 35 min 42 s (README.md).
-base_python=/usr/bin/python3
-"$base_python" -c 'import ensurepip, venv' 2>/dev/null || base_python=python3
-base_home=$(dirname "$("$base_python" -c 'import sys; print(sys.executable)')")
-venv="$repo/.venv"
-if [ ! -x "$venv/bin/ansible-playbook" ] || ! "$venv/bin/python" -m pip --disable-pip-version-check -q check >/dev/null 2>&1 \
-   || ! cmp -s "$repo/tests/requirements.txt" "$venv/.requirements.txt" \
-   || ! grep -qx "home = $base_home" "$venv/pyvenv.cfg" 2>/dev/null; then
-  log "creating $venv on $base_python"
-  "$base_python" -m venv --clear "$venv"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$repo/tests/requirements.txt"
-  cp "$repo/tests/requirements.txt" "$venv/.requirements.txt"
+if ! wait "$venv_pid"; then
+  tail -n 40 "$venv_log" >&2
+  log "making the venvs failed (the whole log: $venv_log)"
+  exit 1
 fi
+venv_pid=
+cat "$venv_log" >&2
 
 # kubernetes.core's connection options (plugins/module_utils/args_common.py of kubernetes.core 6.2.0, from the
 # ansible 12.2.0 wheel; one file kept, its checksum pinned): tests/unit/k8s/test_k8s_auth.py compares the
@@ -250,20 +283,6 @@ if ! echo "$k8s_core_args_sha256  $k8s_core_args" | sha256sum -c --status 2>/dev
   echo "$k8s_core_args_sha256  $k8s_core_args.new" | sha256sum -c --status \
     || { log "kubernetes.core's args_common.py does not have the pinned checksum"; rm -f "$k8s_core_args.new"; exit 1; }
   mv "$k8s_core_args.new" "$k8s_core_args"
-fi
-
-# The oldest ansible-core that meta/runtime.yml's requires_ansible claims (its newest patch release),
-# in a venv of its own: ansible-test sanity runs on it too (tests/unit/test_sanity.py).
-oldest=$(sed -n 's/^requires_ansible: *">=\([0-9]*\)\.\([0-9]*\).*/\1 \2/p' "$repo/meta/runtime.yml")
-read -r old_major old_minor <<<"$oldest"
-venv_oldest="$repo/.venv-oldest"
-want="ansible-core>=${old_major}.${old_minor},<${old_major}.$((old_minor + 1))"
-if [ ! -x "$venv_oldest/bin/ansible-test" ] || [ "$(cat "$venv_oldest/.wanted" 2>/dev/null)" != "$want" ]; then
-  log "creating $venv_oldest ($want)"
-  rm -rf "$venv_oldest"
-  python3 -m venv "$venv_oldest"
-  "$venv_oldest/bin/python" -m pip install -q --disable-pip-version-check "$want"
-  echo "$want" >"$venv_oldest/.wanted"
 fi
 
 # ansible-test sanity bootstraps pip into its venvs with a script it downloads from a host this
