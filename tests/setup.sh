@@ -53,6 +53,8 @@ want="ansible-core>=${old_major}.${old_minor},<${old_major}.$((old_minor + 1))"
 # Both venvs are made in the background while CRIU compiles (pip mostly waits on the network and the disk, the
 # compiler computes): waited for below, before anything uses them. Their log is printed then.
 make_venvs() {
+  make_oldest_venv &
+  local oldest_pid=$!
   if [ ! -x "$venv/bin/ansible-playbook" ] || ! "$venv/bin/python" -m pip --disable-pip-version-check -q check >/dev/null 2>&1 \
      || ! cmp -s "$repo/tests/requirements.txt" "$venv/.requirements.txt" \
      || ! grep -qx "home = $base_home" "$venv/pyvenv.cfg" 2>/dev/null; then
@@ -61,6 +63,9 @@ make_venvs() {
     "$venv/bin/python" -m pip install -q --disable-pip-version-check -r "$repo/tests/requirements.txt"
     cp "$repo/tests/requirements.txt" "$venv/.requirements.txt"
   fi
+  wait "$oldest_pid"
+}
+make_oldest_venv() {
   if [ ! -x "$venv_oldest/bin/ansible-test" ] || [ "$(cat "$venv_oldest/.wanted" 2>/dev/null)" != "$want" ]; then
     log "creating $venv_oldest ($want)"
     rm -rf "$venv_oldest"
