@@ -345,6 +345,8 @@ def _checkpoint(target, image_dir, opts, backend, journal, sender, progress):
         opts.nonce = uuid.uuid4().hex
     ctx = plan_checkpoint(target, image_dir, opts, backend, migration_id=journal.id if journal is not None else None)
     result.update(pids=ctx.pids, cuda_pids=ctx.cuda_pids, gpu_stage=ctx.gpu_stage, nonce=opts.nonce)
+    if ctx.warnings:
+        result["warnings"] = list(ctx.warnings)
     if opts.check_mode:
         result.update(changed=True, msg="would checkpoint %d process(es), %d on the GPU, into %s"
                       % (len(ctx.pids), len(ctx.cuda_pids), image_dir))

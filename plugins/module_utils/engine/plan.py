@@ -114,6 +114,7 @@ class CheckpointContext(object):
     coop: dict = None             # a cooperative checkpoint's request number and ranks
     migration_id: str = None      # the journal's id, in a migration
     calls0: int = 0               # the driver's calls made before the checkpoint (its report counts from here)
+    warnings: list = dataclasses.field(default_factory=list)      # the checks the plan could not make, said
     # -- what the steps did
     made: dict = None             # the image directory made (image.prepare_dir), for its undo
     work: str = None              # the image's state directory (image.state_dir)
@@ -294,10 +295,14 @@ def plan_checkpoint(target, image_dir, opts, backend, migration_id=None):
     # (the cooperative request's number is decided now: a give-back record must know it before anything is asked)
     coop = {"request": cooperative.request_number(), "pids": coop_pids} if opts.cooperative else None
     cuda_gpus = _cuda_gpus(cuda_pids, backend.capabilities.cuda_in_sandbox)
+    warnings = []
+    if cuda_pids and backend.capabilities.cuda_in_sandbox:  # (a check that cannot be made says so)
+        warnings.append("the %s sandbox's CUDA processes are not the host's, so whether they are NCCL ranks, which "
+                        "the driver may be unable to restore (docs/multi_gpu.md), was not checked" % backend.name)
     # The host's facts for the manifest are read now: asking NVML or nvidia-smi while the workload is
     # frozen added 0.05-0.7 s of downtime (more with the push's streams busy on the same cores).
     return CheckpointContext(target=target, image_dir=image_dir, root=root, pids=pids, cuda_pids=cuda_pids, drv=drv,
                              host=host_facts(drv), gpu_stage=gpu_stage, runtime_facts=runtime_facts,
                              identities=identities(pids), states=proc_states, cuda_gpus=cuda_gpus, after=opts.after,
                              backend=backend, opts=opts, coop=coop, migration_id=migration_id,
-                             calls0=len(drv.calls) if drv else 0)
+                             calls0=len(drv.calls) if drv else 0, warnings=warnings)

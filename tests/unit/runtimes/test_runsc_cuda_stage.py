@@ -51,6 +51,8 @@ def test_runsc_runs_the_cuda_stage_and_the_engine_only_checks_it(fake_runsc, fak
     backend = RunscBackend(str(d / "runsc"), str(d / "root"), cuda_stage="runsc", tool="/opt/cc")
     res = checkpoint("sbx", str(d / "img"), backend=backend)
     assert res["cuda_pids"] == [1] and res["gpu_stage"] == "done by the runsc runtime itself", res
+    # (the host cannot read whether the sandbox's CUDA processes are NCCL ranks: the result says it was not checked)
+    assert any("NCCL" in w and "not checked" in w for w in res.get("warnings") or []), res
     log = (d / "log").read_text()
     assert "checkpoint -image-path %s --cuda-checkpoint-path=/opt/cc sbx" % (d / "img") in log, log
     assert "--action" not in log, "the engine ran no CUDA step of its own"
