@@ -16,6 +16,10 @@ ask on their behalf, so the lever is the host's setting: with ``host_huge_pages`
 - A holder that died (its module was killed) is pruned by the next operation on the host, with or
   without the option (settle()), and by gpu_migration's actions (a migration's settlement,
   recover.yml): the setting stays changed no longer than until the collection next acts there.
+- A holder records its pid namespace too. A process in another pid namespace of the host (its own /proc) cannot
+  tell whether that holder lives, so it leaves it to an operation of that namespace: pruned from there, it would
+  have the setting put back under the holder's running operation (seen with the tests' loopback hosts, which share
+  /run and each have their own pid namespace).
 - What is put back is put back only while the setting still reads ``always``: a change an
   administrator made meanwhile is kept.
 - STATE_DIR is on /run (a tmpfs): a reboot forgets the record together with the setting.
@@ -70,16 +74,27 @@ class _Locked(object):
         os.close(self.fd)  # the kernel releases the flock with the fd (and with a killed holder)
 
 
+def _pid_namespace():
+    """This process's pid namespace ("pid:[4026531836]"), or None where it cannot be read."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return None
+
+
 def _holders(state_dir):
-    """{name: identity} of the holders recorded; those that died are removed."""
+    """{name: identity} of the holders recorded; those that died are removed. A holder of another pid namespace is
+    kept: this /proc cannot tell whether it lives."""
     live = {}
+    here = _pid_namespace()
     for name in os.listdir(state_dir):
         if not name.startswith(HOLDER_PREFIX):
             continue
         path = os.path.join(state_dir, name)
         ident = read_json(path)
         try:
-            alive = isinstance(ident, dict) and same_process(ident)
+            elsewhere = isinstance(ident, dict) and ident.get("pid_ns") not in (None, here) and here is not None
+            alive = elsewhere or (isinstance(ident, dict) and same_process(ident))
         except (KeyError, TypeError, ValueError):
             alive = False  # not a record we wrote
         if alive:
@@ -144,7 +159,7 @@ class HugePages(object):
                 prev_path = os.path.join(self.state_dir, PREVIOUS)
                 if not holders and read_json(prev_path) is None:
                     atomic_write(prev_path, {"mode": before, "recorded": time.time()})
-                ident = process_identity(os.getpid())
+                ident = dict(process_identity(os.getpid()), pid_ns=_pid_namespace())
                 self.holder = os.path.join(self.state_dir, "%s%d-%d" % (HOLDER_PREFIX, ident["pid"], ident["starttime"]))
                 atomic_write(self.holder, ident)
                 if before != WANTED:

@@ -112,3 +112,24 @@ def test_check_mode_leaves_a_stale_setting_to_a_real_run(tmp_path):
     with hugepages.HugePages(False, sysfs, state):
         pass
     assert hugepages.read_mode(sysfs) == "madvise"
+
+
+def test_a_holder_of_another_pid_namespace_is_not_pruned_from_this_one(tmp_path):
+    """A process of another pid namespace (its own /proc) cannot see whether the holder lives: it keeps the holder
+    and the setting, instead of putting the setting back under the holder's running operation."""
+    sysfs, state = _sysfs(tmp_path), str(tmp_path / "thp")
+    first = hugepages.HugePages(True, sysfs, state).__enter__()
+    holder = first.holder
+    with open(holder) as fh:
+        ident = json.load(fh)
+    assert ident["pid_ns"] == os.readlink("/proc/self/ns/pid")
+    # The same record as a process of another namespace reads it: a pid that its /proc does not have.
+    with open(holder, "w") as fh:
+        json.dump(dict(ident, pid=2 ** 22 + 7, pid_ns="pid:[1]"), fh)
+    assert hugepages.settle(sysfs, state) is None
+    assert hugepages.read_mode(sysfs) == "always" and os.path.exists(holder)
+    # Of this namespace and gone: pruned, and the setting put back.
+    with open(holder, "w") as fh:
+        json.dump(dict(ident, pid=2 ** 22 + 7), fh)
+    assert "put back to madvise" in hugepages.settle(sysfs, state)
+    assert hugepages.read_mode(sysfs) == "madvise"

@@ -99,11 +99,13 @@ def test_a_tree_whose_session_leader_is_outside_it_is_a_shell_job(fake_criu, sle
 def test_a_session_led_from_another_pid_namespace_is_refused_before_anything(fake_criu, sleepers, monkeypatch):
     own = sleepers(start_new_session=True)
     read_stat = procfs.read_stat
-    # (a process of this busy machine that ends between the listing of /proc and the read of its stat reads as None,
-    # as it does unpatched: a CI run failed on `dict(None)` once)
+
     def session_zero(pid):
+        # (a process of this busy machine that ends between the listing of /proc and the read of its stat reads as
+        # None, as it does unpatched: a CI run failed on `dict(None)` once)
         st = read_stat(pid)
         return None if st is None else dict(st, session=0)
+
     monkeypatch.setattr(procfs, "read_stat", session_zero)
     backend = process.ProcessBackend()
     with pytest.raises(InvalidTarget, match="session or process-group leader outside this pid namespace") as err:
